@@ -1,0 +1,38 @@
+"""batchrun: run large language models over big batches of documents overnight.
+
+The public API is imported lazily, so `import batchrun` stays cheap and spec parsing and planning
+work without torch.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "StreamedModel": "batchrun.stream",
+    "ResidentModel": "batchrun.runtime",
+    "default_device": "batchrun.devices",
+    "default_dtype": "batchrun.devices",
+    "resolve_checkpoint": "batchrun.checkpoint",
+    "tensor_index": "batchrun.checkpoint",
+    "checkpoint_sizes": "batchrun.checkpoint",
+    "default_model": "batchrun.default",
+    "read_spec": "batchrun.spec",
+    "make_plan": "batchrun.plan",
+    "plan_report": "batchrun.prepare",
+    "JobOptions": "batchrun.prepare",
+    "submit": "batchrun.execute",
+    "Store": "batchrun.store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'batchrun' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value

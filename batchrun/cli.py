@@ -1,0 +1,230 @@
+"""The batchrun command line: thin click commands over the library."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from batchrun.paths import default_db_path
+
+
+def _csv(value: str | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    items = tuple(v.strip() for v in value.split(","))
+    if not all(items):
+        raise click.BadParameter(f"{value!r} has an empty item")
+    return items
+
+
+def job_options(fn):
+    """Options shared by `plan` and `submit` (spec shaping, model, resources)."""
+    decorators = [
+        click.option("--model", "-m", "models", multiple=True,
+                     help="Checkpoint directory or Hugging Face repo id (default: SmolLM2-135M-Instruct). "
+                          "`plan` accepts several to compare."),
+        click.option("--template", help='Corpus mode: build prompts from columns, e.g. "Review: {text}".'),
+        click.option("--id-column", help="Column holding row ids in corpus mode."),
+        click.option("--choices", help="Comma-separated choices for rows that set none."),
+        click.option("--system", help="System message for prompt rows that set none."),
+        click.option("--max-new-tokens", type=int, default=16, show_default=True,
+                     help="Token limit for generation rows that set none."),
+        click.option("--stop", multiple=True, help="Stop string for generation rows (repeatable)."),
+        click.option("--raw", is_flag=True, help="Send prompts as plain text, without the chat template."),
+        click.option("--skip-invalid", is_flag=True, help="Record bad rows as errors and run the rest."),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+                     show_default=True, help="Compute dtype (auto: float32 on CPU, half on accelerators)."),
+        click.option("--device", help="cuda, mps or cpu (default: the best available)."),
+        click.option("--batch-size", type=click.IntRange(min=1), help="Override the planned sequences per pass."),
+        click.option("--memory", "memory_gb", type=click.FloatRange(min=0, min_open=True),
+                     help="Memory budget in GB (default: what the device has available)."),
+        click.option("--streaming", help="auto|always|never (also yes/no/on/off/1/0); env BATCHRUN_STREAMING."),
+        click.option("--no-prefetch", is_flag=True, help="Do not read the next layer while one computes."),
+        click.option("--bandwidth", "bandwidth_gbps", type=click.FloatRange(min=0, min_open=True),
+                     help="Declare the disk read bandwidth in GB/s instead of measuring it."),
+        click.option("--trust-remote-code", is_flag=True, help="Allow a checkpoint's own Python code."),
+        click.option("--hf-token", envvar="HF_TOKEN", help="Hugging Face token (or HF_TOKEN).", show_envvar=True),
+    ]
+    for decorator in reversed(decorators):
+        fn = decorator(fn)
+    return fn
+
+
+def build_options(model: str | None, kw: dict):
+    from batchrun.plan import parse_streaming
+    from batchrun.prepare import JobOptions
+
+    try:
+        parse_streaming(kw["streaming"])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--streaming")
+    return JobOptions(model=model, template=kw["template"], id_column=kw["id_column"],
+                      choices=_csv(kw["choices"]), system=kw["system"], max_new_tokens=kw["max_new_tokens"],
+                      stop=tuple(kw["stop"]) or None, raw=kw["raw"], dtype=kw["dtype"],
+                      skip_invalid=kw["skip_invalid"], device=kw["device"], batch_size=kw["batch_size"],
+                      memory_gb=kw["memory_gb"], streaming=kw["streaming"], prefetch=not kw["no_prefetch"],
+                      bandwidth_gbps=kw["bandwidth_gbps"], hf_token=kw["hf_token"],
+                      trust_remote_code=kw["trust_remote_code"])
+
+
+class FriendlyErrors(click.Group):
+    """Known failures print one clear line, never a traceback."""
+
+    def invoke(self, ctx):
+        from batchrun.errors import user_errors
+
+        try:
+            return super().invoke(ctx)
+        except user_errors() as exc:
+            click.echo(f"Error: {exc}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=FriendlyErrors)
+@click.version_option(package_name="batchrun")
+def cli():
+    """Run language models over batches of documents, streaming layers from disk when needed."""
+
+
+@cli.command()
+@click.argument("spec", type=click.Path(path_type=Path))
+@job_options
+@click.option("--output", "-o", type=click.Path(path_type=Path), help="Parquet output (default: beside the spec).")
+@click.option("--db", type=click.Path(path_type=Path), help="Progress database (default: $BATCHRUN_HOME/batchrun.db).")
+@click.option("--force", is_flag=True, help="Overwrite an existing output file.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
+def submit(spec, models, output, db, force, quiet, as_json, **kw):
+    """Plan SPEC, run it (resuming an interrupted run of the same job), write Parquet."""
+    from batchrun.execute import submit as run_submit
+    from batchrun.plan_format import format_plan_table
+
+    if len(models) > 1:
+        raise click.BadParameter("submit takes one --model", param_hint="--model")
+    options = build_options(models[0] if models else None, kw)
+
+    def show_plan(plan):
+        if not quiet and not as_json:
+            click.echo(format_plan_table(plan.to_json()), err=True)
+
+    summary = run_submit(spec, options=options, output=output, db=db, force=force, quiet=quiet or as_json,
+                         on_plan=show_plan)
+    if as_json:
+        click.echo(json.dumps(summary.to_json(), indent=2))
+    else:
+        click.echo(f"job {summary.job_id}: {summary.rows_done} answered, {summary.rows_errored} errored "
+                   f"of {summary.rows_total}; {summary.rows_computed_now} computed now in {summary.passes_now} "
+                   f"passes, {summary.seconds:.1f} s -> {summary.output}")
+
+
+@cli.command()
+@click.argument("spec", type=click.Path(path_type=Path))
+@job_options
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(spec, models, as_json, **kw):
+    """Validate SPEC and print what running it will cost. Reads no weights."""
+    from batchrun.plan_format import format_comparison, format_plan_table
+    from batchrun.prepare import plan_report
+
+    options = build_options(None, kw)
+    report = plan_report(Path(spec), list(models) or [None], options)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    elif len(report["candidates"]) == 1:
+        click.echo(format_plan_table(report))
+    else:
+        click.echo(format_comparison(report))
+
+
+@cli.command()
+@click.argument("job", required=False)
+@click.option("--db", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def status(job, db, as_json):
+    """Progress of JOB (default: the most recent), also while it runs elsewhere."""
+    from batchrun.plan import format_duration
+    from batchrun.store import Store
+
+    store = Store(db or default_db_path())
+    try:
+        info = store.status(store.find_job(job))
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+        return
+    eta = format_duration(info["eta_seconds"]) if info.get("eta_seconds") else "unknown"
+    running = f" (running as pid {info['running_pid']})" if info.get("running_pid") else ""
+    click.echo(f"job {info['id']}: {info['state']}{running}\n"
+               f"  model    {info['model']}\n  spec     {info['spec_path']}\n"
+               f"  rows     {info['rows_done']} done, {info['rows_errored']} errored, {info['rows_pending']} pending "
+               f"of {info['rows_total']}\n"
+               f"  partial  {info['partial_tokens']} tokens generated in {info['partial_rows']} unfinished rows "
+               f"(kept on resume)\n"
+               f"  passes   {info['passes']}\n  elapsed  {format_duration(info['elapsed_seconds'])}\n  eta      {eta}")
+
+
+@cli.command()
+@click.option("--db", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True)
+def jobs(db, as_json):
+    """List jobs, newest first."""
+    from batchrun.store import Store
+
+    store = Store(db or default_db_path())
+    try:
+        listing = store.jobs()
+    finally:
+        store.close()
+    if as_json:
+        click.echo(json.dumps(listing, indent=2, default=str))
+        return
+    if not listing:
+        click.echo("no jobs yet")
+    for job in listing:
+        click.echo(f"{job['id']}  {job['state']:<11} {job['rows_done']:>6}/{job['rows_total']:<6} "
+                   f"{job['created_at']}  {job['model']}  {job['spec_path']}")
+
+
+@cli.command()
+@click.argument("job", required=False)
+@click.option("--output", "-o", type=click.Path(path_type=Path), required=True, help="File to write.")
+@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl"]), help="Default: from the extension.")
+@click.option("--db", type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="Overwrite an existing file.")
+def results(job, output, fmt, db, force):
+    """Export JOB's answers so far (partial while it runs): Parquet, or OpenAI batch-output JSONL."""
+    from batchrun.output import write_jsonl, write_parquet
+    from batchrun.store import Store
+
+    store = Store(db or default_db_path())
+    try:
+        job_id = store.find_job(job)
+        rows = store.results(job_id)
+        model = store.status(job_id)["model"]
+    finally:
+        store.close()
+    fmt = fmt or ("jsonl" if output.suffix in (".jsonl", ".json") else "parquet")
+    if fmt == "jsonl":
+        path = write_jsonl(output, rows, model=model, force=force)
+    else:
+        path = write_parquet(output, rows, force=force)
+    click.echo(f"{len(rows)} rows -> {path}")
+
+
+@cli.command()
+@click.option("--model", "-m", help="Checkpoint whose storage to measure (default: the default model).")
+@click.option("--json", "as_json", is_flag=True)
+def disk(model, as_json):
+    """Measure the cold read bandwidth of a checkpoint's storage; cached per filesystem."""
+    from batchrun import measure
+    from batchrun.prepare import JobOptions, resolve_model
+
+    checkpoint = resolve_model(model, JobOptions(model=model))
+    result = measure.measure_read_bandwidth(checkpoint)
+    if as_json:
+        click.echo(json.dumps(result.__dict__, indent=2))
+    else:
+        click.echo(f"{result.bytes_per_s / 1e9:.2f} GB/s ({result.basis}): {result.how}")

@@ -1,0 +1,171 @@
+"""Read one decoder layer's weights from the original safetensors shards into reusable buffers.
+
+The I/O path: each layer's tensors are read with large positional reads of their byte ranges
+(coalesced per shard), never through a memory map, into buffers allocated once and reused for every
+layer (allocating and first-touching fresh memory per layer costs more than the read itself, and
+glibc would keep the freed pages). After a read the kernel is advised to drop those pages: a
+streamed model does not fit in memory anyway, and the user's other work keeps its cache.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from batchrun.checkpoint import TensorInfo
+from batchrun.weights import SAFETENSORS_DTYPES, Recipe, coalesce, read_into, realize, tensor_from_bytes
+
+
+@dataclass
+class LayerWeights:
+    """A loaded layer: parameter name within the layer -> tensor living in slot `slot`."""
+
+    index: int
+    slot: int
+    tensors: dict[str, torch.Tensor]
+    ready: torch.cuda.Event | None = None  # set when an asynchronous host->device copy is in flight
+
+
+class LayerLoader:
+    """Loads layer `i` into buffer slot `s`; slots are owned by the caller (see stream.SlotPool)."""
+
+    def __init__(self, layer_recipes: list[list[Recipe]], layer_prefixes: list[str], meta_params: list[dict],
+                 *, device: torch.device, model, config, drop_page_cache: bool = True):
+        self.layer_recipes = layer_recipes
+        self.layer_prefixes = layer_prefixes
+        self.meta_params = meta_params  # per layer: relative name -> meta tensor (shape, dtype of the target)
+        self.device = device
+        self.model = model
+        self.config = config
+        self.drop_page_cache = drop_page_cache and hasattr(os, "posix_fadvise")
+        self._fds: dict[str, int] = {}
+        self._buffers: dict[tuple[int, str, tuple, torch.dtype], torch.Tensor] = {}
+        self._staging: dict[int, torch.Tensor] = {}  # slot -> raw byte buffer (pinned on CUDA)
+        self._lock = threading.Lock()
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.bytes_read = 0
+
+    # -- buffers -------------------------------------------------------------------------------
+    def _buffer(self, slot: int, name: str, like: torch.Tensor) -> torch.Tensor:
+        key = (slot, name, tuple(like.shape), like.dtype)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+            self._buffers[key] = buf
+        return buf
+
+    def _staging_bytes(self, slot: int, nbytes: int) -> torch.Tensor:
+        buf = self._staging.get(slot)
+        if buf is None or buf.numel() < nbytes:
+            pin = self.device.type == "cuda"
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            self._staging[slot] = buf
+        return buf
+
+    def _fd(self, path) -> int:
+        key = str(path)
+        fd = self._fds.get(key)
+        if fd is None:
+            fd = os.open(key, os.O_RDONLY)
+            self._fds[key] = fd
+        return fd
+
+    # -- loading -------------------------------------------------------------------------------
+    def load(self, index: int, slot: int) -> LayerWeights:
+        with self._lock:
+            return self._load(index, slot)
+
+    def _load(self, index: int, slot: int) -> LayerWeights:
+        prefix = self.layer_prefixes[index]
+        metas = self.meta_params[index]
+        direct, staged = self._split(index)
+        tensors: dict[str, torch.Tensor] = {}
+        for recipe in direct:  # same dtype, CPU: read straight into the parameter's buffer
+            name = recipe.target[len(prefix):]
+            buf = self._buffer(slot, name, metas[name])
+            info = recipe.sources[0]
+            read_into(self._fd(info.file), memoryview(buf.view(-1).view(torch.uint8).numpy()), info.offset, info.file)
+            self._advise_dropped(info.file, info.offset, info.nbytes)
+            self.bytes_read += info.nbytes
+            tensors[name] = buf
+        ready = None
+        if staged:
+            ready = self._load_staged(staged, prefix, metas, slot, tensors)
+        return LayerWeights(index=index, slot=slot, tensors=tensors, ready=ready)
+
+    def _split(self, index: int) -> tuple[list[Recipe], list[Recipe]]:
+        direct, staged = [], []
+        prefix = self.layer_prefixes[index]
+        for recipe in self.layer_recipes[index]:
+            meta = self.meta_params[index].get(recipe.target[len(prefix):])
+            same_dtype = meta is not None and SAFETENSORS_DTYPES.get(recipe.sources[0].dtype) == meta.dtype
+            if (recipe.is_plain and same_dtype and self.device.type == "cpu"
+                    and tuple(meta.shape) == recipe.sources[0].shape):
+                direct.append(recipe)
+            else:
+                staged.append(recipe)
+        return direct, staged
+
+    def _load_staged(self, recipes: list[Recipe], prefix: str, metas: dict, slot: int,
+                     tensors: dict[str, torch.Tensor]):
+        infos: list[TensorInfo] = [info for r in recipes for info in r.sources]
+        by_file: dict[str, list[TensorInfo]] = {}
+        for info in infos:
+            by_file.setdefault(str(info.file), []).append(info)
+        spans = [(path, span) for path, members in by_file.items() for span in coalesce(members)]
+        total = sum(end - start for _, (start, end, _) in spans)
+        staging = self._staging_bytes(slot, total)
+        raw: dict[str, torch.Tensor] = {}
+        cursor = 0
+        for path, (start, end, members) in spans:
+            length = end - start
+            read_into(self._fd(path), memoryview(staging[cursor:cursor + length].numpy()), start, path)
+            self._advise_dropped(path, start, length)
+            self.bytes_read += length
+            for info in members:
+                begin = cursor + info.offset - start
+                raw[info.name] = tensor_from_bytes(staging[begin:begin + info.nbytes], info)
+            cursor += length
+        stream_ctx = torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else _null_context()
+        with stream_ctx:
+            for recipe in recipes:
+                produced = realize(recipe, [raw[i.name] for i in recipe.sources], self.model, self.config)
+                for target, value in produced.items():
+                    name = target[len(prefix):]
+                    buf = self._buffer(slot, name, metas[name])
+                    # copy_ casts to the compute dtype; on CUDA it overlaps with compute on the main stream
+                    buf.copy_(value.reshape(buf.shape), non_blocking=self._copy_stream is not None)
+                    tensors[name] = buf
+        if self._copy_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._copy_stream)
+        # The staging slot is reused by the next load into this slot: wait here (worker thread) so the
+        # main stream never waits on a copy that has not been issued.
+        event.synchronize()
+        return event
+
+    def _advise_dropped(self, path, offset: int, length: int) -> None:
+        if self.drop_page_cache:
+            os.posix_fadvise(self._fd(path), offset, length, os.POSIX_FADV_DONTNEED)
+
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values()) + \
+            sum(b.numel() for b in self._staging.values())
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._buffers.clear()
+        self._staging.clear()
+
+
+class _null_context:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,23 @@
+"""Where batchrun keeps its state: the database, the default model, cached measurements."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+HOME_ENV = "BATCHRUN_HOME"
+
+
+def state_dir() -> Path:
+    """The state directory: $BATCHRUN_HOME, else the user's cache directory + /batchrun. Created on demand."""
+    explicit = os.environ.get(HOME_ENV)
+    if explicit:
+        path = Path(explicit).expanduser()
+    else:
+        cache_root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        path = Path(cache_root) / "batchrun"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def default_db_path() -> Path:
+    return state_dir() / "batchrun.db"

@@ -1,0 +1,201 @@
+"""Everything before the first weight is read: spec, checkpoint, tokens, fingerprint, plan.
+
+Shared by `batchrun plan` (which stops here) and `batchrun submit`. No torch at import.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from batchrun import measure
+from batchrun.checkpoint import CheckpointError, CheckpointSizes, checkpoint_sizes, read_tensor_infos, resolve_checkpoint
+from batchrun.plan import Bandwidth, Candidate, RowCost, make_plan, parse_streaming
+from batchrun.prompts import EncodedRow, encode_requests
+from batchrun.spec import JobSpec, read_spec
+from batchrun.tokenizer import load_tokenizer
+
+# Settings that change answers: they are part of a job's identity. Batch size, memory budget,
+# streaming policy and prefetch do not change answers, so a job resumes whatever they are.
+ANSWER_SETTINGS = ("template", "id_column", "choices", "system", "max_new_tokens", "stop", "raw", "dtype")
+ASSUMED_BANDWIDTH = 1.0e9  # bytes/s: the low end of cold sequential reads measured on this kind of machine
+
+
+@dataclass
+class JobOptions:
+    model: str | None = None
+    template: str | None = None
+    id_column: str | None = None
+    choices: tuple[str, ...] | None = None
+    system: str | None = None
+    max_new_tokens: int = 16
+    stop: tuple[str, ...] | None = None
+    raw: bool = False
+    dtype: str | None = None
+    skip_invalid: bool = False
+    device: str | None = None
+    batch_size: int | None = None
+    memory_gb: float | None = None
+    streaming: str | None = None
+    prefetch: bool = True
+    bandwidth_gbps: float | None = None
+    hf_token: str | None = field(default=None, repr=False)
+    trust_remote_code: bool = False
+
+    def answer_settings(self) -> dict:
+        values = asdict(self)
+        return {k: (list(values[k]) if isinstance(values[k], tuple) else values[k]) for k in ANSWER_SETTINGS}
+
+
+@dataclass
+class PreparedModel:
+    name: str
+    checkpoint: Path
+    sizes: CheckpointSizes
+    tokenizer: object
+    context_length: int | None
+
+
+@dataclass
+class PreparedJob:
+    spec: JobSpec
+    options: JobOptions
+    model: PreparedModel
+    rows: list[EncodedRow]  # valid rows, tokenized (some may carry an error: too long for the context)
+    fingerprint: str
+    device: str
+    compute_dtype: str
+
+
+def model_name(options: JobOptions) -> str:
+    return options.model or "default (SmolLM2-135M-Instruct)"
+
+
+def resolve_model(model: str | None, options: JobOptions) -> Path:
+    if model is None:
+        from batchrun.default import default_model
+        return default_model()
+    return resolve_checkpoint(model, hf_token=options.hf_token)
+
+
+def prepare_model(model: str | None, options: JobOptions) -> PreparedModel:
+    checkpoint = resolve_model(model, options)
+    sizes = checkpoint_sizes(checkpoint, trust_remote_code=options.trust_remote_code)
+    tokenizer = load_tokenizer(checkpoint, options.trust_remote_code)
+    if tokenizer is None:
+        raise CheckpointError(f"{checkpoint}: the checkpoint ships no tokenizer, so text prompts cannot be encoded")
+    return PreparedModel(model or "default", checkpoint, sizes, tokenizer, sizes.max_position_embeddings)
+
+
+def read_job_spec(spec_path: Path, options: JobOptions) -> JobSpec:
+    return read_spec(spec_path, template=options.template, id_column=options.id_column, choices=options.choices,
+                     system=options.system, max_new_tokens=options.max_new_tokens, stop=options.stop,
+                     skip_invalid=options.skip_invalid)
+
+
+def fingerprint(spec: JobSpec, checkpoint: Path, options: JobOptions, compute_dtype: str) -> str:
+    """Spec bytes + model identity (config and tensor headers, not weights) + answer-changing settings."""
+    digest = hashlib.sha256()
+    digest.update(spec.content_sha256.encode())
+    digest.update((checkpoint / "config.json").read_bytes())
+    for name, info in sorted(read_tensor_infos(checkpoint).items()):
+        digest.update(f"{name}:{info.dtype}:{info.shape}:{info.nbytes}".encode())
+    settings = options.answer_settings()
+    settings["dtype"] = compute_dtype
+    digest.update(json.dumps(settings, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def row_costs(rows: Sequence[EncodedRow], prefixes: dict[int, int] | None = None) -> list[RowCost]:
+    """Plan inputs; a row resuming with k generated tokens prefills k more and decodes k fewer."""
+    prefixes = prefixes or {}
+    costs = []
+    for row in rows:
+        if row.is_choice:
+            costs.append(RowCost(len(row.prompt_ids), 0, tuple(len(c) for c in row.choice_ids)))
+        else:
+            done = prefixes.get(row.request.index, 0)
+            costs.append(RowCost(len(row.prompt_ids) + done, max(1, row.request.max_new_tokens - done)))
+    return costs
+
+
+def compute_dtype_for(options: JobOptions, device: str) -> str:
+    if options.dtype and options.dtype != "auto":
+        return options.dtype
+    return "float32" if device == "cpu" else "bfloat16"
+
+
+def bandwidth_for(checkpoint: Path, options: JobOptions) -> Bandwidth:
+    if options.bandwidth_gbps:
+        return Bandwidth(options.bandwidth_gbps * 1e9, "declared", "declared with --bandwidth")
+    cached = measure.cached_bandwidth(checkpoint)
+    if cached is not None:
+        return cached
+    return Bandwidth(ASSUMED_BANDWIDTH, "assumed",
+                     "assumed 1.0 GB/s; run `batchrun disk --model ...` to measure this disk")
+
+
+def plan_rows(prepared: PreparedModel, costs: Sequence[RowCost], options: JobOptions, device: str) -> Candidate:
+    compute_dtype = compute_dtype_for(options, device)
+    budget = int(options.memory_gb * 1e9) if options.memory_gb else measure.available_memory_bytes(device)
+    return make_plan(
+        prepared.sizes, costs, model=prepared.name, device=device, compute_dtype=compute_dtype,
+        memory_budget_bytes=budget, streaming=parse_streaming(options.streaming), prefetch=options.prefetch,
+        bandwidth=bandwidth_for(prepared.checkpoint, options),
+        compute_flops_per_s=measure.compute_rate(compute_dtype, device),
+        disk_free_bytes=measure.disk_free_bytes(prepared.checkpoint), checkpoint_is_local=True,
+        runtime_overhead_bytes=measure.runtime_overhead_bytes(), batch_size=options.batch_size,
+        context_length=prepared.context_length)
+
+
+def detect_device(options: JobOptions) -> str:
+    if options.device:
+        return options.device
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return "cpu"
+    from batchrun.devices import default_device
+    return default_device()
+
+
+def prepare_job(spec_path: Path, options: JobOptions) -> PreparedJob:
+    spec = read_job_spec(spec_path, options)  # every bad row is reported before any model work
+    device = detect_device(options)
+    prepared = prepare_model(options.model, options)
+    rows = encode_requests(prepared.tokenizer, spec.requests, raw=options.raw,
+                           context_length=prepared.context_length)
+    dtype = compute_dtype_for(options, device)
+    return PreparedJob(spec, options, prepared, rows, fingerprint(spec, prepared.checkpoint, options, dtype),
+                       device, dtype)
+
+
+def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptions) -> dict:
+    """What `batchrun plan` prints: the spec's token totals and one candidate per model."""
+    from batchrun.checkpoint import CheckpointError
+
+    spec = read_job_spec(spec_path, options)
+    device = detect_device(options)
+    report: dict = {"spec": str(spec_path), "rows": spec.total_rows, "invalid_rows": len(spec.invalid),
+                    "device": device, "candidates": []}
+    for model in models:
+        try:
+            prepared = prepare_model(model, options)
+        except CheckpointError as exc:
+            report["candidates"].append({"model": model or "default", "mode": None, "fits": False,
+                                         "reason": "the checkpoint cannot be used", "blockers": [str(exc)],
+                                         "caveats": []})
+            continue
+        rows = encode_requests(prepared.tokenizer, spec.requests, raw=options.raw,
+                               context_length=prepared.context_length)
+        runnable = [r for r in rows if not r.error]
+        if "prompt_tokens_total" not in report:
+            report["prompt_tokens_total"] = sum(len(r.prompt_ids) for r in rows)
+            report["prompt_tokens_max"] = max((len(r.prompt_ids) for r in rows), default=0)
+            report["new_tokens_max"] = max((r.request.max_new_tokens for r in rows if not r.is_choice), default=0)
+            report["too_long_rows"] = [{"location": r.request.location, "reason": r.error} for r in rows if r.error]
+        candidate = plan_rows(prepared, row_costs(runnable), options, device).to_json()
+        candidate["model"] = model or "default (SmolLM2-135M-Instruct)"
+        report["candidates"].append(candidate)
+    return report

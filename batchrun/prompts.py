@@ -1,0 +1,91 @@
+"""Requests -> token ids, exactly as the model will see them. No torch.
+
+Decisions (also in the README):
+- A prompt row goes through the tokenizer's chat template as one user message (plus a system
+  message when given), with the generation prompt appended. `raw=True`, or a tokenizer without a
+  chat template, sends the prompt text as is (with the tokenizer's usual special tokens, e.g. BOS).
+- A messages row without a chat template (or in raw mode) is rendered as its contents joined by
+  blank lines: there is no neutral way to invent a template, and raw mode means "no template".
+- Nothing is ever truncated: a row that does not fit the context becomes an errored row saying
+  how many tokens it has and what the context is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from batchrun.spec import Request
+
+ENCODE_CHUNK = 4096  # rows per batched tokenizer call: large enough for the fast tokenizer's threads
+
+
+@dataclass(frozen=True)
+class EncodedRow:
+    request: Request
+    prompt_ids: tuple[int, ...]
+    choice_ids: tuple[tuple[int, ...], ...]  # token ids of each choice (empty for generation rows)
+    error: str | None = None  # set when the row cannot run (too long, empty choice tokens)
+
+    @property
+    def is_choice(self) -> bool:
+        return bool(self.request.choices)
+
+    def needed_tokens(self) -> int:
+        if self.is_choice:
+            return len(self.prompt_ids) + max(len(c) for c in self.choice_ids)
+        return len(self.prompt_ids) + self.request.max_new_tokens
+
+
+def uses_chat_template(tokenizer, raw: bool) -> bool:
+    return not raw and bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_text(tokenizer, request: Request, raw: bool) -> str:
+    if uses_chat_template(tokenizer, raw):
+        messages = [{"role": role, "content": content} for role, content in request.messages]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if request.prompt is not None:
+        return request.prompt
+    return "\n\n".join(content for _, content in request.messages)
+
+
+def encode_requests(tokenizer, requests: Sequence[Request], *, raw: bool = False,
+                    context_length: int | None = None) -> list[EncodedRow]:
+    """Tokenize every request in batched calls; flag rows that exceed the context."""
+    templated = uses_chat_template(tokenizer, raw)
+    texts = [render_text(tokenizer, r, raw) for r in requests]
+    # A chat template already writes BOS and friends; adding them again would double them.
+    add_special = not templated
+    prompt_ids: list[list[int]] = []
+    for start in range(0, len(texts), ENCODE_CHUNK):
+        chunk = texts[start:start + ENCODE_CHUNK]
+        prompt_ids.extend(tokenizer(chunk, add_special_tokens=add_special)["input_ids"])
+    choice_cache: dict[str, tuple[int, ...]] = {}
+    rows = []
+    for request, ids in zip(requests, prompt_ids):
+        choices = ()
+        error = None
+        if request.choices:
+            choices = tuple(_choice_ids(tokenizer, c, choice_cache) for c in request.choices)
+            empty = [c for c, t in zip(request.choices, choices) if not t]
+            if empty:
+                error = f"choice {empty[0]!r} encodes to no tokens"
+        row = EncodedRow(request, tuple(ids), choices, error)
+        if error is None and context_length is not None and row.needed_tokens() > context_length:
+            row = EncodedRow(request, tuple(ids), choices, too_long_message(row, context_length))
+        rows.append(row)
+    return rows
+
+
+def _choice_ids(tokenizer, choice: str, cache: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    if choice not in cache:
+        cache[choice] = tuple(tokenizer.encode(choice, add_special_tokens=False))
+    return cache[choice]
+
+
+def too_long_message(row: EncodedRow, context_length: int) -> str:
+    prompt = len(row.prompt_ids)
+    extra = row.needed_tokens() - prompt
+    what = "the longest choice" if row.is_choice else "max_new_tokens"
+    return (f"prompt has {prompt} tokens; with {extra} more for {what} it needs {prompt + extra}, "
+            f"but the model's context is {context_length} tokens (batchrun never truncates a prompt)")

@@ -1,0 +1,144 @@
+"""Numbered schema migrations for the progress database, recorded in `_migrations`.
+
+Each migration is a small function named mNNN_<what>; opening the database applies the ones not yet
+recorded, in order. Never edit or reorder a released migration: add a new one. (Pattern from simonw/llm.)
+"""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Callable
+
+import sqlite_utils
+
+MIGRATIONS_TABLE = "_migrations"
+
+Migration = Callable[[sqlite_utils.Database], None]
+MIGRATIONS: list[Migration] = []
+
+
+def migration(function: Migration) -> Migration:
+    MIGRATIONS.append(function)
+    return function
+
+
+@migration
+def m001_jobs_and_rows(db: sqlite_utils.Database) -> None:
+    db["jobs"].create(
+        {
+            "id": str,  # first 16 hex digits of the fingerprint: short enough to type
+            "fingerprint": str,
+            "spec_path": str,
+            "model": str,
+            "settings_json": str,
+            "created_at": str,
+            "state": str,  # pending | running | interrupted | done | failed
+            "total_rows": int,
+            "passes_done": int,
+        },
+        pk="id",
+        not_null=["fingerprint", "created_at", "state", "total_rows", "passes_done"],
+        defaults={"state": "pending", "passes_done": 0},
+    )
+    db["rows"].create(
+        {
+            "job_id": str,
+            "idx": int,  # position in the input: the output order
+            "id_json": str,  # the row's id as JSON, so 7 and "7" stay distinct
+            "state": str,  # pending | done | error
+            "answer": str,
+            "choice_probs_json": str,
+            "score": float,
+            "logprob": float,
+            "prompt_tokens": int,
+            "output_tokens": int,
+            "finish_reason": str,
+            "error": str,
+            "output_token_ids_json": str,
+        },
+        pk=("job_id", "idx"),
+        foreign_keys=[("job_id", "jobs", "id")],
+        not_null=["id_json", "state"],
+        defaults={"state": "pending"},
+    )
+
+
+@migration
+def m002_runs_and_locks(db: sqlite_utils.Database) -> None:
+    db["runs"].create(
+        {
+            "job_id": str,
+            "run_no": int,
+            "pid": int,
+            "host": str,
+            "started_at": str,
+            "last_active_at": str,  # where a crashed run's duration ends
+            "ended_at": str,
+            "end_state": str,  # running | done | interrupted | failed
+            "batch_size": int,
+            "planned_peak_bytes": int,
+            "passes": int,
+        },
+        pk=("job_id", "run_no"),
+        foreign_keys=[("job_id", "jobs", "id")],
+        not_null=["pid", "host", "started_at", "end_state", "passes"],
+        defaults={"passes": 0},
+    )
+    db["locks"].create(
+        {
+            "job_id": str,
+            "pid": int,
+            "host": str,
+            "process_identity": str,  # tells the holder from a later process that reuses its pid
+            "run_no": int,
+            "acquired_at": str,
+            "heartbeat_at": str,
+        },
+        pk="job_id",
+        foreign_keys=[("job_id", "jobs", "id")],
+        not_null=["pid", "host", "acquired_at", "heartbeat_at"],
+    )
+
+
+@migration
+def m003_partial_tokens(db: sqlite_utils.Database) -> None:
+    # Tokens generated so far for rows still decoding, so a crash mid-batch loses at most one pass.
+    db["partial"].create(
+        {
+            "job_id": str,
+            "idx": int,
+            "token_ids_json": str,
+            "token_count": int,  # kept beside the JSON so status needs no JSON1 extension
+            "updated_at": str,
+        },
+        pk=("job_id", "idx"),
+        foreign_keys=[("job_id", "jobs", "id")],
+        not_null=["token_ids_json", "token_count", "updated_at"],
+    )
+
+
+def applied_migrations(db: sqlite_utils.Database) -> set[str]:
+    if not db[MIGRATIONS_TABLE].exists():
+        return set()
+    return {row["name"] for row in db.query(f"select name from [{MIGRATIONS_TABLE}]")}
+
+
+def pending_migrations(db: sqlite_utils.Database) -> list[Migration]:
+    applied = applied_migrations(db)
+    return [function for function in MIGRATIONS if function.__name__ not in applied]
+
+
+def apply_pending(db: sqlite_utils.Database) -> list[str]:
+    """Apply unrecorded migrations in one transaction; return their names.
+
+    The caller holds a write transaction (BEGIN IMMEDIATE), so a second process opening a fresh database
+    at the same moment waits, then finds nothing left to do.
+    """
+    db[MIGRATIONS_TABLE].create({"name": str, "applied_at": str}, pk="name", if_not_exists=True)
+    applied_now = []
+    for function in pending_migrations(db):
+        function(db)
+        db[MIGRATIONS_TABLE].insert(
+            {"name": function.__name__, "applied_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        )
+        applied_now.append(function.__name__)
+    return applied_now

@@ -1,0 +1,74 @@
+"""One finished row (RowResult) and how it maps to and from the `rows` table."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+FINISH_REASONS = ("stop", "length", "choice", "error")
+
+# Column order of ROW_UPDATE_SQL's parameters, as produced by row_update_params.
+ROW_UPDATE_SQL = (
+    "update rows set state = ?, answer = ?, choice_probs_json = ?, score = ?, logprob = ?, "
+    "prompt_tokens = ?, output_tokens = ?, finish_reason = ?, error = ?, output_token_ids_json = ? "
+    "where job_id = ? and idx = ?"
+)
+
+
+@dataclass
+class RowResult:
+    idx: int
+    id: str | int
+    answer: str | None
+    choice_probs: dict[str, float] | None
+    score: float | None
+    logprob: float | None
+    prompt_tokens: int | None
+    output_tokens: int | None
+    finish_reason: str  # stop | length | choice | error
+    error: str | None
+    token_ids: list[int] | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.finish_reason == "error" or self.error is not None
+
+
+def row_update_params(job_id: str, result: RowResult) -> tuple:
+    """Parameters for ROW_UPDATE_SQL; refuses a finish_reason the outputs would not understand."""
+    if result.finish_reason not in FINISH_REASONS:
+        raise ValueError(
+            f"row {result.idx} finish_reason must be one of {', '.join(FINISH_REASONS)}; got {result.finish_reason!r}"
+        )
+    if result.finish_reason == "error" and not result.error:
+        raise ValueError(f"row {result.idx} has finish_reason 'error' but no error message")
+    failed = result.failed
+    return (
+        "error" if failed else "done",
+        result.answer,
+        None if result.choice_probs is None else json.dumps(result.choice_probs),
+        result.score,
+        result.logprob,
+        result.prompt_tokens,
+        result.output_tokens,
+        "error" if failed else result.finish_reason,
+        result.error,
+        None if result.token_ids is None else json.dumps([int(token) for token in result.token_ids]),
+        job_id,
+        result.idx,
+    )
+
+
+def row_result_from_db(row: dict) -> RowResult:
+    return RowResult(
+        idx=row["idx"],
+        id=json.loads(row["id_json"]),  # JSON keeps 7 and "7" apart
+        answer=row["answer"],
+        choice_probs=None if row["choice_probs_json"] is None else json.loads(row["choice_probs_json"]),
+        score=row["score"],
+        logprob=row["logprob"],
+        prompt_tokens=row["prompt_tokens"],
+        output_tokens=row["output_tokens"],
+        finish_reason=row["finish_reason"],
+        error=row["error"],
+        token_ids=None if row["output_token_ids_json"] is None else json.loads(row["output_token_ids_json"]),
+    )

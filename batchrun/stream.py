@@ -1,0 +1,311 @@
+"""The layer-streaming runtime: a transformers model whose decoder layers live on disk.
+
+Lifecycle per decoder layer (accelerate's hook pattern): load (read its tensors from the shards into
+a buffer slot, on a worker thread one or more layers ahead), run (the model's own forward), release
+(parameters back to meta, slot back to the pool). transformers owns the architecture; we only
+discover the decoder stack and swap weights in and out around each layer's forward.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from batchrun.checkpoint import CheckpointError, load_config, read_tensor_infos, resolve_checkpoint
+from batchrun.devices import default_device, resolve_dtype
+from batchrun.loader import LayerLoader, LayerWeights
+from batchrun.tokenizer import load_tokenizer
+from batchrun.weights import Recipe, build_recipes, realize, tensor_from_bytes
+
+log = logging.getLogger(__name__)
+
+
+def find_decoder_stack(model: torch.nn.Module, num_layers: int) -> tuple[str, torch.nn.ModuleList]:
+    """The ModuleList whose length is the config's layer count (the largest one if several match)."""
+    found = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers and name]
+    if not found:
+        raise ValueError(f"no ModuleList of {num_layers} layers in {type(model).__name__}; cannot stream it")
+    return max(found, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+class SlotPool:
+    """A fixed set of buffer slots; at most len(slots) layers are materialised at any moment."""
+
+    def __init__(self, count: int):
+        self._free: queue.Queue[int] = queue.Queue()
+        for slot in range(count):
+            self._free.put(slot)
+        self.count = count
+        self.in_use = 0
+        self.peak_in_use = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        slot = self._free.get()
+        with self._lock:
+            self.in_use += 1
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+        return slot
+
+    def give(self, slot: int) -> None:
+        with self._lock:
+            self.in_use -= 1
+        self._free.put(slot)
+
+
+class StreamedModel:
+    """A causal LM whose decoder layers are read from the checkpoint's safetensors as they run."""
+
+    def __init__(self, model: str | Path, *, device: str | torch.device | None = None, dtype=None,
+                 prefetching: bool = True, hf_token: str | None = None, trust_remote_code: bool = False,
+                 max_seq_len: int | None = None, prefetch_depth: int = 1, drop_page_cache: bool = True):
+        self.checkpoint = resolve_checkpoint(model, hf_token=hf_token)
+        load_config(self.checkpoint, trust_remote_code=trust_remote_code)  # refuses remote code unless asked
+        self.device = torch.device(device or default_device())
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.config = AutoConfig.from_pretrained(self.checkpoint, trust_remote_code=trust_remote_code)
+        self.num_layers = text_config(self.config).num_hidden_layers
+        self.max_seq_len = max_seq_len or getattr(text_config(self.config), "max_position_embeddings", None)
+        self.tokenizer = load_tokenizer(self.checkpoint, trust_remote_code)
+        infos = read_tensor_infos(self.checkpoint)
+        with torch.device("meta"):
+            self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype,
+                                                          trust_remote_code=trust_remote_code)
+        self.model.eval()
+        self.layers_path, self.layers = find_decoder_stack(self.model, self.num_layers)
+        recipes = build_recipes(self.model, infos)
+        layer_recipes, resident = self._split_recipes(recipes)
+        self._load_resident(resident)
+        self._meta_params = [{name: p for name, p in layer.named_parameters()} for layer in self.layers]
+        self._check_layers_covered(layer_recipes)
+        self.prefetching = prefetching
+        self.prefetch_depth = max(1, prefetch_depth) if prefetching else 0
+        self.slots = SlotPool(self.prefetch_depth + 1)
+        self.loader = LayerLoader(layer_recipes, [f"{self.layers_path}.{i}." for i in range(self.num_layers)],
+                                  self._meta_params, device=self.device, model=self.model, config=self.config,
+                                  drop_page_cache=drop_page_cache)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-prefetch") \
+            if prefetching else None
+        self._pending: dict[int, Future] = {}
+        self._active: dict[int, LayerWeights] = {}
+        self.passes = 0
+        self._hooks = []
+        self._install_hooks()
+        self._closed = False
+
+    # -- building ------------------------------------------------------------------------------
+    def _split_recipes(self, recipes: dict[str, Recipe]) -> tuple[list[list[Recipe]], list[Recipe]]:
+        per_layer: list[list[Recipe]] = [[] for _ in range(self.num_layers)]
+        resident: list[Recipe] = []
+        prefix = self.layers_path + "."
+        for target, recipe in recipes.items():
+            if target.startswith(prefix):
+                index = int(target[len(prefix):].split(".", 1)[0])
+                per_layer[index].append(recipe)
+            else:
+                resident.append(recipe)
+        return per_layer, resident
+
+    def _load_resident(self, recipes: list[Recipe]) -> None:
+        """Embeddings, final norm, head: read once, cast, keep. Then buffers and tied weights."""
+        import os
+        from batchrun.weights import read_into
+
+        for recipe in recipes:
+            tensors = []
+            for info in recipe.sources:
+                raw = torch.empty(info.nbytes, dtype=torch.uint8)
+                fd = os.open(info.file, os.O_RDONLY)
+                try:
+                    read_into(fd, memoryview(raw.numpy()), info.offset, info.file)
+                finally:
+                    os.close(fd)
+                tensors.append(tensor_from_bytes(raw, info))
+            for target, value in realize(recipe, tensors, self.model, self.config).items():
+                self._set_tensor(target, value)
+        self.model.tie_weights()
+        self._materialise_buffers()
+        missing = [name for name, p in self.model.named_parameters()
+                   if p.is_meta and not name.startswith(self.layers_path + ".")]
+        if missing:
+            raise CheckpointError(f"{self.checkpoint}: no tensor in the checkpoint for {', '.join(missing[:5])}")
+
+    def _set_tensor(self, target: str, value: torch.Tensor) -> None:
+        module_path, _, name = target.rpartition(".")
+        module = self.model.get_submodule(module_path) if module_path else self.model
+        current = getattr(module, name)
+        value = value.to(device=self.device, dtype=current.dtype if current.is_floating_point() else value.dtype)
+        if tuple(value.shape) != tuple(current.shape):
+            raise CheckpointError(f"{self.checkpoint}: tensor for {target} has shape {tuple(value.shape)}, "
+                                  f"the model expects {tuple(current.shape)}")
+        if name in module._buffers:
+            module._buffers[name] = value
+        else:
+            param = torch.nn.Parameter(value, requires_grad=False)
+            param._is_hf_initialized = True
+            module._parameters[name] = param
+
+    def _materialise_buffers(self) -> None:
+        """Give non-persistent buffers (rotary inv_freq, embedding scales) their real values.
+
+        They are computed, not saved, so they are still on meta: allocate them, then let the model's
+        own `initialize_weights` fill them. Parameters already loaded are flagged initialised and are
+        skipped; decoder-layer parameters are meta and init functions leave them alone.
+        """
+        for name, buffer in list(self.model.named_non_persistent_buffers()):
+            module_path, _, attr = name.rpartition(".")
+            module = self.model.get_submodule(module_path) if module_path else self.model
+            module._buffers[attr] = torch.empty_like(buffer, device=self.device)
+        for _, param in self.model.named_parameters():
+            param._is_hf_initialized = True
+        self.model.initialize_weights()
+
+    def _check_layers_covered(self, layer_recipes: list[list[Recipe]]) -> None:
+        for index, recipes in enumerate(layer_recipes):
+            produced = {r.target for r in recipes}
+            prefix = f"{self.layers_path}.{index}."
+            wanted = {prefix + name for name in self._meta_params[index]}
+            # A converter may produce several targets from its first one (qkv -> q, k, v), so only
+            # flag a layer that has no recipe at all.
+            if not produced and wanted:
+                raise CheckpointError(f"{self.checkpoint}: decoder layer {index} has no tensors in the checkpoint")
+
+    # -- the load / run / release lifecycle ----------------------------------------------------
+    def _install_hooks(self) -> None:
+        self._hooks.append(self.model.register_forward_pre_hook(self._before_pass))
+        for index, layer in enumerate(self.layers):
+            self._hooks.append(layer.register_forward_pre_hook(self._make_pre_hook(index)))
+            self._hooks.append(layer.register_forward_hook(self._make_post_hook(index)))
+
+    def _before_pass(self, module, args):
+        # A pass interrupted by an exception leaves layers assigned: release them first.
+        for index in list(self._active):
+            self._release(index)
+        self.passes += 1
+
+    def _make_pre_hook(self, index: int):
+        def hook(module, args):
+            weights = self._acquire(index)
+            for name, tensor in weights.tensors.items():
+                _assign(module, name, tensor)
+            self._active[index] = weights
+            if self._executor is not None:
+                for ahead in range(1, self.prefetch_depth + 1):
+                    self._schedule((index + ahead) % self.num_layers)
+        return hook
+
+    def _make_post_hook(self, index: int):
+        def hook(module, args, output):
+            self._release(index)
+        return hook
+
+    def _schedule(self, index: int) -> None:
+        if index in self._pending or index in self._active:
+            return
+        self._pending[index] = self._executor.submit(self._load, index)
+
+    def _load(self, index: int) -> LayerWeights:
+        slot = self.slots.take()
+        try:
+            return self.loader.load(index, slot)
+        except BaseException:
+            self.slots.give(slot)
+            raise
+
+    def _acquire(self, index: int) -> LayerWeights:
+        future = self._pending.pop(index, None)
+        if future is None:
+            if self._executor is not None:
+                self._drain_unneeded(index)
+                future = self._executor.submit(self._load, index)
+            else:
+                return self._load(index)
+        weights = future.result()
+        if weights.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(weights.ready)
+        return weights
+
+    def _drain_unneeded(self, wanted: int) -> None:
+        """An out-of-order layer request: give back slots held by prefetched layers nobody will run now."""
+        for index, future in list(self._pending.items()):
+            if index != wanted:
+                del self._pending[index]
+                self.slots.give(future.result().slot)
+
+    def _release(self, index: int) -> None:
+        weights = self._active.pop(index, None)
+        if weights is None:
+            return
+        layer = self.layers[index]
+        for name in weights.tensors:
+            _assign(layer, name, self._meta_params[index][name])
+        self.slots.give(weights.slot)
+
+    # -- public surface ------------------------------------------------------------------------
+    @property
+    def peak_materialised_layers(self) -> int:
+        return self.slots.peak_in_use
+
+    @property
+    def bytes_read(self) -> int:
+        return self.loader.bytes_read
+
+    def forward(self, *args, **kwargs):
+        with torch.inference_mode():
+            return self.model(*args, **kwargs)
+
+    __call__ = forward
+
+    def generate(self, *args, **kwargs):
+        with torch.inference_mode():
+            return self.model.generate(*args, **kwargs)
+
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        if self._executor is not None:
+            for future in self._pending.values():
+                future.cancel()
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        self._pending.clear()
+        for index in list(self._active):
+            self._release(index)
+        for handle in self._hooks:
+            handle.remove()
+        self.loader.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _assign(module: torch.nn.Module, dotted: str, tensor: torch.Tensor) -> None:
+    path, _, name = dotted.rpartition(".")
+    owner = module.get_submodule(path) if path else module
+    if name in owner._parameters:
+        if isinstance(tensor, torch.nn.Parameter):
+            owner._parameters[name] = tensor
+        else:
+            owner._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
+    else:
+        owner._buffers[name] = tensor

@@ -1,0 +1,135 @@
+"""The streamed model must equal the plain in-memory transformers model, architecture by architecture."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from batchrun import StreamedModel
+from batchrun.checkpoint import CheckpointError
+from tests.tiny_models import TINY_ARCHS, build_sharded_checkpoint
+
+TOLERANCE = 1e-5
+
+
+def reference(path):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+def sample_ids(vocab: int, batch: int = 2, length: int = 24) -> torch.Tensor:
+    # longer than the tiny Gemma 3 sliding window, so windowed layers really differ from full ones
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(3, vocab, (batch, length), generator=generator)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("prefetching", [True, False])
+def test_streamed_logits_equal_in_memory(tiny_checkpoint, arch, prefetching):
+    path = tiny_checkpoint(arch)
+    ref = reference(path)
+    ids = sample_ids(ref.config.vocab_size)
+    with torch.inference_mode():
+        expected = ref(ids).logits
+    with StreamedModel(path, device="cpu", dtype=torch.float32, prefetching=prefetching) as streamed:
+        got = streamed(ids).logits
+        assert streamed.passes == 1
+        # what a pass reads: every decoder layer once
+        assert streamed.peak_materialised_layers <= 2
+    assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_streamed_greedy_generate_equals_in_memory(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch)
+    ref = reference(path)
+    ids = sample_ids(ref.config.vocab_size, batch=1, length=12)
+    with torch.inference_mode():
+        expected = ref.generate(ids, max_new_tokens=10, do_sample=False, min_new_tokens=10)
+    with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
+        got = streamed.generate(ids, max_new_tokens=10, do_sample=False, min_new_tokens=10)
+        assert streamed.passes == 10  # one pass per generated token, the prompt rides in the first
+    assert torch.equal(got, expected)
+
+
+def test_at_most_two_layers_materialised_during_a_pass(tiny_checkpoint):
+    """Count materialised layer parameters from inside every layer's forward."""
+    path = tiny_checkpoint("llama")
+    with StreamedModel(path, device="cpu", dtype=torch.float32, prefetching=True) as streamed:
+        counts = []
+
+        def count_real(module, args):
+            real = sum(1 for layer in streamed.layers for p in layer.parameters() if not p.is_meta)
+            per_layer = len(list(streamed.layers[0].parameters()))
+            prefetched = len(streamed._pending)
+            counts.append(real / per_layer + prefetched)
+
+        hooks = [layer.register_forward_pre_hook(count_real) for layer in streamed.layers]
+        streamed(sample_ids(streamed.model.config.vocab_size))
+        for hook in hooks:
+            hook.remove()
+        assert len(counts) == len(streamed.layers)
+        assert max(counts) <= 2
+        assert streamed.peak_materialised_layers == 2
+        # released after the pass: nothing left on real memory in the decoder stack
+        assert all(p.is_meta for p in streamed.layers.parameters())
+
+
+def test_sharded_checkpoint_streams_exactly(tmp_path):
+    path = build_sharded_checkpoint("qwen2", tmp_path)
+    assert len(list(path.glob("*.safetensors"))) > 1
+    ref = reference(path)
+    ids = sample_ids(ref.config.vocab_size)
+    with torch.inference_mode():
+        expected = ref(ids).logits
+    with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
+        assert (streamed(ids).logits - expected).abs().max().item() <= TOLERANCE
+
+
+def test_building_costs_no_layer_memory_and_resident_parts_are_real(tiny_checkpoint):
+    with StreamedModel(tiny_checkpoint("gemma3"), device="cpu", dtype=torch.float32) as streamed:
+        assert all(p.is_meta for p in streamed.layers.parameters())
+        outside = [p for n, p in streamed.model.named_parameters() if not n.startswith(streamed.layers_path)]
+        assert outside and not any(p.is_meta for p in outside)
+        assert not any(b.is_meta for b in streamed.model.buffers())
+        # tied embeddings stay tied
+        assert streamed.model.get_output_embeddings().weight is streamed.model.get_input_embeddings().weight
+
+
+def test_close_is_idempotent_and_tokenizer_attached(tiny_checkpoint):
+    streamed = StreamedModel(tiny_checkpoint("llama"), device="cpu")
+    assert streamed.tokenizer is not None
+    assert streamed.device == torch.device("cpu")
+    assert streamed.dtype == torch.float32  # float32 on CPU by default
+    streamed.close()
+    streamed.close()
+
+
+def test_pickle_only_checkpoint_is_refused_by_name(tmp_path, tiny_checkpoint):
+    path = tmp_path / "pickled"
+    path.mkdir()
+    shutil.copy(tiny_checkpoint("llama") / "config.json", path / "config.json")
+    (path / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    with pytest.raises(CheckpointError, match="pytorch_model.bin") as err:
+        StreamedModel(path, device="cpu")
+    assert "safetensors" in str(err.value)
+
+
+def test_missing_path_is_refused_naming_it(tmp_path):
+    with pytest.raises(CheckpointError, match="nope"):
+        StreamedModel(tmp_path / "nope", device="cpu")
+
+
+def test_bf16_checkpoint_streams_into_float32(tmp_path, tiny_checkpoint):
+    """Storage dtype differs from compute dtype: the staged read path casts while copying."""
+    ref = reference(tiny_checkpoint("llama")).to(torch.bfloat16)
+    path = tmp_path / "bf16"
+    ref.save_pretrained(path)
+    expected_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = sample_ids(ref.config.vocab_size)
+    with torch.inference_mode():
+        expected = expected_model(ids).logits
+    with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
+        assert (streamed(ids).logits - expected).abs().max().item() <= TOLERANCE
