@@ -5,14 +5,16 @@ unfinished rows are committed after every pass, so a crash costs at most the pas
 """
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 from tqdm import tqdm
 
 from batchrun.errors import OutputRefused, PlanRefused
+from batchrun.oom import killed_by_oom, memory_cgroup_dir, oom_kill_count
 from batchrun.output import default_output_path, write_parquet
 from batchrun.paths import default_db_path
 from batchrun.plan import Candidate, pack_batches
@@ -21,6 +23,8 @@ from batchrun.prompts import EncodedRow
 from batchrun.runtime import open_model
 from batchrun.score import Answer, GreedyBatch, eos_token_ids, generation_answer, score_choices
 from batchrun.store import RowResult, Store
+
+log = logging.getLogger("batchrun")
 
 
 @dataclass
@@ -112,7 +116,14 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
     summary = RunSummary(job_id, "done", status["rows_total"], 0, 0, len(rows), 0, 0.0, None, None, None)
     if rows:
         prefixes = {i: len(partial[i][0]) for i in partial}
-        plan = plan_rows(prepared.model, row_costs(rows, prefixes), prepared.options, prepared.device)
+        options = _after_previous_run(prepared.options, store.previous_run(job_id), summary.notes)
+        plan = plan_rows(prepared.model, row_costs(rows, prefixes), options, prepared.device)
+        cgroup = memory_cgroup_dir()
+        store.record_run_plan(job_id, batch_size=plan.batch_size, planned_peak_bytes=plan.peak_memory_bytes,
+                              memory_cgroup=str(cgroup) if cgroup else None,
+                              oom_kills_at_start=oom_kill_count(cgroup))
+        for note in summary.notes:
+            log.warning(note)
         if on_plan is not None:
             on_plan(plan)
         if not plan.fits:
@@ -124,6 +135,21 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
     summary.rows_done, summary.rows_errored = final["rows_done"], final["rows_errored"]
     summary.seconds = time.monotonic() - started
     return summary
+
+
+def _after_previous_run(options: JobOptions, previous: dict | None, notes: list[str]) -> JobOptions:
+    """After an out-of-memory kill, resume with half the batch rather than die the same way again."""
+    if not killed_by_oom(previous):
+        if previous and previous.get("end_state") == "interrupted":
+            notes.append(f"the previous run (pid {previous['pid']}) stopped without finishing; "
+                         "resuming from its last committed pass")
+        return options
+    smaller = max(1, (previous.get("batch_size") or 2) // 2)
+    if options.batch_size is not None:
+        smaller = min(smaller, options.batch_size)
+    notes.append(f"the previous run (pid {previous['pid']}) was killed for lack of memory with "
+                 f"{previous.get('batch_size')} sequences per pass; resuming with at most {smaller}")
+    return replace(options, batch_size=smaller)
 
 
 def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candidate,

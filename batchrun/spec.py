@@ -17,14 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchrun.template import (
-    Field,
-    RowProblem,
-    SpecError,
-    parse_template,
-    render_template,
-    template_columns,
-)
+from batchrun.template import Field, RowProblem, SpecError, parse_template, render_template, template_columns
 
 __all__ = ["Field", "InvalidRow", "JobSpec", "Request", "SpecError", "parse_template", "read_spec"]
 
@@ -103,16 +96,18 @@ def read_spec(
         raise SpecError([f"{shown}: unsupported spec file type {suffix or '(no extension)'!r}; use "
                          f"{', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)}"])
     job = _job_settings(template, id_column, choices, system, max_new_tokens, stop)
-    if not path.exists():
-        raise SpecError([f"{shown}: no such file"])
-    if not path.is_file():
-        raise SpecError([f"{shown}: not a regular file"])
-    if suffix in PARQUET_SUFFIXES:
-        digest, rows, numbering = _sha256_of(path), _parquet_rows(path, shown, job), _Numbering(shown, "row")
+    is_parquet = suffix in PARQUET_SUFFIXES
+    try:
+        if not path.is_file():
+            raise SpecError([f"{shown}: not a regular file" if path.exists() else f"{shown}: no such file"])
+        data = b"" if is_parquet else path.read_bytes()
+        digest = _sha256_of(path) if is_parquet else hashlib.sha256(data).hexdigest()
+    except OSError as error:
+        raise SpecError([f"{shown}: cannot read the file ({error.strerror or error})"]) from None
+    if is_parquet:
+        rows, numbering = _parquet_rows(path, shown, job), _Numbering(shown, "row")
     else:
-        data = _read_bytes(path, shown)
-        digest, rows = hashlib.sha256(data).hexdigest(), _jsonl_rows(data, shown)
-        numbering = _Numbering(shown, "line")
+        rows, numbering = _jsonl_rows(data, shown), _Numbering(shown, "line")
     requests, invalid, problems = _check_rows(rows, numbering, job)
     if not requests and not invalid:
         raise SpecError([f"{shown}: the file is empty (no requests)"])
@@ -212,6 +207,8 @@ def _checked_id(value: object, what: str) -> str | int:
         raise RowProblem(f"{what} must be a string or an integer, got {_kind(value)}")
     if isinstance(value, str):
         _text(value, what, allow_empty=False)
+    elif not -(2**63) <= value < 2**63:  # ids are stored in SQLite and Parquet integer columns
+        raise RowProblem(f"{what} {_show(value)} does not fit in a 64-bit integer")
     return value
 
 
@@ -262,13 +259,14 @@ def _openai_request(row: dict, index: int, row_id: str | int, location: str, job
     limit, completion_limit = body.get("max_tokens"), body.get("max_completion_tokens")
     if limit is not None and completion_limit is not None and limit != completion_limit:
         raise RowProblem("body.max_tokens and body.max_completion_tokens differ; give one of them")
+    limit_name = "body.max_tokens" if limit is not None else "body.max_completion_tokens"
     limit = completion_limit if limit is None else limit
     messages = _messages(body["messages"], "body.messages", job.system, developer_is_system=True)
-    answer = _answer(None, limit, body.get("stop"), job, prefix="body.")
+    answer = _answer(None, limit, body.get("stop"), job, limit_name=limit_name, stop_name="body.stop")
     return Request(index, row_id, location, messages, None, *answer)
 
 
-def _answer(choices, max_new_tokens, stop, job: _Job, prefix: str = "") -> tuple:
+def _answer(choices, max_new_tokens, stop, job: _Job, limit_name="max_new_tokens", stop_name="stop") -> tuple:
     """(choices, max_new_tokens, stop). A row's own settings win over the job's; a row giving both
     choices and generation settings is contradictory."""
     generation = max_new_tokens is not None or stop is not None
@@ -279,11 +277,8 @@ def _answer(choices, max_new_tokens, stop, job: _Job, prefix: str = "") -> tuple
         return _choices(choices, "choices"), 0, ()
     if job.choices is not None and not generation:
         return job.choices, 0, ()
-    return (
-        None,
-        job.max_new_tokens if max_new_tokens is None else _positive_int(max_new_tokens, prefix + "max_new_tokens"),
-        job.stop if stop is None else _stop(stop, prefix + "stop"),
-    )
+    limit = job.max_new_tokens if max_new_tokens is None else _positive_int(max_new_tokens, limit_name)
+    return None, limit, job.stop if stop is None else _stop(stop, stop_name)
 
 
 def _messages(value: object, what: str, default_system: str | None, developer_is_system: bool = False):
@@ -396,13 +391,6 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     return row
 
 
-def _read_bytes(path: Path, shown: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as error:
-        raise SpecError([f"{shown}: cannot read the file ({error.strerror or error})"]) from None
-
-
 def _sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
@@ -431,13 +419,15 @@ def _jsonl_rows(data: bytes, shown: str) -> Iterator[tuple[int, object]]:
             yield number, RowProblem(f"key {_show(duplicate.args[0])} appears twice")
         except json.JSONDecodeError as error:
             yield number, RowProblem(f"malformed JSON: {error.msg} (column {error.colno})")
-        except (ValueError, RecursionError) as error:  # over-long integer literals, absurd nesting
-            yield number, RowProblem(f"malformed JSON: {error}")
+        except RecursionError:
+            yield number, RowProblem("malformed JSON: nested too deeply")
+        except ValueError as error:  # an integer literal beyond Python's digit limit; drop the sys.* advice
+            yield number, RowProblem(f"malformed JSON: {str(error).split(';')[0]}")
 
 
 def _parquet_rows(path: Path, shown: str, job: _Job) -> Iterator[tuple[int, object]]:
     """(1-based row number, row dict) for each Parquet row; only the needed columns in corpus mode."""
-    import pyarrow
+    import pyarrow  # imported here so reading a JSONL spec does not pay for pyarrow's import
     import pyarrow.parquet as parquet
 
     try:
@@ -445,30 +435,39 @@ def _parquet_rows(path: Path, shown: str, job: _Job) -> Iterator[tuple[int, obje
         names = reader.schema_arrow.names
     except (pyarrow.ArrowException, OSError, ValueError) as error:
         raise SpecError([f"{shown}: not a readable Parquet file ({error})"]) from None
+    number = 0
+    try:
+        columns = _parquet_columns(names, shown, job)
+        for batch in reader.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=columns):
+            for row in batch.to_pylist():
+                number += 1
+                yield number, row
+    except SpecError:  # a ValueError too, but already worded for the user
+        raise
+    except (pyarrow.ArrowException, OSError, ValueError, OverflowError) as error:
+        raise SpecError([f"{shown}: cannot read Parquet data after row {number} ({error})"]) from None
+    finally:
+        reader.close()
+
+
+def _parquet_columns(names: list[str], shown: str, job: _Job) -> list[str] | None:
+    """The columns to read (None: all), after the checks that would otherwise fail every row alike."""
     doubled = sorted({name for name in names if names.count(name) > 1})
     if doubled:
         raise SpecError([f"{shown}: column {_show(doubled[0])} appears more than once"])
-    if job.template is not None:
-        columns = template_columns(job.template)
-        if job.id_column and job.id_column not in columns:
-            columns.append(job.id_column)
-        for name in columns:
-            if name not in names:
-                named_by = "id_column" if name == job.id_column else "the template"
-                raise SpecError([f"{shown}: no column {_show(name)}, which {named_by} names "
-                                 f"(columns: {', '.join(names) or 'none'})"])
-    else:
-        columns = None  # a Parquet column that no row shape knows is a typo for every row, so say it once
+    if job.template is None:
         unknown = [name for name in names if name not in NATIVE_KEYS + OPENAI_KEYS]
         if unknown:
             guess = difflib.get_close_matches(unknown[0], NATIVE_KEYS + OPENAI_KEYS, n=1)
             hint = f" (did you mean {guess[0]!r}?)" if guess else " (for a corpus, give a template)"
             raise SpecError([f"{shown}: unknown column {_show(unknown[0])}{hint}"])
-    number = 0
-    try:
-        for batch in reader.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=columns):
-            for row in batch.to_pylist():
-                number += 1
-                yield number, row
-    except (pyarrow.ArrowException, OSError, ValueError, OverflowError) as error:
-        raise SpecError([f"{shown}: cannot read Parquet data after row {number} ({error})"]) from None
+        return None
+    columns = template_columns(job.template)
+    if job.id_column and job.id_column not in columns:
+        columns.append(job.id_column)
+    for name in columns:
+        if name not in names:
+            named_by = "id_column" if name == job.id_column else "the template"
+            raise SpecError([f"{shown}: no column {_show(name)}, which {named_by} names "
+                             f"(columns: {', '.join(names) or 'none'})"])
+    return columns

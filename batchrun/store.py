@@ -61,6 +61,7 @@ def integrity_ok(path: Path | str) -> bool:
 class Store:
     def __init__(self, path: Path | str):
         self.path = Path(path)
+        self._lock_key_prefix = str(self.path.resolve())
         self._current_run: dict[str, int] = {}  # job id -> run_no this Store opened in acquire()
         with self._translate_errors("open the progress database"):
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -154,15 +155,13 @@ class Store:
             raise ValueError(f"passes must be >= 0, got {passes}")
         updates = [row_update_params(job_id, result) for result in results]
         with self._write(f"save {len(updates)} answers") as conn:
-            updated = conn.executemany(
-                ROW_UPDATE_SQL, updates
-            ).rowcount
+            updated = conn.executemany(ROW_UPDATE_SQL, updates).rowcount
             if updated != len(updates):
                 raise ValueError(f"job {job_id} has no rows {self._missing_rows(job_id, results)}")
             conn.executemany(
                 "delete from partial where job_id = ? and idx = ?", [(job_id, r.idx) for r in results]
             )
-            self._count_passes(conn, job_id, passes)
+            self._record_progress(conn, job_id, passes)
 
     def record_errors(self, job_id: str, results: Sequence[RowResult]) -> None:
         """Save rows that failed before any pass (invalid input, prompt too long)."""
@@ -171,31 +170,49 @@ class Store:
                 raise ValueError(f"row {result.idx} is not an error: use commit_batch for answers")
         self.commit_batch(job_id, results, passes=0)
 
-    def save_partial(self, job_id: str, tokens: Mapping[int, Sequence[int]], passes: int = 1) -> None:
-        """Save the tokens generated so far for in-flight rows and count the pass(es), in one transaction."""
+    def save_partial(self, job_id: str, partial: Mapping[int, tuple[Sequence[int], float]], passes: int = 1) -> None:
+        """Save the tokens generated so far (and their summed logprob) for in-flight rows, and count the
+        pass(es), in one transaction."""
+        self.commit_pass(job_id, [], partial, passes)
+
+    def commit_pass(self, job_id: str, finished: Sequence[RowResult],
+                    partial: Mapping[int, tuple[Sequence[int], float]], passes: int = 1) -> None:
+        """After one decode pass: rows that finished in it, tokens of the rows still going, the pass count.
+
+        One transaction, so a crash leaves either the state before the pass or the state after it.
+        """
         now = _now()
+        updates = [row_update_params(job_id, result) for result in finished]
         upserts = []
-        for idx, token_ids in tokens.items():
+        for idx, (token_ids, logprob) in partial.items():
             as_ints = [int(token) for token in token_ids]  # numpy / tensor scalars are not JSON
-            upserts.append((job_id, idx, json.dumps(as_ints), len(as_ints), now))
+            upserts.append((job_id, idx, json.dumps(as_ints), len(as_ints), float(logprob), now))
         with self._write("save generated tokens") as conn:
+            if updates:
+                updated = conn.executemany(ROW_UPDATE_SQL, updates).rowcount
+                if updated != len(updates):
+                    raise ValueError(f"job {job_id} has no rows {self._missing_rows(job_id, finished)}")
+                conn.executemany("delete from partial where job_id = ? and idx = ?",
+                                 [(job_id, r.idx) for r in finished])
             conn.executemany(
-                "insert into partial (job_id, idx, token_ids_json, token_count, updated_at) values (?, ?, ?, ?, ?) "
+                "insert into partial (job_id, idx, token_ids_json, token_count, logprob, updated_at) "
+                "values (?, ?, ?, ?, ?, ?) "
                 "on conflict (job_id, idx) do update set token_ids_json = excluded.token_ids_json, "
-                "token_count = excluded.token_count, updated_at = excluded.updated_at",
+                "token_count = excluded.token_count, logprob = excluded.logprob, updated_at = excluded.updated_at",
                 upserts,
             )
-            self._count_passes(conn, job_id, passes, now)
+            self._record_progress(conn, job_id, passes, now)
 
-    def partial_tokens(self, job_id: str) -> dict[int, list[int]]:
+    def partial_tokens(self, job_id: str) -> dict[int, tuple[list[int], float]]:
+        """idx -> (tokens generated so far, their summed logprob) for rows interrupted mid-generation."""
         with self._translate_errors("read generated tokens"):
-            cursor = self.db.execute("select idx, token_ids_json from partial where job_id = ?", (job_id,))
-            return {idx: json.loads(token_ids) for idx, token_ids in cursor}
+            cursor = self.db.execute("select idx, token_ids_json, logprob from partial where job_id = ?", (job_id,))
+            return {idx: (json.loads(token_ids), logprob or 0.0) for idx, token_ids, logprob in cursor}
 
     def heartbeat(self, job_id: str) -> None:
         """Show the lock holder is alive during a long stretch without commits (only matters across hosts)."""
         with self._write("refresh the job lock") as conn:
-            self._count_passes(conn, job_id, 0)
+            self._record_progress(conn, job_id, 0)
 
     # ---- locks and runs ------------------------------------------------------------------------
 
@@ -230,13 +247,15 @@ class Store:
         self._current_run[job_id] = run_no
         _HELD_IN_THIS_PROCESS.add(self._lock_key(job_id))
 
-    def record_run_plan(self, job_id: str, *, batch_size: int, planned_peak_bytes: int) -> None:
-        """Note the batch size and planned peak memory of the current run (read back after a crash)."""
+    def record_run_plan(self, job_id: str, *, batch_size: int, planned_peak_bytes: int,
+                        memory_cgroup: str | None = None, oom_kills_at_start: int | None = None) -> None:
+        """Note the current run's batch size, planned peak memory and OOM-kill baseline (read after a crash)."""
         run_no = self._require_current_run(job_id)
         with self._write("record the run plan") as conn:
             conn.execute(
-                "update runs set batch_size = ?, planned_peak_bytes = ? where job_id = ? and run_no = ?",
-                (batch_size, planned_peak_bytes, job_id, run_no),
+                "update runs set batch_size = ?, planned_peak_bytes = ?, memory_cgroup = ?, oom_kills_at_start = ? "
+                "where job_id = ? and run_no = ?",
+                (batch_size, planned_peak_bytes, memory_cgroup, oom_kills_at_start, job_id, run_no),
             )
 
     def release(self, job_id: str, end_state: str) -> None:
@@ -275,7 +294,7 @@ class Store:
         if run["end_state"] == "running" and self._live_run_no(job_id, lock) != run["run_no"]:
             run["end_state"] = "interrupted"
         keys = ("run_no", "pid", "host", "started_at", "ended_at", "end_state", "batch_size",
-                "planned_peak_bytes", "passes")
+                "planned_peak_bytes", "passes", "memory_cgroup", "oom_kills_at_start")
         return {key: run[key] for key in keys}
 
     # ---- reading state -------------------------------------------------------------------------
@@ -373,7 +392,8 @@ class Store:
             finally:
                 _rollback_quietly(conn)
 
-    def _count_passes(self, conn: sqlite3.Connection, job_id: str, passes: int, now: str | None = None) -> None:
+    def _record_progress(self, conn: sqlite3.Connection, job_id: str, passes: int, now: str | None = None) -> None:
+        """Count passes on the job and this run, and refresh our lock's heartbeat, in the caller's transaction."""
         now = now or _now()
         conn.execute("update jobs set passes_done = passes_done + ? where id = ?", (passes, job_id))
         run_no = self._current_run.get(job_id)
@@ -405,7 +425,7 @@ class Store:
         return rows[0] if rows else None
 
     def _lock_key(self, job_id: str) -> tuple[str, str]:
-        return (str(self.path.resolve()), job_id)
+        return (self._lock_key_prefix, job_id)
 
     def _holder_alive(self, job_id: str, lock: dict) -> bool:
         return lock_holder_alive(lock, held_by_this_process=self._lock_key(job_id) in _HELD_IN_THIS_PROCESS)

@@ -108,12 +108,21 @@ def m003_partial_tokens(db: sqlite_utils.Database) -> None:
             "idx": int,
             "token_ids_json": str,
             "token_count": int,  # kept beside the JSON so status needs no JSON1 extension
+            "logprob": float,  # sum over the tokens so far, so a resumed answer reports the same logprob
             "updated_at": str,
         },
         pk=("job_id", "idx"),
         foreign_keys=[("job_id", "jobs", "id")],
         not_null=["token_ids_json", "token_count", "updated_at"],
     )
+
+
+@migration
+def m004_run_memory_cgroup(db: sqlite_utils.Database) -> None:
+    # Where a run's memory was accounted and its OOM-kill count at start: the next run compares them
+    # to tell an out-of-memory kill from any other crash.
+    db["runs"].add_column("memory_cgroup", str)
+    db["runs"].add_column("oom_kills_at_start", int)
 
 
 def applied_migrations(db: sqlite_utils.Database) -> set[str]:

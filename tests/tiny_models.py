@@ -23,6 +23,8 @@ GEMMA3_SLIDING_WINDOW = 8
 PAD_TOKEN = "<pad>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
+# Qwen2Tokenizer (which AutoTokenizer forces for qwen2 checkpoints) adds this token when it is missing.
+ENDOFTEXT = "<|endoftext|>"
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -66,7 +68,7 @@ def build_tokenizer(model_max_length: int = MAX_POSITIONS):
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB_SIZE,
-        special_tokens=[PAD_TOKEN, IM_START, IM_END],
+        special_tokens=[PAD_TOKEN, IM_START, IM_END, ENDOFTEXT],
         # The full byte alphabet is what makes every string encodable without an unknown token.
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,

@@ -1,0 +1,107 @@
+"""The cost of each row in tokens and passes, and THE rule that groups rows into batches.
+
+The plan and the executor both call pack_batches, so the passes a plan promises are the passes a run makes.
+No torch.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class RowCost:
+    """What one row costs the model. Generation rows: new_tokens > 0, no choices. Choice rows: new_tokens = 0 and
+    the token length of each choice (each multi-token choice is scored as its own sequence prompt + choice)."""
+    prompt_tokens: int
+    new_tokens: int
+    choice_tokens: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens must be at least 1, got {self.prompt_tokens}")
+        if self.new_tokens < 0:
+            raise ValueError(f"new_tokens must not be negative, got {self.new_tokens}")
+        if self.choice_tokens and self.new_tokens:
+            raise ValueError("a choice row generates no tokens: new_tokens must be 0")
+        if any(length < 1 for length in self.choice_tokens):
+            raise ValueError(f"every choice needs at least one token, got {self.choice_tokens}")
+
+    @property
+    def is_choice(self) -> bool:
+        return bool(self.choice_tokens)
+
+    def sequences(self) -> int:
+        """Sequences the row occupies in a batch: single-token choices are all read off one next-token
+        distribution; longer choices each need their own continuation."""
+        if not self.is_choice or max(self.choice_tokens) == 1:
+            return 1
+        return len(self.choice_tokens)
+
+    def sequence_length(self) -> int:
+        """Tokens in each of the row's sequences when it is done (the KV cache it holds)."""
+        return self.prompt_tokens + (max(self.choice_tokens) if self.is_choice else self.new_tokens)
+
+    def tokens(self) -> int:
+        """KV tokens the row holds: prompt + new tokens, or sequences x (prompt + longest choice)."""
+        return self.sequences() * self.sequence_length()
+
+    def prefill_length(self) -> int:
+        """Tokens the first pass computes per sequence: the prompt (plus the choice being scored)."""
+        return self.prompt_tokens + (max(self.choice_tokens) if self.is_choice else 0)
+
+    def logit_positions(self) -> int:
+        """Positions whose logits are kept: the last one for generation; every choice token + 1 for a choice."""
+        return max(self.choice_tokens) + 1 if self.is_choice else 1
+
+    def passes(self) -> int:
+        """Walks through the decoder stack: the prompt rides in the first; each further new token costs one."""
+        return 1 if self.is_choice else max(self.new_tokens, 1)
+
+
+def pack_batches(rows: Sequence[RowCost], max_sequences: int, max_tokens: int) -> list[list[int]]:
+    """Row indices grouped into batches. Rows are sorted by kind (choice, then generation) and prompt length, then
+    batches are filled greedily while sequences <= max_sequences and padded tokens (sequences x longest sequence)
+    <= max_tokens. A batch holds one kind only. A row that alone exceeds a limit gets a batch of its own."""
+    if max_sequences < 1 or max_tokens < 1:
+        raise ValueError(f"batch limits must be positive, got {max_sequences} sequences / {max_tokens} tokens")
+    order = sorted(range(len(rows)), key=lambda i: (not rows[i].is_choice, rows[i].prompt_tokens, i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    sequences = longest = 0
+    for index in order:
+        row = rows[index]
+        grown_sequences = sequences + row.sequences()
+        grown_longest = max(longest, row.sequence_length())
+        fits = (current and rows[current[0]].is_choice == row.is_choice and grown_sequences <= max_sequences
+                and grown_sequences * grown_longest <= max_tokens)
+        if current and not fits:
+            batches.append(current)
+            current = []
+            grown_sequences, grown_longest = row.sequences(), row.sequence_length()
+        current.append(index)
+        sequences, longest = grown_sequences, grown_longest
+    if current:
+        batches.append(current)
+    return batches
+
+
+def batch_shape(rows: Sequence[RowCost], batch: Sequence[int]) -> tuple[int, int, int, int]:
+    """(sequences, longest sequence, longest prefill, most logit positions) of a batch, padding included."""
+    members = [rows[i] for i in batch]
+    return (sum(r.sequences() for r in members), max(r.sequence_length() for r in members),
+            max(r.prefill_length() for r in members), max(r.logit_positions() for r in members))
+
+
+def passes_for(rows: Sequence[RowCost], batches: Sequence[Sequence[int]]) -> int:
+    """Passes a job makes: each batch walks the stack once per token its longest generation needs (choice: once)."""
+    return sum(max(rows[i].passes() for i in batch) for batch in batches)
+
+
+def lower_bound_passes(rows: Sequence[RowCost], batch_sequences: int) -> int:
+    """max(max T_i, ceil(sum T_i / B)) with T_i the passes of row i (1 for a choice row): no packing can do better."""
+    if not rows:
+        return 0
+    needs = [row.passes() for row in rows]
+    return max(max(needs), math.ceil(sum(needs) / batch_sequences))

@@ -1,0 +1,53 @@
+"""Did the kernel's out-of-memory killer end the previous run? No torch.
+
+A SIGKILL leaves no trace in the process itself, so at the start of each run we note the memory
+cgroup we run in and its OOM-kill counter; the next run compares the counter of that same cgroup.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def memory_cgroup_dir(proc_cgroup: Path = Path("/proc/self/cgroup")) -> Path | None:
+    """The directory of this process's memory cgroup (v1 `memory` controller, else the v2 unified one)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    unified = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return CGROUP_ROOT / "memory" / path.lstrip("/")
+        if controllers == "":
+            unified = CGROUP_ROOT / path.lstrip("/")
+    return unified
+
+
+def oom_kill_count(cgroup: Path | None) -> int | None:
+    """The cgroup's count of processes killed for lack of memory, None when the kernel does not say."""
+    if cgroup is None:
+        return None
+    for name in ("memory.events", "memory.oom_control"):  # v2, v1
+        try:
+            text = (cgroup / name).read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    return None
+
+
+def killed_by_oom(previous_run: dict | None) -> bool:
+    """True when the previous run died without finishing and its cgroup has counted an OOM kill since."""
+    if not previous_run or previous_run.get("end_state") != "interrupted":
+        return False
+    cgroup, before = previous_run.get("memory_cgroup"), previous_run.get("oom_kills_at_start")
+    if not cgroup or before is None:
+        return False
+    now = oom_kill_count(Path(cgroup))
+    return now is not None and now > before

@@ -1,0 +1,163 @@
+"""Answers out: Parquet (the default) and OpenAI Batch-format JSONL, each written atomically.
+
+A write goes to a hidden temp file beside the target, is fsynced, then renamed over it, so a reader
+sees the old file or the new one, never half of either, and a failed write leaves the old file as it was.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchrun.store_rows import RowResult
+
+CHOICE_PROBS_TYPE = pa.map_(pa.string(), pa.float64())
+
+
+class OutputExists(FileExistsError):
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        super().__init__(f"{path} exists; pass --force to overwrite")
+
+
+class OutputError(OSError):
+    """Writing an answers file failed (disk full, permissions); the previous file, if any, is unchanged."""
+
+    def __init__(self, path: Path, reason: object):
+        self.path = Path(path)
+        super().__init__(f"could not write {path}: {reason}; the previous file, if any, is unchanged")
+
+
+def default_output_path(spec_path: Path) -> Path:
+    """Beside the spec: docs.jsonl -> docs.answers.parquet."""
+    spec_path = Path(spec_path)
+    return spec_path.with_name(f"{spec_path.stem}.answers.parquet")
+
+
+def atomic_write(path: Path, write: Callable[[Path], None], *, force: bool = False) -> Path:
+    """Call write(temp_path), fsync it, and rename it over `path`; refuse to replace a file without force."""
+    path = Path(path)
+    if path.exists() and not force:
+        raise OutputExists(path)
+    temp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(temp)
+        _fsync_path(temp)
+        os.replace(temp, path)
+        _fsync_directory(path.parent)  # makes the rename itself durable
+    except BaseException as exc:
+        try:
+            temp.unlink(missing_ok=True)
+        except OSError:
+            pass  # the original error matters more than a leftover temp file
+        if isinstance(exc, OSError) and not isinstance(exc, OutputError):
+            raise OutputError(path, exc) from exc
+        raise
+    return path
+
+
+def results_table(results: Sequence[RowResult]) -> pa.Table:
+    """The answers as an Arrow table, one row per result, in input order."""
+    ordered = sorted(results, key=lambda result: result.idx)
+    ids = [result.id for result in ordered]
+    # Keep integer ids integers; one string id anywhere makes the column strings (ints as their text).
+    if all(isinstance(row_id, int) and not isinstance(row_id, bool) for row_id in ids):
+        id_column = pa.array(ids, pa.int64())
+    else:
+        id_column = pa.array([str(row_id) for row_id in ids], pa.string())
+    columns = {
+        "id": id_column,
+        "answer": pa.array([r.answer for r in ordered], pa.string()),
+        "choice_probs": pa.array(
+            [None if r.choice_probs is None else list(r.choice_probs.items()) for r in ordered], CHOICE_PROBS_TYPE
+        ),
+        "score": pa.array([r.score for r in ordered], pa.float64()),
+        "logprob": pa.array([r.logprob for r in ordered], pa.float64()),
+        "prompt_tokens": pa.array([r.prompt_tokens for r in ordered], pa.int64()),
+        "output_tokens": pa.array([r.output_tokens for r in ordered], pa.int64()),
+        "finish_reason": pa.array([r.finish_reason for r in ordered], pa.string()),
+        "error": pa.array([r.error for r in ordered], pa.string()),
+    }
+    return pa.table(columns)
+
+
+def write_parquet(path: Path, results: Sequence[RowResult], *, force: bool = False) -> Path:
+    table = results_table(results)
+    return atomic_write(Path(path), lambda temp: pq.write_table(table, temp), force=force)
+
+
+def read_parquet_results(path: Path) -> list[dict]:
+    """An answers file's rows as dicts, choice_probs as a dict (Arrow gives a map as key/value pairs)."""
+    rows = pq.read_table(path).to_pylist()
+    for row in rows:
+        if row.get("choice_probs") is not None:
+            row["choice_probs"] = dict(row["choice_probs"])
+    return rows
+
+
+def openai_batch_line(result: RowResult, *, model: str, created: int) -> dict:
+    """One OpenAI Batch output line for a result.
+
+    A choice row's content is the chosen label, its probabilities ride in the body as `choice_probs`, and
+    its finish_reason is reported as "stop", a value OpenAI clients accept.
+    """
+    line_id, custom_id = f"batch_req_{result.idx}", str(result.id)
+    if result.failed:
+        error = {"code": "row_failed", "message": result.error or "unknown error"}
+        return {"id": line_id, "custom_id": custom_id, "response": None, "error": error}
+    prompt_tokens, completion_tokens = result.prompt_tokens or 0, result.output_tokens or 0
+    body: dict = {
+        "id": f"chatcmpl-{result.idx}",
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": result.answer},
+            "finish_reason": "stop" if result.finish_reason == "choice" else result.finish_reason,
+            "logprobs": None,
+        }],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+    if result.choice_probs is not None:
+        body["choice_probs"] = result.choice_probs
+    response = {"status_code": 200, "request_id": f"req_{result.idx}", "body": body}
+    return {"id": line_id, "custom_id": custom_id, "response": response, "error": None}
+
+
+def write_jsonl(path: Path, results: Sequence[RowResult], *, model: str, force: bool = False) -> Path:
+    created = int(time.time())
+    ordered = sorted(results, key=lambda result: result.idx)
+
+    def write(temp: Path) -> None:
+        with open(temp, "w", encoding="utf-8") as out:
+            for result in ordered:
+                out.write(json.dumps(openai_batch_line(result, model=model, created=created), ensure_ascii=False))
+                out.write("\n")
+
+    return atomic_write(Path(path), write, force=force)
+
+
+def _fsync_path(path: Path) -> None:
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_directory(directory: Path) -> None:
+    if not hasattr(os, "O_DIRECTORY"):  # Windows cannot open a directory to fsync it
+        return
+    descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

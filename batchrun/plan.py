@@ -1,0 +1,409 @@
+"""Offload arithmetic as named steps: memory, batch, passes and time, and the auto/always/never policy. No torch.
+
+Each intermediate is named and says where its number comes from; the activation coefficients below are first
+estimates, kept at the top so measurement can calibrate them.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Mapping, Sequence
+
+from batchrun.batching import RowCost, batch_shape, lower_bound_passes, pack_batches, passes_for
+from batchrun.plan_format import format_bytes, format_duration, format_rate
+from batchrun.sizes import DTYPE_CODES, CheckpointSizes
+
+__all__ = [
+    "Bandwidth", "Candidate", "RowCost", "compare_modes", "format_duration", "lower_bound_passes", "make_plan",
+    "pack_batches", "parse_streaming", "passes_for",
+]
+
+STREAMING_ENV = "BATCHRUN_STREAMING"
+# People type booleans too; an unknown word is refused (a typo must not silently change the policy).
+STREAMING_WORDS = {
+    "auto": "auto", "always": "always", "never": "never",
+    "yes": "always", "on": "always", "true": "always", "1": "always",
+    "no": "never", "off": "never", "false": "never", "0": "never",
+}
+COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Share of the disk's sequential bandwidth a streamed pass achieves (published design: reads overlapped with
+# compute by a prefetch thread, or not).
+IO_EFFICIENCY = {True: 0.85, False: 0.70}
+# Activations of one sequence at prefill, the peak of a batch (to be calibrated against measured RSS):
+HIDDEN_STATE_COPIES = 4  # residual stream, normed input, attention output, MLP output live together
+MLP_INTERMEDIATE_COPIES = 2  # gate and up projections of the MLP
+ATTENTION_SCORE_BYTES = 4  # eager attention materialises heads x S x S float32 scores...
+SCORES_MATERIALISED_ON = frozenset({"cpu", "mps"})  # ...while CUDA kernels compute attention in tiles
+LOGIT_BYTES = 4  # logits are upcast to float32
+# With no rows to size, memory is reported for one sequence of this many tokens (or the context, if shorter).
+DEFAULT_SIZING_TOKENS = 4096
+
+
+def parse_streaming(value: str | None, env: Mapping[str, str] = os.environ) -> str:
+    """The streaming policy: the flag's word first, then $BATCHRUN_STREAMING, default "auto"."""
+    source = "--streaming"
+    if value is None:
+        value, source = env.get(STREAMING_ENV) or "auto", STREAMING_ENV
+    word = value.strip().lower()
+    if word not in STREAMING_WORDS:
+        raise ValueError(f"{source}: unknown streaming policy {value!r}; accepted: auto, always, never, "
+                         "yes/no, on/off, true/false, 1/0")
+    return STREAMING_WORDS[word]
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    bytes_per_s: float | None
+    basis: str  # "measured" | "declared" | "assumed"
+    how: str
+
+
+@dataclass
+class Candidate:
+    """One way to run a job: its memory, batches, passes and time, and what (if anything) stops it."""
+    model: str
+    mode: str  # "resident" | "streamed"
+    reason: str
+    device: str
+    prefetch: bool
+    checkpoint_bytes: int
+    layers: int
+    largest_layer_bytes: int
+    non_decoder_bytes: int
+    kv_bytes_per_token: int  # all layers at the compute dtype, before any sliding-window cap
+    compute_dtype: str
+    memory_budget_bytes: int
+    weights_bytes: int
+    runtime_overhead_bytes: int
+    peak_memory_bytes: int
+    batch_size: int  # most sequences in a batch
+    batch_tokens: int  # padded-token budget used for packing
+    batches: list[list[int]]
+    rows: int
+    passes: int
+    lower_bound_passes: int
+    read_bandwidth_bytes_per_s: float | None
+    bandwidth_basis: str
+    bandwidth_how: str
+    load_seconds: float | None
+    seconds_per_pass: float | None  # median pass of the job
+    io_seconds_per_pass: float | None
+    compute_seconds_per_pass: float | None  # median
+    eta_seconds: float | None
+    first_answer_seconds: float | None
+    answers_per_hour: float | None
+    disk_needed_bytes: int
+    disk_free_bytes: int | None
+    estimated: bool
+    blockers: list[str] = field(default_factory=list)
+    caveats: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.blockers
+
+    @property
+    def eta_human(self) -> str:
+        return format_duration(self.eta_seconds)
+
+    def to_json(self) -> dict:
+        report = asdict(self)
+        del report["batches"]  # row indices: the executor repacks with the same rule
+        report.update(batch_count=len(self.batches), fits=self.fits, eta_human=self.eta_human)
+        return report
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory, as named steps
+
+
+def kv_bytes_per_token_per_layer(sizes: CheckpointSizes, compute_bytes: int) -> int:
+    """K and V of one token in one layer: 2 x kv_heads x head_dim x bytes (8 x 128 in bf16 = 4 KiB)."""
+    return 2 * sizes.num_kv_heads * sizes.head_dim * compute_bytes
+
+
+def attended_positions(sizes: CheckpointSizes, tokens: int) -> int:
+    """Positions summed over layers that a token at position `tokens` sees: sliding-window layers stop at the
+    window, so both their KV cache and their attention compute are capped there."""
+    return sum(min(tokens, window) if window else tokens for window in sizes.sliding_windows)
+
+
+def kv_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, tokens: int) -> int:
+    return kv_bytes_per_token_per_layer(sizes, compute_bytes) * attended_positions(sizes, tokens)
+
+
+def linear_activation_bytes_per_token(sizes: CheckpointSizes, compute_bytes: int) -> int:
+    hidden_states = sizes.hidden_size * compute_bytes * HIDDEN_STATE_COPIES
+    mlp_intermediate = sizes.intermediate_size * compute_bytes * MLP_INTERMEDIATE_COPIES
+    return hidden_states + mlp_intermediate
+
+
+def activation_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, device: str,
+                                  prefill_tokens: int, logit_positions: int) -> int:
+    per_token = prefill_tokens * linear_activation_bytes_per_token(sizes, compute_bytes)
+    attention_scores = 0
+    if device in SCORES_MATERIALISED_ON:  # one layer's scores at a time
+        attention_scores = sizes.num_attention_heads * prefill_tokens * prefill_tokens * ATTENTION_SCORE_BYTES
+    logits = logit_positions * sizes.vocab_size * LOGIT_BYTES  # only the positions the executor keeps
+    return per_token + attention_scores + logits
+
+
+def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
+                batch: Sequence[int]) -> int:
+    """KV cache at the batch's longest sequence plus activations at its longest prefill, for every sequence."""
+    sequences, longest, prefill, positions = batch_shape(rows, batch)
+    per_sequence = (kv_bytes_for_sequence(sizes, compute_bytes, longest)
+                    + activation_bytes_for_sequence(sizes, compute_bytes, device, prefill, positions))
+    return sequences * per_sequence
+
+
+@dataclass(frozen=True)
+class _Weights:
+    bytes: int
+    what: str  # the sum spelled out, for reasons and blockers
+
+
+def resident_weights(sizes: CheckpointSizes, compute_dtype: str) -> _Weights:
+    total = sizes.total_params * COMPUTE_BYTES[compute_dtype]
+    return _Weights(total, f"all weights {format_bytes(total)} at {compute_dtype}")
+
+
+def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool) -> _Weights:
+    compute_bytes = COMPUTE_BYTES[compute_dtype]
+    slots = 2 if prefetch else 1  # the layer computing + the next one being read
+    non_decoder = sizes.non_decoder_params * compute_bytes
+    layer_slots = sizes.largest_layer_params * compute_bytes * slots
+    # Reading bf16 for float32 compute needs a raw buffer per slot to read into before the cast.
+    read_buffers = sizes.largest_layer_bytes * slots if DTYPE_CODES[compute_dtype] != sizes.storage_dtype else 0
+    what = (f"non-decoder tensors {format_bytes(non_decoder)} + {slots} layer slot(s) "
+            f"{format_bytes(layer_slots)}" + (f" + read buffers {format_bytes(read_buffers)}" if read_buffers else ""))
+    return _Weights(non_decoder + layer_slots + read_buffers, what)
+
+
+def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
+                 free_bytes: int, batch_size: int | None) -> tuple[int, int]:
+    """(max sequences, max padded tokens) such that any batch packed under them fits in free_bytes.
+
+    Bound: every token costs at most its KV (no window cap), its linear activations and one row of attention scores
+    at the longest prefill; every sequence adds its kept logits. Sequences are sized so typical (median-length)
+    rows fill the budget; the token budget then keeps longer rows from overflowing it."""
+    longest_prefill = max(row.prefill_length() for row in rows)
+    per_token = (kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers
+                 + linear_activation_bytes_per_token(sizes, compute_bytes)
+                 + (sizes.num_attention_heads * longest_prefill * ATTENTION_SCORE_BYTES
+                    if device in SCORES_MATERIALISED_ON else 0))
+    per_sequence = max(row.logit_positions() for row in rows) * sizes.vocab_size * LOGIT_BYTES
+    typical_length = statistics.median_low(row.sequence_length() for row in rows)
+    max_sequences = max(free_bytes, 0) // (typical_length * per_token + per_sequence)
+    max_sequences = min(max_sequences, sum(row.sequences() for row in rows), batch_size or math.inf)
+    max_sequences = max(int(max_sequences), 1)
+    max_tokens = max((free_bytes - max_sequences * per_sequence) // per_token, 1)
+    return max_sequences, int(max_tokens)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Time, as named steps
+
+
+def prefill_flops(sizes: CheckpointSizes, sequences: int, prefill_tokens: int, logit_positions: int) -> int:
+    tokens = sequences * prefill_tokens
+    matmuls = 2 * sizes.decoder_params * tokens  # multiply-add per weight per token
+    head = 2 * sizes.vocab_size * sizes.hidden_size * sequences * logit_positions  # logits only where kept
+    attention = 4 * sizes.num_attention_heads * sizes.head_dim * tokens * attended_positions(sizes, prefill_tokens)
+    return matmuls + head + attention
+
+
+def decode_flops(sizes: CheckpointSizes, live_sequences: int, context: int) -> int:
+    matmuls = 2 * (sizes.decoder_params + sizes.vocab_size * sizes.hidden_size) * live_sequences
+    attention = 4 * sizes.num_attention_heads * sizes.head_dim * live_sequences * attended_positions(sizes, context)
+    return matmuls + attention
+
+
+def batch_pass_flops(sizes: CheckpointSizes, rows: Sequence[RowCost], batch: Sequence[int]) -> list[int]:
+    """FLOPs of each pass of a batch: pass 1 prefills every prompt; each later pass decodes one token for the
+    sequences still generating (rows drop out as they reach their new-token count)."""
+    sequences, _, prefill, positions = batch_shape(rows, batch)
+    flops = [prefill_flops(sizes, sequences, prefill, positions)]
+    finishing = Counter(rows[i].passes() for i in batch)
+    live = sequences
+    for step in range(2, max(finishing) + 1):
+        live -= finishing[step - 1]
+        flops.append(decode_flops(sizes, live, prefill + step - 1))
+    return flops
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan
+
+
+def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, device: str, compute_dtype: str,
+              memory_budget_bytes: int, streaming: str, prefetch: bool = True, bandwidth: Bandwidth,
+              compute_flops_per_s: float | None, disk_free_bytes: int | None, checkpoint_is_local: bool,
+              runtime_overhead_bytes: int, batch_size: int | None = None,
+              context_length: int | None = None) -> Candidate:
+    """How to run `rows` through the model within a memory budget, and how long it will take."""
+    if compute_dtype not in COMPUTE_BYTES:
+        raise ValueError(f"compute_dtype must be one of {sorted(COMPUTE_BYTES)}, got {compute_dtype!r}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    policy = parse_streaming(streaming)
+    compute_bytes = COMPUTE_BYTES[compute_dtype]
+    budget = memory_budget_bytes
+    blockers: list[str] = []
+    caveats = list(sizes.assumptions)
+    if sizes.estimated:
+        caveats.append("sizes estimated from config.json, not read from the safetensors headers")
+
+    # Rows longer than the context fail on their own (prompts are never truncated) and are left out of the plan.
+    context = context_length or sizes.max_position_embeddings
+    planned = [i for i, row in enumerate(rows) if not context or row.sequence_length() <= context]
+    if len(planned) < len(rows):
+        caveats.append(f"{len(rows) - len(planned)} row(s) longer than the {context:,}-token context will fail "
+                       "(prompts are never truncated)")
+        if not planned:
+            blockers.append(f"every row is longer than the {context:,}-token context")
+    sizing_rows = [rows[i] for i in planned]
+    if not sizing_rows:
+        sizing_rows = [RowCost(min(context or DEFAULT_SIZING_TOKENS, DEFAULT_SIZING_TOKENS), 1)]
+        caveats.append(f"no rows to run: memory sized for one sequence of {sizing_rows[0].prompt_tokens:,} tokens")
+
+    # Memory: the weights the mode keeps, the runtime, and beside them at least the largest row.
+    largest_row = max(range(len(sizing_rows)), key=lambda i: batch_bytes(sizes, compute_bytes, device, sizing_rows, [i]))
+    largest_row_bytes = batch_bytes(sizes, compute_bytes, device, sizing_rows, [largest_row])
+    resident = resident_weights(sizes, compute_dtype)
+    resident_need = resident.bytes + runtime_overhead_bytes + largest_row_bytes
+    resident_sum = (f"{resident.what} + runtime {format_bytes(runtime_overhead_bytes)} + largest row "
+                    f"{format_bytes(largest_row_bytes)} = {format_bytes(resident_need)}")
+    if policy == "auto":
+        mode = "resident" if resident_need <= budget else "streamed"
+        reason = (f"auto: the model fits: {resident_sum}, within the {format_bytes(budget)} budget"
+                  if mode == "resident" else
+                  f"auto: resident needs {resident_sum}, over the {format_bytes(budget)} budget")
+    else:
+        mode = "streamed" if policy == "always" else "resident"
+        reason = "streaming forced (policy always)" if policy == "always" else "streaming off (policy never)"
+    weights = resident if mode == "resident" else streamed_weights(sizes, compute_dtype, prefetch)
+    fixed_bytes = weights.bytes + runtime_overhead_bytes
+    if mode == "resident" and resident_need > budget:
+        blockers.append(f"resident run does not fit: {resident_sum}, over the {format_bytes(budget)} budget; "
+                        "allow streaming (auto or always)")
+    elif fixed_bytes > budget:
+        blockers.append(f"does not fit even one layer: {weights.what} + runtime {format_bytes(runtime_overhead_bytes)}"
+                        f" = {format_bytes(fixed_bytes)}, over the {format_bytes(budget)} budget")
+    elif fixed_bytes + largest_row_bytes > budget:
+        blockers.append(f"does not fit even one sequence: the largest row ({sizing_rows[largest_row].tokens():,} "
+                        f"tokens) needs {format_bytes(largest_row_bytes)} of KV cache and activations beside "
+                        f"{format_bytes(fixed_bytes)} of weights and runtime; budget {format_bytes(budget)}")
+
+    # Batches: the largest that fit beside the weights, packed by the rule the executor uses.
+    max_sequences, max_tokens = batch_limits(sizes, compute_bytes, device, sizing_rows, budget - fixed_bytes,
+                                             batch_size)
+    packed = pack_batches([rows[i] for i in planned], max_sequences, max_tokens) if planned else []
+    batches = [[planned[i] for i in batch] for batch in packed]
+    oversize = sum(1 for batch in batches if _padded_tokens(rows, batch) > max_tokens)
+    if oversize:
+        caveats.append(f"{oversize} row(s) larger than the {max_tokens:,}-token batch budget run in a batch of "
+                       "their own")
+    peak_batch_bytes = max((batch_bytes(sizes, compute_bytes, device, rows, b) for b in batches),
+                           default=largest_row_bytes)
+    passes = passes_for(rows, batches)
+
+    # Time: load what stays resident once, then every pass takes the slower of reading the layers and computing.
+    bytes_per_s = bandwidth.bytes_per_s
+    if mode == "streamed" and bytes_per_s is None:
+        blockers.append("read bandwidth unknown: measure it (batchrun measure) or declare it")
+    if bandwidth.basis == "assumed" and bytes_per_s is not None:
+        caveats.append(f"ETA uses an assumed read bandwidth of {format_rate(bytes_per_s)} ({bandwidth.how})")
+    load_bytes = sizes.checkpoint_bytes if mode == "resident" else sizes.non_decoder_bytes
+    load_seconds = load_bytes / bytes_per_s if bytes_per_s else None
+    io_seconds = 0.0 if mode == "resident" else (
+        sizes.decoder_bytes / bytes_per_s / IO_EFFICIENCY[prefetch] if bytes_per_s else None)
+    if compute_flops_per_s is None:
+        caveats.append("compute rate unknown: " + ("pass times count reads only" if mode == "streamed"
+                                                   else "no ETA for a resident run"))
+    timeline = job_timeline(sizes, rows, batches, io_seconds, compute_flops_per_s)
+    if mode == "streamed" and timeline.compute_bound_passes:
+        caveats.append(f"{timeline.compute_bound_passes} of {passes} passes are compute-bound (long prefills): "
+                       "faster reads would not speed those up")
+    if sizes.moe and mode == "streamed":
+        caveats.append(f"mixture of experts: every layer is read whole ({sizes.moe['num_experts']} experts) though "
+                       f"only {sizes.moe['experts_per_token']} run per token; compute counts every expert")
+    eta = first_answer = None
+    if timeline.known:
+        eta = (load_seconds or 0.0) + sum(timeline.batch_seconds)
+        first_answer = (load_seconds or 0.0) + timeline.batch_seconds[0] if batches else None
+        if load_seconds is None:
+            caveats.append("the time to load the model is not counted (read bandwidth unknown)")
+
+    # Disk: the checkpoint is read in place, so only a download needs room.
+    disk_needed = 0 if checkpoint_is_local else sizes.checkpoint_bytes
+    if disk_free_bytes is not None and disk_needed > disk_free_bytes:
+        blockers.append(f"not enough disk: the checkpoint needs {format_bytes(disk_needed)} downloaded but "
+                        f"{format_bytes(disk_free_bytes)} is free")
+    return Candidate(
+        model=model, mode=mode, reason=reason, device=device, prefetch=prefetch,
+        checkpoint_bytes=sizes.checkpoint_bytes, layers=sizes.num_layers,
+        largest_layer_bytes=sizes.largest_layer_bytes, non_decoder_bytes=sizes.non_decoder_bytes,
+        kv_bytes_per_token=kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers,
+        compute_dtype=compute_dtype, memory_budget_bytes=budget, weights_bytes=weights.bytes,
+        runtime_overhead_bytes=runtime_overhead_bytes, peak_memory_bytes=fixed_bytes + peak_batch_bytes,
+        batch_size=max_sequences, batch_tokens=max_tokens, batches=batches, rows=len(rows), passes=passes,
+        lower_bound_passes=lower_bound_passes([rows[i] for i in planned], max_sequences),
+        read_bandwidth_bytes_per_s=bytes_per_s, bandwidth_basis=bandwidth.basis, bandwidth_how=bandwidth.how,
+        load_seconds=load_seconds, seconds_per_pass=_median(timeline.pass_seconds), io_seconds_per_pass=io_seconds,
+        compute_seconds_per_pass=_median(timeline.compute_seconds), eta_seconds=eta,
+        first_answer_seconds=first_answer,
+        answers_per_hour=len(planned) / eta * 3600 if eta and planned else None,
+        disk_needed_bytes=disk_needed, disk_free_bytes=disk_free_bytes, estimated=sizes.estimated,
+        blockers=blockers, caveats=caveats,
+    )
+
+
+@dataclass(frozen=True)
+class Timeline:
+    pass_seconds: list[float | None]  # in run order
+    compute_seconds: list[float | None]
+    batch_seconds: list[float | None]
+    compute_bound_passes: int
+
+    @property
+    def known(self) -> bool:
+        return None not in self.batch_seconds
+
+
+def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Sequence[Sequence[int]],
+                 io_seconds: float | None, compute_flops_per_s: float | None) -> Timeline:
+    """Seconds of every pass: max(read bound, compute bound). Reads alone when the compute rate is unknown;
+    unknown for a resident run (nothing to read) without a compute rate, or a streamed one without a bandwidth."""
+    pass_seconds, compute_seconds, batch_seconds = [], [], []
+    compute_bound = 0
+    for batch in batches:
+        computes = [f / compute_flops_per_s if compute_flops_per_s else None
+                    for f in batch_pass_flops(sizes, rows, batch)]
+        bounds = [max(io_seconds, c or 0.0) if io_seconds else c for c in computes] if io_seconds is not None \
+            else [None] * len(computes)
+        compute_bound += sum(1 for c in computes if c is not None and io_seconds and c > io_seconds)
+        compute_seconds += computes
+        pass_seconds += bounds
+        batch_seconds.append(None if None in bounds else sum(bounds))
+    return Timeline(pass_seconds, compute_seconds, batch_seconds, compute_bound)
+
+
+def compare_modes(sizes: CheckpointSizes, rows: Sequence[RowCost], **options) -> list[Candidate]:
+    """The candidates a user chooses between: resident, streamed with prefetch, streamed without."""
+    options = {key: value for key, value in options.items() if key not in ("streaming", "prefetch")}
+    return [make_plan(sizes, rows, streaming="never", **options),
+            make_plan(sizes, rows, streaming="always", prefetch=True, **options),
+            make_plan(sizes, rows, streaming="always", prefetch=False, **options)]
+
+
+def _padded_tokens(rows: Sequence[RowCost], batch: Sequence[int]) -> int:
+    sequences, longest, _, _ = batch_shape(rows, batch)
+    return sequences * longest
+
+
+def _median(values: list[float | None]) -> float | None:
+    return statistics.median(values) if values and None not in values else None

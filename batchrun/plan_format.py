@@ -1,0 +1,111 @@
+"""People-readable numbers and tables for plans (used by the CLI and in plan messages). No torch."""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+
+def format_bytes(count: float | None) -> str:
+    """Binary units with about three significant digits: "512 B", "1.25 GiB", "131 GiB"."""
+    if count is None:
+        return "unknown"
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    if unit == "B":
+        return f"{int(value)} B"
+    decimals = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
+    return f"{value:.{decimals}f} {unit}"
+
+
+def format_rate(bytes_per_s: float | None) -> str:
+    """Disk bandwidth in decimal GB/s or MB/s, the way drives are sold and benchmarked."""
+    if bytes_per_s is None:
+        return "unknown"
+    if bytes_per_s >= 1e9:
+        return f"{bytes_per_s / 1e9:.2f} GB/s"
+    return f"{bytes_per_s / 1e6:.0f} MB/s"
+
+
+def format_duration(seconds: float | None) -> str:
+    """How a person says it: "2.5 s", "42 s", "3 min", "3.4 h", "2.3 days"."""
+    if seconds is None:
+        return "unknown"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 60:
+        return f"{round(seconds)} s"
+    if seconds < 3600:
+        return f"{round(seconds / 60)} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    days = seconds / 86400
+    return f"{days:.1f} days" if days < 100 else f"{round(days)} days"
+
+
+def format_plan_table(report: Mapping) -> str:
+    """One plan (Candidate.to_json()) as an aligned two-column table, blockers and caveats listed below."""
+    lines = [
+        ("model", report["model"]),
+        ("mode", f"{report['mode']} ({report['reason']})"),
+        ("fits", "yes" if report["fits"] else "NO"),
+        ("checkpoint", f"{format_bytes(report['checkpoint_bytes'])} in {report['layers']} layers "
+                       f"(largest {format_bytes(report['largest_layer_bytes'])}), "
+                       f"outside the layers {format_bytes(report['non_decoder_bytes'])}"),
+        ("compute", f"{report['compute_dtype']} on {report['device']}"),
+        ("memory", f"peak {format_bytes(report['peak_memory_bytes'])} of a "
+                   f"{format_bytes(report['memory_budget_bytes'])} budget "
+                   f"(KV cache {format_bytes(report['kv_bytes_per_token'])} per token)"),
+        ("batches", f"{report['batch_count']} of up to {report['batch_size']} sequences / "
+                    f"{report['batch_tokens']:,} tokens"),
+        ("passes", f"{report['passes']} (lower bound {report['lower_bound_passes']})"),
+        ("read bandwidth", f"{format_rate(report['read_bandwidth_bytes_per_s'])} ({report['bandwidth_basis']}: "
+                           f"{report['bandwidth_how']})"),
+        ("per pass", f"{format_duration(report['seconds_per_pass'])} (reads "
+                     f"{format_duration(report['io_seconds_per_pass'])}, compute "
+                     f"{format_duration(report['compute_seconds_per_pass'])})"),
+        ("ETA", f"{report['eta_human']}; first answer after {format_duration(report['first_answer_seconds'])}; "
+                f"{_per_hour(report['answers_per_hour'])} answers/hour"),
+        ("disk", f"needs {format_bytes(report['disk_needed_bytes'])}; "
+                 f"{format_bytes(report['disk_free_bytes'])} free"),
+    ]
+    width = max(len(label) for label, _ in lines)
+    text = [f"{label:<{width}}  {value}" for label, value in lines]
+    text += _listed("blockers", report["blockers"]) + _listed("caveats", report["caveats"])
+    return "\n".join(text)
+
+
+def format_comparison(candidates: Iterable) -> str:
+    """Several plans side by side (mode, peak memory, passes, ETA, disk needed), then each one's blockers."""
+    reports = [c.to_json() if hasattr(c, "to_json") else c for c in candidates]
+    headers = [r["mode"] + ("" if r["mode"] == "resident" or r["prefetch"] else " (no prefetch)") for r in reports]
+    rows = [
+        ("fits", ["yes" if r["fits"] else "NO" for r in reports]),
+        ("peak memory", [format_bytes(r["peak_memory_bytes"]) for r in reports]),
+        ("budget", [format_bytes(r["memory_budget_bytes"]) for r in reports]),
+        ("batch", [f"{r['batch_size']} seq" for r in reports]),
+        ("passes", [str(r["passes"]) for r in reports]),
+        ("per pass", [format_duration(r["seconds_per_pass"]) for r in reports]),
+        ("ETA", [r["eta_human"] for r in reports]),
+        ("answers/hour", [_per_hour(r["answers_per_hour"]) for r in reports]),
+        ("disk needed", [format_bytes(r["disk_needed_bytes"]) for r in reports]),
+    ]
+    label_width = max(len(label) for label, _ in rows)
+    widths = [max(len(h), *(len(values[i]) for _, values in rows)) for i, h in enumerate(headers)]
+    text = ["  ".join([" " * label_width] + [h.ljust(w) for h, w in zip(headers, widths)]).rstrip()]
+    for label, values in rows:
+        text.append("  ".join([label.ljust(label_width)] + [v.ljust(w) for v, w in zip(values, widths)]).rstrip())
+    for header, report in zip(headers, reports):
+        text += _listed(f"{header} blockers", report["blockers"])
+    return "\n".join(text)
+
+
+def _per_hour(answers_per_hour: float | None) -> str:
+    if answers_per_hour is None:
+        return "unknown"
+    return f"{answers_per_hour:,.0f}" if answers_per_hour >= 10 else f"{answers_per_hour:.1f}"
+
+
+def _listed(title: str, sentences: list[str]) -> list[str]:
+    return [f"{title}:"] + [f"  - {sentence}" for sentence in sentences] if sentences else []
