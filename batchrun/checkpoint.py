@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from batchrun.checkpoint_files import (
-    CONFIG_NAME, DTYPE_BITS, INDEX_NAME, PICKLE_PATTERNS, SINGLE_SHARD_NAME, CheckpointError, TensorInfo,
+    CONFIG_NAME, DTYPE_BITS, INDEX_NAME, SINGLE_SHARD_NAME, CheckpointError, TensorInfo,
     decoder_layer_prefix, load_config, read_header, read_tensor_infos, read_weight_map, refuse_without_safetensors,
     tensor_index,
 )
@@ -27,7 +27,6 @@ __all__ = [
 # so a repository that also ships a consolidated copy of the weights is not downloaded twice.
 HUB_METADATA_PATTERNS = ["*.json", "tokenizer*", "*.model", "*.jinja", "*.txt"]
 _HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
-
 
 
 def resolve_checkpoint(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -43,10 +44,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count
+        return math.prod(self.shape)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -71,18 +69,18 @@ def read_tensor_infos(checkpoint: str | os.PathLike) -> dict[str, TensorInfo]:
     index_file = _find_index(directory)
     if index_file is None:
         return read_header(_single_shard(directory))
-    weight_map = read_weight_map(index_file)
+    names_by_shard: dict[str, list[str]] = {}
+    for name, shard_name in read_weight_map(index_file).items():
+        names_by_shard.setdefault(shard_name, []).append(name)
     infos: dict[str, TensorInfo] = {}
-    for shard_name in sorted(set(weight_map.values())):
+    for shard_name, names in sorted(names_by_shard.items()):
         shard = directory / shard_name
         if not shard.is_file():
             raise CheckpointError(
                 f"{shard}: missing; {index_file.name} places tensors in it (incomplete download?)"
             )
         in_shard = read_header(shard)
-        for name, shard_of_name in weight_map.items():
-            if shard_of_name != shard_name:
-                continue
+        for name in names:
             if name not in in_shard:
                 raise CheckpointError(f"{shard}: has no tensor {name!r} although {index_file.name} places it there")
             infos[name] = in_shard[name]
@@ -186,7 +184,7 @@ def refuse_without_safetensors(where: Path | str, file_names: list[str]) -> None
         raise CheckpointError(
             f"{where}: weights only as pickle ({', '.join(pickles)}): pickle has no tensor index, so one layer "
             "cannot be read without reading the whole file. batchrun requires safetensors; convert the checkpoint "
-            "(e.g. load it with transformers and save_pretrained(..., safe_serialization=True))."
+            "(load it once with transformers and save_pretrained, which writes safetensors)."
         )
     raise CheckpointError(f"{where}: no *.safetensors weight files")
 
@@ -241,15 +239,14 @@ def decoder_layer_prefix(tensor_names, num_layers: int) -> str:
         for position in range(1, len(parts) - 1):
             if parts[position].isdecimal():
                 found.setdefault(".".join(parts[:position]), set()).add(int(parts[position]))
-    wanted = set(range(num_layers))
     # A numbered stack nested inside a numbered module (experts inside layer 3) is never the decoder stack.
-    matches = [p for p, idx in found.items() if idx == wanted and not any(s.isdecimal() for s in p.split("."))]
+    outermost = {p: idx for p, idx in found.items() if not any(part.isdecimal() for part in p.split("."))}
+    matches = [p for p, idx in outermost.items() if idx == set(range(num_layers))]
     if len(matches) == 1:
         return matches[0]
     if matches:
         raise CheckpointError(f"ambiguous decoder stack: {', '.join(sorted(matches))} all have {num_layers} layers")
-    stacks = ", ".join(f"{p} ({len(idx)})" for p, idx in sorted(found.items()) if not any(
-        s.isdecimal() for s in p.split("."))) or "none"
+    stacks = ", ".join(f"{p} ({len(idx)})" for p, idx in sorted(outermost.items())) or "none"
     raise CheckpointError(
         f"no tensor stack numbered 0..{num_layers - 1} matching num_hidden_layers={num_layers}; numbered stacks: {stacks}"
     )

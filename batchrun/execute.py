@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from tqdm import tqdm
+from transformers.utils import logging as transformers_logging
 
 from batchrun.errors import OutputRefused, PlanRefused
 from batchrun.oom import killed_by_oom, memory_cgroup_dir, oom_kill_count
@@ -92,12 +93,13 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
 
 def _all_row_ids(prepared: PreparedJob) -> list[tuple[int, object]]:
     ids = [(r.request.index, r.request.id) for r in prepared.rows]
-    ids += [(bad.index, bad.id if bad.id is not None else bad.index + 1) for bad in prepared.spec.invalid]
+    # An invalid row whose id could not be read is named by its location ("spec.jsonl:12").
+    ids += [(bad.index, bad.id if bad.id is not None else bad.location) for bad in prepared.spec.invalid]
     return sorted(ids)
 
 
 def _record_refused_rows(prepared: PreparedJob, store: Store, job_id: str, pending: set[int]) -> None:
-    errors = [error_result(bad.index, bad.id, f"{bad.location}: {bad.reason}")
+    errors = [error_result(bad.index, bad.id if bad.id is not None else bad.location, f"{bad.location}: {bad.reason}")
               for bad in prepared.spec.invalid if bad.index in pending]
     errors += [error_result(r.request.index, r.request.id, r.error, len(r.prompt_ids))
                for r in prepared.rows if r.error and r.request.index in pending]
@@ -157,6 +159,7 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
     finished_before = status["rows_done"] + status["rows_errored"]
     bar = tqdm(total=status["rows_total"], initial=finished_before, unit="row", disable=quiet,
                desc=f"batchrun {job_id[:8]} ({plan.mode})", dynamic_ncols=True)
+    transformers_logging.disable_progress_bar()  # ours is the progress bar that matters
     model = open_model(prepared.model.checkpoint, mode=plan.mode, device=prepared.device,
                        dtype=prepared.compute_dtype, prefetching=prepared.options.prefetch,
                        trust_remote_code=prepared.options.trust_remote_code)

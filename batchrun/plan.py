@@ -145,7 +145,7 @@ def activation_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, de
                                   prefill_tokens: int, logit_positions: int) -> int:
     per_token = prefill_tokens * linear_activation_bytes_per_token(sizes, compute_bytes)
     attention_scores = 0
-    if device in SCORES_MATERIALISED_ON:  # one layer's scores at a time
+    if _scores_materialised(device):  # one layer's scores at a time
         attention_scores = sizes.num_attention_heads * prefill_tokens * prefill_tokens * ATTENTION_SCORE_BYTES
     logits = logit_positions * sizes.vocab_size * LOGIT_BYTES  # only the positions the executor keeps
     return per_token + attention_scores + logits
@@ -194,7 +194,7 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     per_token = (kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers
                  + linear_activation_bytes_per_token(sizes, compute_bytes)
                  + (sizes.num_attention_heads * longest_prefill * ATTENTION_SCORE_BYTES
-                    if device in SCORES_MATERIALISED_ON else 0))
+                    if _scores_materialised(device) else 0))
     per_sequence = max(row.logit_positions() for row in rows) * sizes.vocab_size * LOGIT_BYTES
     typical_length = statistics.median_low(row.sequence_length() for row in rows)
     max_sequences = max(free_bytes, 0) // (typical_length * per_token + per_sequence)
@@ -257,34 +257,18 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     if sizes.estimated:
         caveats.append("sizes estimated from config.json, not read from the safetensors headers")
 
-    # Rows longer than the context fail on their own (prompts are never truncated) and are left out of the plan.
-    context = context_length or sizes.max_position_embeddings
-    planned = [i for i, row in enumerate(rows) if not context or row.sequence_length() <= context]
-    if len(planned) < len(rows):
-        caveats.append(f"{len(rows) - len(planned)} row(s) longer than the {context:,}-token context will fail "
-                       "(prompts are never truncated)")
-        if not planned:
-            blockers.append(f"every row is longer than the {context:,}-token context")
-    sizing_rows = [rows[i] for i in planned]
-    if not sizing_rows:
-        sizing_rows = [RowCost(min(context or DEFAULT_SIZING_TOKENS, DEFAULT_SIZING_TOKENS), 1)]
-        caveats.append(f"no rows to run: memory sized for one sequence of {sizing_rows[0].prompt_tokens:,} tokens")
+    # Rows: those longer than the context fail on their own (prompts are never truncated) and are not planned.
+    planned, sizing_rows = _plannable_rows(rows, context_length or sizes.max_position_embeddings, caveats, blockers)
 
-    # Memory: the weights the mode keeps, the runtime, and beside them at least the largest row.
-    largest_row = max(range(len(sizing_rows)), key=lambda i: batch_bytes(sizes, compute_bytes, device, sizing_rows, [i]))
-    largest_row_bytes = batch_bytes(sizes, compute_bytes, device, sizing_rows, [largest_row])
+    # Memory: the weights the mode keeps and the runtime, with at least the largest row beside them.
+    row_bytes = [batch_bytes(sizes, compute_bytes, device, sizing_rows, [i]) for i in range(len(sizing_rows))]
+    largest_row = max(range(len(sizing_rows)), key=row_bytes.__getitem__)
+    largest_row_bytes = row_bytes[largest_row]
     resident = resident_weights(sizes, compute_dtype)
     resident_need = resident.bytes + runtime_overhead_bytes + largest_row_bytes
     resident_sum = (f"{resident.what} + runtime {format_bytes(runtime_overhead_bytes)} + largest row "
                     f"{format_bytes(largest_row_bytes)} = {format_bytes(resident_need)}")
-    if policy == "auto":
-        mode = "resident" if resident_need <= budget else "streamed"
-        reason = (f"auto: the model fits: {resident_sum}, within the {format_bytes(budget)} budget"
-                  if mode == "resident" else
-                  f"auto: resident needs {resident_sum}, over the {format_bytes(budget)} budget")
-    else:
-        mode = "streamed" if policy == "always" else "resident"
-        reason = "streaming forced (policy always)" if policy == "always" else "streaming off (policy never)"
+    mode, reason = _choose_mode(policy, resident_need <= budget, resident_sum, budget)
     weights = resident if mode == "resident" else streamed_weights(sizes, compute_dtype, prefetch)
     fixed_bytes = weights.bytes + runtime_overhead_bytes
     if mode == "resident" and resident_need > budget:
@@ -311,10 +295,10 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
                            default=largest_row_bytes)
     passes = passes_for(rows, batches)
 
-    # Time: load what stays resident once, then every pass takes the slower of reading the layers and computing.
+    # Time: load what stays resident once, then each pass takes the slower of reading the layers and computing.
     bytes_per_s = bandwidth.bytes_per_s
     if mode == "streamed" and bytes_per_s is None:
-        blockers.append("read bandwidth unknown: measure it (batchrun measure) or declare it")
+        blockers.append("read bandwidth unknown: measure it (`batchrun disk`) or declare it (--bandwidth)")
     if bandwidth.basis == "assumed" and bytes_per_s is not None:
         caveats.append(f"ETA uses an assumed read bandwidth of {format_rate(bytes_per_s)} ({bandwidth.how})")
     load_bytes = sizes.checkpoint_bytes if mode == "resident" else sizes.non_decoder_bytes
@@ -362,6 +346,34 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     )
 
 
+def _plannable_rows(rows: Sequence[RowCost], context: int | None, caveats: list[str],
+                    blockers: list[str]) -> tuple[list[int], list[RowCost]]:
+    """(indices of rows within the context, the rows to size memory for). With no such rows, memory is sized
+    for one sequence of DEFAULT_SIZING_TOKENS (or the context, if shorter)."""
+    planned = [i for i, row in enumerate(rows) if not context or row.sequence_length() <= context]
+    if len(planned) < len(rows):
+        caveats.append(f"{len(rows) - len(planned)} row(s) longer than the {context:,}-token context will fail "
+                       "(prompts are never truncated)")
+        if not planned:
+            blockers.append(f"every row is longer than the {context:,}-token context")
+    if planned:
+        return planned, [rows[i] for i in planned]
+    stand_in = RowCost(min(context or DEFAULT_SIZING_TOKENS, DEFAULT_SIZING_TOKENS), 1)
+    caveats.append(f"no rows to run: memory sized for one sequence of {stand_in.prompt_tokens:,} tokens")
+    return planned, [stand_in]
+
+
+def _choose_mode(policy: str, resident_fits: bool, resident_sum: str, budget: int) -> tuple[str, str]:
+    """(mode, reason) for the policy: auto streams only when the resident footprint exceeds the budget."""
+    if policy == "always":
+        return "streamed", "streaming forced (policy always)"
+    if policy == "never":
+        return "resident", "streaming off (policy never)"
+    if resident_fits:
+        return "resident", f"auto: the model fits: {resident_sum}, within the {format_bytes(budget)} budget"
+    return "streamed", f"auto: resident needs {resident_sum}, over the {format_bytes(budget)} budget"
+
+
 @dataclass(frozen=True)
 class Timeline:
     pass_seconds: list[float | None]  # in run order
@@ -376,20 +388,28 @@ class Timeline:
 
 def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Sequence[Sequence[int]],
                  io_seconds: float | None, compute_flops_per_s: float | None) -> Timeline:
-    """Seconds of every pass: max(read bound, compute bound). Reads alone when the compute rate is unknown;
-    unknown for a resident run (nothing to read) without a compute rate, or a streamed one without a bandwidth."""
+    """Seconds of every pass of the job, in run order, and of every batch."""
     pass_seconds, compute_seconds, batch_seconds = [], [], []
     compute_bound = 0
     for batch in batches:
         computes = [f / compute_flops_per_s if compute_flops_per_s else None
                     for f in batch_pass_flops(sizes, rows, batch)]
-        bounds = [max(io_seconds, c or 0.0) if io_seconds else c for c in computes] if io_seconds is not None \
-            else [None] * len(computes)
+        bounds = [pass_bound(io_seconds, c) for c in computes]
         compute_bound += sum(1 for c in computes if c is not None and io_seconds and c > io_seconds)
         compute_seconds += computes
         pass_seconds += bounds
         batch_seconds.append(None if None in bounds else sum(bounds))
     return Timeline(pass_seconds, compute_seconds, batch_seconds, compute_bound)
+
+
+def pass_bound(io_seconds: float | None, compute_seconds: float | None) -> float | None:
+    """max(read the layers, compute); reads alone when the compute rate is unknown. Unknown for a streamed pass
+    without a bandwidth, and for a resident one (io 0) without a compute rate."""
+    if io_seconds is None:
+        return None
+    if compute_seconds is None:
+        return io_seconds or None
+    return max(io_seconds, compute_seconds)
 
 
 def compare_modes(sizes: CheckpointSizes, rows: Sequence[RowCost], **options) -> list[Candidate]:
@@ -398,6 +418,10 @@ def compare_modes(sizes: CheckpointSizes, rows: Sequence[RowCost], **options) ->
     return [make_plan(sizes, rows, streaming="never", **options),
             make_plan(sizes, rows, streaming="always", prefetch=True, **options),
             make_plan(sizes, rows, streaming="always", prefetch=False, **options)]
+
+
+def _scores_materialised(device: str) -> bool:
+    return device.split(":")[0] in SCORES_MATERIALISED_ON
 
 
 def _padded_tokens(rows: Sequence[RowCost], batch: Sequence[int]) -> int:

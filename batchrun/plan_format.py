@@ -45,10 +45,51 @@ def format_duration(seconds: float | None) -> str:
 
 
 def format_plan_table(report: Mapping) -> str:
-    """One plan (Candidate.to_json()) as an aligned two-column table, blockers and caveats listed below."""
+    """One plan as an aligned two-column table with its blockers and caveats. Takes a candidate
+    (Candidate.to_json()) or a plan report holding "candidates" (then the job summary comes first)."""
+    if "candidates" in report:
+        parts = [_job_summary(report)] + [_candidate_table(c) for c in report["candidates"]]
+        return "\n\n".join(part for part in parts if part)
+    return _candidate_table(report)
+
+
+def format_comparison(candidates: Iterable | Mapping) -> str:
+    """Several plans side by side (mode, peak memory, passes, ETA, disk needed), then each one's blockers.
+    Takes candidates (Candidate objects or their JSON) or a plan report holding "candidates"."""
+    summary = ""
+    if isinstance(candidates, Mapping):
+        summary, candidates = _job_summary(candidates), candidates["candidates"]
+    reports = [c.to_json() if hasattr(c, "to_json") else c for c in candidates]
+    headers = _column_headers(reports)
+    rows = [
+        ("mode", [_mode(r) for r in reports]),
+        ("fits", ["yes" if r.get("fits") else "NO" for r in reports]),
+        ("peak memory", [format_bytes(r.get("peak_memory_bytes")) for r in reports]),
+        ("budget", [format_bytes(r.get("memory_budget_bytes")) for r in reports]),
+        ("batch", [f"{r['batch_size']} seq" if r.get("batch_size") else "-" for r in reports]),
+        ("passes", [str(r.get("passes", "-")) for r in reports]),
+        ("per pass", [format_duration(r.get("seconds_per_pass")) for r in reports]),
+        ("ETA", [format_duration(r.get("eta_seconds")) for r in reports]),
+        ("answers/hour", [_per_hour(r.get("answers_per_hour")) for r in reports]),
+        ("disk needed", [format_bytes(r.get("disk_needed_bytes")) for r in reports]),
+    ]
+    label_width = max(len(label) for label, _ in rows)
+    widths = [max(len(h), *(len(values[i]) for _, values in rows)) for i, h in enumerate(headers)]
+    text = ["  ".join([" " * label_width] + [h.ljust(w) for h, w in zip(headers, widths)]).rstrip()]
+    for label, values in rows:
+        text.append("  ".join([label.ljust(label_width)] + [v.ljust(w) for v, w in zip(values, widths)]).rstrip())
+    for header, report in zip(headers, reports):
+        text += _listed(f"{header} blockers", report.get("blockers", []))
+    return "\n".join(([summary, ""] if summary else []) + text)
+
+
+def _candidate_table(report: Mapping) -> str:
+    if report.get("mode") is None:  # a model that could not be planned at all
+        return "\n".join([f"model  {report['model']}: {report.get('reason', 'cannot be planned')}"]
+                         + _listed("blockers", report.get("blockers", [])))
     lines = [
         ("model", report["model"]),
-        ("mode", f"{report['mode']} ({report['reason']})"),
+        ("mode", f"{_mode(report)} ({report['reason']})"),
         ("fits", "yes" if report["fits"] else "NO"),
         ("checkpoint", f"{format_bytes(report['checkpoint_bytes'])} in {report['layers']} layers "
                        f"(largest {format_bytes(report['largest_layer_bytes'])}), "
@@ -65,40 +106,44 @@ def format_plan_table(report: Mapping) -> str:
         ("per pass", f"{format_duration(report['seconds_per_pass'])} (reads "
                      f"{format_duration(report['io_seconds_per_pass'])}, compute "
                      f"{format_duration(report['compute_seconds_per_pass'])})"),
-        ("ETA", f"{report['eta_human']}; first answer after {format_duration(report['first_answer_seconds'])}; "
+        ("ETA", f"{format_duration(report['eta_seconds'])}; first answer after "
+                f"{format_duration(report['first_answer_seconds'])}; "
                 f"{_per_hour(report['answers_per_hour'])} answers/hour"),
         ("disk", f"needs {format_bytes(report['disk_needed_bytes'])}; "
                  f"{format_bytes(report['disk_free_bytes'])} free"),
     ]
     width = max(len(label) for label, _ in lines)
     text = [f"{label:<{width}}  {value}" for label, value in lines]
-    text += _listed("blockers", report["blockers"]) + _listed("caveats", report["caveats"])
-    return "\n".join(text)
+    return "\n".join(text + _listed("blockers", report["blockers"]) + _listed("caveats", report["caveats"]))
 
 
-def format_comparison(candidates: Iterable) -> str:
-    """Several plans side by side (mode, peak memory, passes, ETA, disk needed), then each one's blockers."""
-    reports = [c.to_json() if hasattr(c, "to_json") else c for c in candidates]
-    headers = [r["mode"] + ("" if r["mode"] == "resident" or r["prefetch"] else " (no prefetch)") for r in reports]
-    rows = [
-        ("fits", ["yes" if r["fits"] else "NO" for r in reports]),
-        ("peak memory", [format_bytes(r["peak_memory_bytes"]) for r in reports]),
-        ("budget", [format_bytes(r["memory_budget_bytes"]) for r in reports]),
-        ("batch", [f"{r['batch_size']} seq" for r in reports]),
-        ("passes", [str(r["passes"]) for r in reports]),
-        ("per pass", [format_duration(r["seconds_per_pass"]) for r in reports]),
-        ("ETA", [r["eta_human"] for r in reports]),
-        ("answers/hour", [_per_hour(r["answers_per_hour"]) for r in reports]),
-        ("disk needed", [format_bytes(r["disk_needed_bytes"]) for r in reports]),
-    ]
-    label_width = max(len(label) for label, _ in rows)
-    widths = [max(len(h), *(len(values[i]) for _, values in rows)) for i, h in enumerate(headers)]
-    text = ["  ".join([" " * label_width] + [h.ljust(w) for h, w in zip(headers, widths)]).rstrip()]
-    for label, values in rows:
-        text.append("  ".join([label.ljust(label_width)] + [v.ljust(w) for v, w in zip(values, widths)]).rstrip())
-    for header, report in zip(headers, reports):
-        text += _listed(f"{header} blockers", report["blockers"])
-    return "\n".join(text)
+def _job_summary(report: Mapping) -> str:
+    """The job half of a plan report: rows and tokens (keys the report may lack are left out)."""
+    parts = []
+    if "spec" in report:
+        parts.append(f"job {report['spec']}: {report.get('rows', '?')} rows")
+    if report.get("invalid_rows"):
+        parts.append(f"{report['invalid_rows']} invalid")
+    if "prompt_tokens_total" in report:
+        parts.append(f"{report['prompt_tokens_total']:,} prompt tokens (longest {report['prompt_tokens_max']:,})")
+    if report.get("new_tokens_max"):
+        parts.append(f"up to {report['new_tokens_max']} new tokens per row")
+    if report.get("too_long_rows"):
+        parts.append(f"{len(report['too_long_rows'])} too long for the context")
+    return "; ".join(parts)
+
+
+def _column_headers(reports: list[Mapping]) -> list[str]:
+    """Model names when the candidates are different models, else their modes."""
+    models = [str(r.get("model")) for r in reports]
+    return models if len(set(models)) > 1 else [_mode(r) for r in reports]
+
+
+def _mode(report: Mapping) -> str:
+    mode = report.get("mode")
+    if mode is None:
+        return "unusable"
+    return mode + (" (no prefetch)" if mode == "streamed" and not report.get("prefetch", True) else "")
 
 
 def _per_hour(answers_per_hour: float | None) -> str:

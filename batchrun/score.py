@@ -5,6 +5,7 @@ checkpoint when streamed). Shapes: B sequences, S padded length, V vocabulary.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -39,11 +40,19 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.
     return ids.to(device), mask.to(device), positions.to(device)
 
 
+def cache_argument(model) -> str:
+    """transformers 5.2x renamed `past_key_values` to `cache`; accept either release."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def forward(model, ids, mask, positions, *, keep: int, cache=None, use_cache: bool = False):
     """One pass. Returns float32 log-probs of the last `keep` positions [B, keep, V] and the cache."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                use_cache=use_cache, logits_to_keep=keep)
-    return torch.log_softmax(out.logits.float(), dim=-1), out.past_key_values
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=use_cache,
+                logits_to_keep=keep, **{cache_argument(model): cache})
+    new_cache = getattr(out, "cache", None)
+    if new_cache is None:
+        new_cache = getattr(out, "past_key_values", None)
+    return torch.log_softmax(out.logits.float(), dim=-1), new_cache
 
 
 # -- choice rows ---------------------------------------------------------------------------------

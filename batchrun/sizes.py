@@ -97,7 +97,10 @@ def checkpoint_sizes(checkpoint: str | os.PathLike, trust_remote_code: bool = Fa
     text = _text_config(config)
     where = str(directory / CONFIG_NAME)
     num_layers = _num_layers(text, where)
-    prefix = decoder_layer_prefix(infos, num_layers)
+    try:
+        prefix = decoder_layer_prefix(infos, num_layers)
+    except CheckpointError as error:
+        raise CheckpointError(f"{directory}: {error}") from None
 
     layer_bytes, layer_params = [0] * num_layers, [0] * num_layers
     outside: list[TensorInfo] = []
@@ -124,7 +127,7 @@ def checkpoint_sizes(checkpoint: str | os.PathLike, trust_remote_code: bool = Fa
     for info in infos.values():
         bytes_by_dtype[info.dtype] += info.nbytes
     return CheckpointSizes(
-        path=directory, model_type=arch.model_type, storage_dtype=bytes_by_dtype.most_common(1)[0][0],
+        path=directory, storage_dtype=bytes_by_dtype.most_common(1)[0][0],
         num_layers=num_layers, layer_bytes=layer_bytes, non_decoder_bytes=sum(i.nbytes for i in outside),
         layer_params=layer_params, non_decoder_params=sum(i.numel for i in outside),
         tied_embeddings=bool(tied), estimated=False, source="headers", decoder_prefix=prefix, **arch.size_fields(),
@@ -159,7 +162,9 @@ def sizes_from_config(config: dict, dtype: str = "BF16", *, path: Path | None = 
     non_decoder_params = arch.vocab_size * hidden * (1 if tied else 2) + hidden  # embedding (+ head) + final norm
     bits = DTYPE_BITS[code]
     fields = arch.size_fields()
-    fields["assumptions"].append("sizes estimated from config.json (gated MLP assumed)")
+    fields["assumptions"].append("MLP assumed gated (three matrices), as in most current models")
+    if "tie_word_embeddings" not in _text_config(config):
+        fields["assumptions"].append("tie_word_embeddings not stated: the head is assumed untied (its own matrix)")
     return CheckpointSizes(
         path=path, storage_dtype=code, num_layers=num_layers,
         layer_bytes=[per_layer_params * bits // 8] * num_layers, non_decoder_bytes=non_decoder_params * bits // 8,

@@ -111,6 +111,23 @@ def test_provisioned_model_is_found_without_importing_torch(default_checkpoint):
     assert result.stdout.strip() == str(default_checkpoint)
 
 
+def test_crash_during_conversion_leaves_nothing_to_trust(smollm2_wheel, tmp_path, monkeypatch):
+    monkeypatch.setenv(WHEEL_ENV, str(smollm2_wheel))
+
+    def crash_halfway(gguf_path, out_dir):
+        out_dir.mkdir()
+        (out_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        raise KeyboardInterrupt  # e.g. the user pressed Ctrl-C while the weights were being written
+
+    monkeypatch.setattr(default, "_convert", crash_halfway)
+    home = tmp_path / "home"
+    with pytest.raises(KeyboardInterrupt):
+        default_model(home=home)
+    models = home / "models"
+    assert not (models / DEFAULT_MODEL_NAME).exists()
+    assert [p.name for p in models.iterdir()] == [LOCK_NAME]
+
+
 def test_failing_pip_raises_an_error_that_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.delenv(WHEEL_ENV, raising=False)
     empty_index = tmp_path / "empty-index"

@@ -150,6 +150,7 @@ def _build_once(target: Path, write: Callable[[Path], None]) -> Path:
     try:
         write(staging)
         (staging / COMPLETE_MARKER).write_text("ok\n")
+        os.chmod(staging, 0o755)  # mkdtemp creates 0700; a shared test cache must stay readable
         try:
             os.rename(staging, target)
         except OSError:

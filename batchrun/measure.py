@@ -1,0 +1,295 @@
+"""What the plan must learn from this machine: cold read bandwidth of the checkpoint's disk, compute rate, the
+runtime's own memory, and the memory and disk available. Measurements are cached in
+state_dir()/measurements.json. Importing this module imports no torch; only measuring compute does.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from batchrun.paths import state_dir
+from batchrun.plan import Bandwidth
+from batchrun.plan_format import format_bytes
+
+MEASUREMENTS_FILE = "measurements.json"
+READ_CHUNK_BYTES = 16 << 20  # large sequential reads, like a streamer reading a layer
+# Reads smaller than this measure latency and caches more than bandwidth: reported, but not cached as the
+# figure for the whole filesystem.
+MIN_CACHED_SAMPLE_BYTES = 64 << 20
+# A matmul shaped like a batch of a few hundred tokens through a 2k-wide layer (median of COMPUTE_REPEATS).
+COMPUTE_SHAPE = (256, 2048, 2048)
+COMPUTE_REPEATS = 5
+# Used only when the probe below cannot run: resident set of a CPU process that imported torch and
+# transformers' model code, rounded up.
+RUNTIME_OVERHEAD_FALLBACK_BYTES = 700 << 20
+_RUNTIME_PROBE = (
+    "import resource, sys, torch, transformers.modeling_utils\n"
+    "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+    "print(peak if sys.platform == 'darwin' else peak * 1024)\n"  # macOS reports bytes, Linux KiB
+)
+_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Read bandwidth
+
+
+def measure_read_bandwidth(path: Path, max_bytes: int = 1 << 30) -> Bandwidth:
+    """Cold sequential read rate of the storage holding `path` (a checkpoint directory: its largest shard).
+    O_DIRECT bypasses the page cache where the filesystem supports it; elsewhere the file's cached pages are
+    dropped first. Cached per filesystem."""
+    file = _largest_weight_file(Path(path))
+    try:
+        seconds, read = _timed_direct_read(file, max_bytes)
+        method = "O_DIRECT sequential reads"
+    except OSError:  # filesystems without O_DIRECT (tmpfs, some network mounts) refuse it
+        seconds, read = _timed_read_after_dropping_cache(file, max_bytes)
+        method = "sequential reads after posix_fadvise(DONTNEED) (pages held elsewhere may still be cached)"
+    if read == 0:
+        raise ValueError(f"{file}: empty file, nothing to measure")
+    how = f"{method} of {format_bytes(read)} from {file}"
+    bytes_per_s = read / max(seconds, 1e-9)
+    if read >= MIN_CACHED_SAMPLE_BYTES:
+        _store("bandwidth", str(os.stat(file).st_dev), {"bytes_per_s": bytes_per_s, "how": how, "bytes_read": read})
+    else:
+        how += " (sample too small to cache for this filesystem)"
+    return Bandwidth(bytes_per_s, "measured", how)
+
+
+def cached_bandwidth(path: Path) -> Bandwidth | None:
+    """The bandwidth measured earlier on the filesystem holding `path`, if any."""
+    entry = _load().get("bandwidth", {}).get(str(os.stat(path).st_dev))
+    if entry is None:
+        return None
+    return Bandwidth(entry["bytes_per_s"], "measured", f"{entry['how']}, on {entry['measured_at'][:10]}")
+
+
+def _largest_weight_file(path: Path) -> Path:
+    if not path.is_dir():
+        return path
+    files = sorted(path.glob("*.safetensors")) or [p for p in path.iterdir() if p.is_file()]
+    if not files:
+        raise ValueError(f"{path}: no files to measure")
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def _timed_direct_read(file: Path, max_bytes: int) -> tuple[float, int]:
+    if not hasattr(os, "O_DIRECT"):
+        raise OSError("O_DIRECT is not available on this platform")
+    descriptor = os.open(file, os.O_RDONLY | os.O_DIRECT)
+    buffer = mmap.mmap(-1, READ_CHUNK_BYTES)  # anonymous maps are page-aligned, as O_DIRECT requires
+    try:
+        return _timed_reads(lambda offset: os.preadv(descriptor, [buffer], offset), max_bytes)
+    finally:
+        buffer.close()
+        os.close(descriptor)
+
+
+def _timed_read_after_dropping_cache(file: Path, max_bytes: int) -> tuple[float, int]:
+    buffer = bytearray(READ_CHUNK_BYTES)
+    with open(file, "rb", buffering=0) as handle:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        return _timed_reads(lambda offset: handle.readinto(buffer), max_bytes)
+
+
+def _timed_reads(read_chunk_at, max_bytes: int) -> tuple[float, int]:
+    done = 0
+    start = time.perf_counter()
+    while done < max_bytes:
+        count = read_chunk_at(done)
+        done += count
+        if count < READ_CHUNK_BYTES:  # end of file
+            break
+    return time.perf_counter() - start, done
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compute rate and runtime overhead
+
+
+def measure_compute_rate(dtype: str, device: str = "cpu") -> float:
+    """FLOP/s of a prefill-shaped matmul in `dtype` on `device` (median of a few), cached per device, dtype and
+    torch thread count."""
+    import torch
+
+    rows, inner, cols = COMPUTE_SHAPE
+    torch_dtype = getattr(torch, dtype)
+    left = torch.randn(rows, inner, dtype=torch_dtype, device=device)
+    right = torch.randn(inner, cols, dtype=torch_dtype, device=device)
+    wait = _synchronizer(torch, device)
+    left @ right  # the first call pays for kernel selection and thread start-up
+    wait()
+    seconds = []
+    for _ in range(COMPUTE_REPEATS):
+        start = time.perf_counter()
+        left @ right
+        wait()
+        seconds.append(time.perf_counter() - start)
+    rate = 2 * rows * inner * cols / max(statistics.median(seconds), 1e-9)
+    _store("compute", _compute_key(dtype, device, torch.get_num_threads()), {"flops_per_s": rate})
+    return rate
+
+
+def _synchronizer(torch, device: str):
+    """Accelerators run asynchronously: time only after the work is done."""
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        return torch.cuda.synchronize
+    if kind == "mps":
+        return torch.mps.synchronize
+    return lambda: None
+
+
+def compute_rate(dtype: str, device: str = "cpu") -> float:
+    """The cached compute rate for dtype on device, measured now if there is none."""
+    import torch
+
+    entry = _load().get("compute", {}).get(_compute_key(dtype, device, torch.get_num_threads()))
+    return entry["flops_per_s"] if entry else measure_compute_rate(dtype, device)
+
+
+def _compute_key(dtype: str, device: str, threads: int) -> str:
+    return f"{device}:{dtype}:threads={threads}"
+
+
+def runtime_overhead_bytes() -> int:
+    """Peak resident memory of a fresh Python that imported torch and transformers' model code: what a run costs
+    before any weight. Measured once per interpreter in a subprocess; RUNTIME_OVERHEAD_FALLBACK_BYTES if the
+    probe fails."""
+    entry = _load().get("runtime_overhead", {}).get(sys.executable)
+    if entry:
+        return entry["bytes"]
+    try:
+        probe = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE], capture_output=True, text=True,
+                               timeout=300, check=True)
+        measured = int(probe.stdout.split()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return RUNTIME_OVERHEAD_FALLBACK_BYTES
+    _store("runtime_overhead", sys.executable, {"bytes": measured})
+    return measured
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Memory and disk available
+
+
+def available_memory_bytes(device: str = "cpu") -> int:
+    """Memory a run may use: free device memory on an accelerator; on the host, MemAvailable, lowered to the
+    headroom of this process's memory cgroup when that is smaller."""
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    if kind == "mps":  # unified memory: the OS-recommended working set, less what torch already holds
+        import torch
+
+        return int(torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory())
+    host = host_available_bytes()
+    headroom = cgroup_headroom_bytes()
+    candidates = [value for value in (host, headroom) if value is not None]
+    if not candidates:
+        raise OSError("cannot tell the available memory (no /proc/meminfo); pass a memory budget")
+    return min(candidates)
+
+
+def host_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def cgroup_headroom_bytes(proc_cgroup: Path = Path("/proc/self/cgroup"),
+                          root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Limit minus working set (usage less inactive page cache, which the kernel reclaims first) of this
+    process's memory cgroup and its ancestors, v1 or v2; None when no limit applies."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    headrooms = []
+    for line in lines:
+        _hierarchy, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2 (unified), mounted at root or root/unified on hybrid systems
+            for mount in (root, root / "unified"):
+                headrooms += _headrooms(mount, path, "memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            headrooms += _headrooms(root / "memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes",
+                                    "total_inactive_file")
+    return min(headrooms) if headrooms else None
+
+
+def _headrooms(mount: Path, path: str, limit_name: str, usage_name: str, inactive_key: str) -> list[int]:
+    found = []
+    directory = mount / path.lstrip("/")
+    while True:
+        limit = _read_int(directory / limit_name)
+        usage = _read_int(directory / usage_name)
+        if limit is not None and usage is not None and limit < _UNLIMITED:
+            inactive = _stat_value(directory / "memory.stat", inactive_key)
+            found.append(max(limit - (usage - inactive), 0))
+        if directory == mount or mount not in directory.parents:
+            return found
+        directory = directory.parent
+
+
+def _read_int(file: Path) -> int | None:
+    try:
+        text = file.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" = no limit
+
+
+def _stat_value(file: Path, key: str) -> int:
+    try:
+        for line in file.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def disk_free_bytes(path: Path) -> int:
+    """Free space on the filesystem that holds (or will hold) `path`."""
+    existing = Path(path).expanduser().absolute()
+    while not existing.exists():
+        existing = existing.parent
+    return shutil.disk_usage(existing).free
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The cache
+
+
+def _load() -> dict:
+    try:
+        return json.loads((state_dir() / MEASUREMENTS_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}  # nothing measured yet, or a damaged file that the next measurement replaces
+
+
+def _store(section: str, key: str, entry: dict) -> None:
+    measurements = _load()
+    entry = {**entry, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    measurements.setdefault(section, {})[key] = entry
+    file = state_dir() / MEASUREMENTS_FILE
+    temporary = file.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(measurements, indent=2))
+    os.replace(temporary, file)  # atomic: a concurrent reader sees the old or the new file, never half

@@ -1,0 +1,219 @@
+"""batchrun submit end to end, checked against plain transformers computed independently, one row at a time."""
+from __future__ import annotations
+
+import json
+import math
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from batchrun.execute import submit
+from batchrun.prepare import JobOptions
+from batchrun.store import Store
+
+REVIEWS = [
+    "The blender is loud but it crushes ice in seconds.",
+    "Terrible battery, it died after two days.",
+    "Lovely hotel, friendly staff and a quiet room.",
+    "The app crashes whenever I open the camera.",
+    "Great value for the price, I would buy it again.",
+    "The soup was cold and the waiter ignored us for an hour, which ruined the evening.",
+]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def choice_spec(tmp_path, choices=("positive", "negative")):
+    rows = [{"id": f"r{i}", "prompt": f"Review: {text}\nIs it positive or negative?", "choices": list(choices)}
+            for i, text in enumerate(REVIEWS)]
+    return write_jsonl(tmp_path / "choices.jsonl", rows)
+
+
+def generation_spec(tmp_path, max_new_tokens=6):
+    rows = [{"id": i, "prompt": f"Summarise: {text}", "max_new_tokens": max_new_tokens}
+            for i, text in enumerate(REVIEWS)]
+    return write_jsonl(tmp_path / "gen.jsonl", rows)
+
+
+def reference_model(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def prompt_ids(tokenizer, prompt):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def reference_choice_probs(model, tokenizer, prompt, choices):
+    """Independent: one sequence per choice, batch of one, sum of log-probs of the choice tokens."""
+    base = prompt_ids(tokenizer, prompt)
+    sums = []
+    for choice in choices:
+        tokens = tokenizer.encode(choice, add_special_tokens=False)
+        ids = torch.tensor([base + tokens])
+        with torch.inference_mode():
+            logprobs = torch.log_softmax(model(ids).logits[0].float(), -1)
+        sums.append(sum(logprobs[len(base) - 1 + j, t].item() for j, t in enumerate(tokens)))
+    top = max(sums)
+    total = sum(math.exp(s - top) for s in sums)
+    return {c: math.exp(s - top) / total for c, s in zip(choices, sums)}
+
+
+def reference_generation(model, tokenizer, prompt, max_new_tokens):
+    ids = torch.tensor([prompt_ids(tokenizer, prompt)])
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+    new = out[0, ids.shape[1]:].tolist()
+    eos = tokenizer.eos_token_id
+    finish = "stop" if eos in new else "length"
+    if eos in new:
+        new = new[:new.index(eos)]
+    return tokenizer.decode(new, skip_special_tokens=True), finish
+
+
+def run(spec, tmp_path, model, name, **options):
+    out = tmp_path / f"{name}.parquet"
+    summary = submit(spec, options=JobOptions(model=str(model), **options), output=out, db=tmp_path / f"{name}.db")
+    return summary, pq.read_table(out).to_pylist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "mixtral"])
+@pytest.mark.parametrize("streaming,batch_size", [("never", 1), ("never", None), ("always", 1), ("always", None)])
+def test_choice_answers_equal_reference(tmp_path, tiny_checkpoint, arch, streaming, batch_size):
+    path = tiny_checkpoint(arch)
+    model, tokenizer = reference_model(path)
+    summary, rows = run(choice_spec(tmp_path), tmp_path, path, "out", streaming=streaming, batch_size=batch_size)
+    assert summary.mode == ("resident" if streaming == "never" else "streamed")
+    assert [r["id"] for r in rows] == [f"r{i}" for i in range(len(REVIEWS))]
+    for row, text in zip(rows, REVIEWS):
+        expected = reference_choice_probs(model, tokenizer, f"Review: {text}\nIs it positive or negative?",
+                                          ["positive", "negative"])
+        assert row["finish_reason"] == "choice"
+        got = dict(row["choice_probs"])
+        for choice, p in expected.items():
+            assert got[choice] == pytest.approx(p, abs=1e-4)
+        assert row["answer"] == max(expected, key=expected.get)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("streaming,batch_size", [("never", None), ("always", 1), ("always", None)])
+def test_generation_equals_greedy_generate(tmp_path, tiny_checkpoint, arch, streaming, batch_size):
+    path = tiny_checkpoint(arch)
+    model, tokenizer = reference_model(path)
+    summary, rows = run(generation_spec(tmp_path), tmp_path, path, "gen", streaming=streaming,
+                        batch_size=batch_size)
+    for row, text in zip(rows, REVIEWS):
+        answer, finish = reference_generation(model, tokenizer, f"Summarise: {text}", 6)
+        assert (row["answer"], row["finish_reason"]) == (answer, finish)
+    if batch_size is None:
+        assert summary.passes_now == 6  # every row in one batch: one pass per new token
+
+
+def test_numeric_choices_get_a_probability_weighted_score(tmp_path, tiny_checkpoint):
+    spec = choice_spec(tmp_path, choices=("1", "2", "3", "4", "5"))
+    _, rows = run(spec, tmp_path, tiny_checkpoint("llama"), "score")
+    for row in rows:
+        probs = dict(row["choice_probs"])
+        assert row["score"] == pytest.approx(sum(float(c) * p for c, p in probs.items()), abs=1e-9)
+        assert sum(probs.values()) == pytest.approx(1.0)
+
+
+def test_multi_token_choices_are_scored_over_all_their_tokens(tmp_path, tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    model, tokenizer = reference_model(path)
+    choices = ["very positive indeed", "negative", "it is hard to say"]
+    assert any(len(tokenizer.encode(c, add_special_tokens=False)) > 1 for c in choices)
+    _, rows = run(choice_spec(tmp_path, choices), tmp_path, path, "multi", streaming="always")
+    for row, text in zip(rows, REVIEWS):
+        expected = reference_choice_probs(model, tokenizer, f"Review: {text}\nIs it positive or negative?", choices)
+        got = dict(row["choice_probs"])
+        assert all(got[c] == pytest.approx(p, abs=1e-4) for c, p in expected.items())
+
+
+def test_rerun_resumes_and_recomputes_nothing(tmp_path, tiny_checkpoint):
+    spec = generation_spec(tmp_path)
+    first = submit(spec, options=JobOptions(model=str(tiny_checkpoint("llama"))), output=tmp_path / "a.parquet",
+                   db=tmp_path / "j.db")
+    again = submit(spec, options=JobOptions(model=str(tiny_checkpoint("llama")), batch_size=2, memory_gb=3),
+                   output=tmp_path / "b.parquet", db=tmp_path / "j.db")
+    assert again.job_id == first.job_id
+    assert again.rows_computed_now == 0 and again.passes_now == 0
+    assert pq.read_table(tmp_path / "a.parquet").equals(pq.read_table(tmp_path / "b.parquet"))
+
+
+def test_changed_setting_is_a_new_job(tmp_path, tiny_checkpoint):
+    spec = generation_spec(tmp_path)
+    model = str(tiny_checkpoint("llama"))
+    first = submit(spec, options=JobOptions(model=model), output=tmp_path / "a.parquet", db=tmp_path / "j.db")
+    other = submit(spec, options=JobOptions(model=model, system="Be brief."), output=tmp_path / "b.parquet",
+                   db=tmp_path / "j.db")
+    assert other.job_id != first.job_id and other.rows_computed_now == len(REVIEWS)
+
+
+def test_existing_output_is_not_overwritten_without_force(tmp_path, tiny_checkpoint):
+    from batchrun.errors import OutputRefused
+
+    spec = generation_spec(tmp_path)
+    out = tmp_path / "answers.parquet"
+    out.write_bytes(b"precious")
+    with pytest.raises(OutputRefused, match="--force"):
+        submit(spec, options=JobOptions(model=str(tiny_checkpoint("llama"))), output=out, db=tmp_path / "j.db")
+    assert out.read_bytes() == b"precious"
+    submit(spec, options=JobOptions(model=str(tiny_checkpoint("llama"))), output=out, db=tmp_path / "j.db",
+           force=True)
+    assert pq.read_table(out).num_rows == len(REVIEWS)
+
+
+def test_too_long_prompt_is_an_errored_row_never_truncated(tmp_path, tiny_checkpoint):
+    rows = [{"id": "short", "prompt": "Hello there", "max_new_tokens": 2},
+            {"id": "long", "prompt": "word " * 400, "max_new_tokens": 2}]
+    spec = write_jsonl(tmp_path / "long.jsonl", rows)
+    summary, out = run(spec, tmp_path, tiny_checkpoint("llama"), "long")
+    by_id = {r["id"]: r for r in out}
+    assert by_id["short"]["finish_reason"] in ("stop", "length")
+    assert by_id["long"]["finish_reason"] == "error"
+    assert "context is 256 tokens" in by_id["long"]["error"] and "never truncates" in by_id["long"]["error"]
+    assert summary.rows_errored == 1
+
+
+def test_skip_invalid_records_bad_rows_and_runs_the_rest(tmp_path, tiny_checkpoint):
+    spec = tmp_path / "mixed.jsonl"
+    spec.write_text('{"id": "ok", "prompt": "Hi", "max_new_tokens": 2}\n{"id": "bad", "prompt": 5}\nnot json\n')
+    summary, out = run(spec, tmp_path, tiny_checkpoint("llama"), "mixed", skip_invalid=True)
+    assert [r["finish_reason"] for r in out] == ["length", "error", "error"] or out[0]["finish_reason"] == "stop"
+    assert "mixed.jsonl:2" in out[1]["error"] and "mixed.jsonl:3" in out[2]["error"]
+    assert summary.rows_done == 1 and summary.rows_errored == 2
+
+
+def test_stop_string_ends_generation_and_is_cut(tmp_path, tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    model, tokenizer = reference_model(path)
+    free, _ = reference_generation(model, tokenizer, "Summarise: " + REVIEWS[0], 8)
+    stop = free.strip()[2:4] if len(free.strip()) >= 4 else None
+    if not stop:
+        pytest.skip("the tiny model's free answer is too short to cut")
+    rows = [{"id": 0, "prompt": "Summarise: " + REVIEWS[0], "max_new_tokens": 8, "stop": [stop]}]
+    _, out = run(write_jsonl(tmp_path / "stop.jsonl", rows), tmp_path, path, "stop")
+    assert out[0]["finish_reason"] == "stop"
+    assert out[0]["answer"] == free[:free.find(stop)]
+
+
+def test_store_keeps_every_row_once(tmp_path, tiny_checkpoint):
+    spec = choice_spec(tmp_path)
+    summary = submit(spec, options=JobOptions(model=str(tiny_checkpoint("llama")), batch_size=2),
+                     output=tmp_path / "o.parquet", db=tmp_path / "j.db")
+    with Store(tmp_path / "j.db") as store:
+        status = store.status(summary.job_id)
+    assert status["rows_done"] == len(REVIEWS) and status["rows_pending"] == 0
+    # --batch-size counts sequences; a row of multi-token choices scores each choice as its own sequence
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("llama"))
+    single = all(len(tokenizer.encode(c, add_special_tokens=False)) == 1 for c in ("positive", "negative"))
+    rows_per_pass = 2 if single else 1
+    assert status["passes"] == math.ceil(len(REVIEWS) / rows_per_pass)  # one pass per batch, no decode

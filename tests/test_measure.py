@@ -1,0 +1,158 @@
+"""Measurements of this machine: read bandwidth, compute rate, runtime overhead, memory and disk available."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+
+from batchrun import measure
+from batchrun.paths import state_dir
+
+
+def cached_measurements() -> dict:
+    return json.loads((state_dir() / measure.MEASUREMENTS_FILE).read_text())
+
+
+def write_file(path, size: int):
+    with open(path, "wb") as handle:  # real bytes, so the read touches the disk rather than a sparse hole
+        chunk = os.urandom(1 << 20)
+        for _ in range(size >> 20):
+            handle.write(chunk)
+    return path
+
+
+def test_bandwidth_of_a_checkpoint_is_measured_on_its_largest_shard_and_cached_per_filesystem(tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    write_file(checkpoint / "model-00001-of-00002.safetensors", measure.MIN_CACHED_SAMPLE_BYTES)
+    write_file(checkpoint / "model-00002-of-00002.safetensors", 1 << 20)
+    assert measure.cached_bandwidth(checkpoint) is None
+    result = measure.measure_read_bandwidth(checkpoint)
+    assert result.basis == "measured" and result.bytes_per_s > 0
+    assert "model-00001-of-00002.safetensors" in result.how and "64.0 MiB" in result.how
+    assert result.how.startswith(("O_DIRECT", "sequential reads after posix_fadvise"))
+    entry = cached_measurements()["bandwidth"][str(os.stat(checkpoint).st_dev)]
+    assert entry["bytes_per_s"] == result.bytes_per_s and entry["bytes_read"] == measure.MIN_CACHED_SAMPLE_BYTES
+    cached = measure.cached_bandwidth(checkpoint / "model-00002-of-00002.safetensors")  # same filesystem
+    assert cached.bytes_per_s == result.bytes_per_s and cached.basis == "measured"
+
+
+def test_read_stops_at_max_bytes(tmp_path):
+    file = write_file(tmp_path / "big.safetensors", 4 * measure.READ_CHUNK_BYTES)
+    result = measure.measure_read_bandwidth(file, max_bytes=2 * measure.READ_CHUNK_BYTES)
+    assert "32.0 MiB" in result.how
+
+
+def test_a_small_sample_is_reported_but_not_cached_for_the_filesystem(tmp_path):
+    result = measure.measure_read_bandwidth(write_file(tmp_path / "tiny.bin", 1 << 20))
+    assert result.bytes_per_s > 0 and "too small to cache" in result.how
+    assert measure.cached_bandwidth(tmp_path) is None
+
+
+def test_without_o_direct_the_page_cache_is_dropped_first(tmp_path, monkeypatch):
+    def refuse(*args):
+        raise OSError(22, "Invalid argument")  # what tmpfs answers to O_DIRECT
+
+    monkeypatch.setattr(measure, "_timed_direct_read", refuse)
+    result = measure.measure_read_bandwidth(write_file(tmp_path / "x.bin", 2 << 20))
+    assert result.how.startswith("sequential reads after posix_fadvise(DONTNEED)") and result.bytes_per_s > 0
+
+
+def test_compute_rate_is_measured_once_and_then_read_from_the_cache(monkeypatch):
+    import torch
+
+    rate = measure.compute_rate("float32", "cpu")
+    assert 1e8 < rate < 1e15
+    key = f"cpu:float32:threads={torch.get_num_threads()}"
+    assert cached_measurements()["compute"][key]["flops_per_s"] == rate
+
+    def must_not_measure(*args):
+        raise AssertionError("measured again despite a cached rate")
+
+    monkeypatch.setattr(measure, "measure_compute_rate", must_not_measure)
+    assert measure.compute_rate("float32", "cpu") == rate
+
+
+def test_runtime_overhead_is_measured_in_a_subprocess_and_cached(monkeypatch):
+    overhead = measure.runtime_overhead_bytes()
+    assert 100 << 20 < overhead < 8 << 30  # torch + transformers imported: hundreds of MiB
+    assert cached_measurements()["runtime_overhead"][sys.executable]["bytes"] == overhead
+    monkeypatch.setattr(measure.subprocess, "run", lambda *a, **k: pytest.fail("probe ran again"))
+    assert measure.runtime_overhead_bytes() == overhead
+
+
+def test_runtime_overhead_falls_back_to_the_labelled_constant_when_the_probe_fails(monkeypatch):
+    monkeypatch.setattr(measure, "_RUNTIME_PROBE", "raise SystemExit(3)")
+    assert measure.runtime_overhead_bytes() == measure.RUNTIME_OVERHEAD_FALLBACK_BYTES
+    assert "runtime_overhead" not in measure._load()  # a failure is not cached: the next call tries again
+
+
+def test_damaged_measurement_file_is_replaced_by_the_next_measurement(tmp_path):
+    (state_dir() / measure.MEASUREMENTS_FILE).write_text("{not json")
+    assert measure.cached_bandwidth(tmp_path) is None
+    measure._store("compute", "cpu:float32:threads=1", {"flops_per_s": 1.0})
+    assert cached_measurements()["compute"]["cpu:float32:threads=1"]["flops_per_s"] == 1.0
+
+
+# --- memory and disk --------------------------------------------------------------------------------------------
+
+
+def test_host_memory_is_read_from_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   20000000 kB\n")
+    assert measure.host_available_bytes(meminfo) == 20_000_000 * 1024
+    assert measure.host_available_bytes(tmp_path / "absent") is None
+
+
+def cgroup_v1(root, path: str, levels: dict[str, tuple[int, int, int]]):
+    """levels: relative cgroup dir -> (limit, usage, inactive page cache)."""
+    for directory, (limit, usage, inactive) in levels.items():
+        folder = root / "memory" / directory
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "memory.limit_in_bytes").write_text(f"{limit}\n")
+        (folder / "memory.usage_in_bytes").write_text(f"{usage}\n")
+        (folder / "memory.stat").write_text(f"cache 5\ntotal_inactive_file {inactive}\n")
+    proc = root / "proc-cgroup"
+    proc.write_text(f"9:name=systemd:/\n4:memory:{path}\n1:cpu:/\n0::/\n")
+    return proc
+
+
+def test_cgroup_v1_headroom_is_the_tightest_limit_minus_working_set(tmp_path):
+    unlimited = 9223372036854771712
+    proc = cgroup_v1(tmp_path, "/jobs/me", {
+        "": (unlimited, 50 << 30, 0),
+        "jobs": (8 << 30, 3 << 30, 0),
+        "jobs/me": (4 << 30, 2 << 30, 1 << 30),  # 1 GiB of the usage is reclaimable page cache
+    })
+    assert measure.cgroup_headroom_bytes(proc, tmp_path) == (4 << 30) - (1 << 30)
+
+
+def test_unlimited_cgroup_means_no_cgroup_limit(tmp_path):
+    proc = cgroup_v1(tmp_path, "/", {"": (9223372036854771712, 1 << 30, 0)})
+    assert measure.cgroup_headroom_bytes(proc, tmp_path) is None
+
+
+def test_cgroup_v2_memory_max(tmp_path):
+    folder = tmp_path / "user.slice" / "job"
+    folder.mkdir(parents=True)
+    (folder / "memory.max").write_text("2147483648\n")
+    (folder / "memory.current").write_text("1073741824\n")
+    (folder / "memory.stat").write_text("anon 1\ninactive_file 536870912\n")
+    (tmp_path / "user.slice" / "memory.max").write_text("max\n")
+    (tmp_path / "user.slice" / "memory.current").write_text("1073741824\n")
+    proc = tmp_path / "proc-cgroup"
+    proc.write_text("0::/user.slice/job\n")
+    assert measure.cgroup_headroom_bytes(proc, tmp_path) == 2147483648 - (1073741824 - 536870912)
+
+
+def test_available_host_memory_is_positive_and_within_meminfo():
+    available = measure.available_memory_bytes("cpu")
+    assert 0 < available <= measure.host_available_bytes() + (64 << 20)  # meminfo moves between the two reads
+
+
+def test_disk_free_for_a_path_not_yet_created_is_its_filesystem_free_space(tmp_path):
+    free = measure.disk_free_bytes(tmp_path / "hub" / "models--acme--big")
+    assert free == pytest.approx(shutil.disk_usage(tmp_path).free, rel=0.01)

@@ -1,0 +1,318 @@
+"""Plan arithmetic: KV cache, layer sizes, batch for a budget, passes, policy, time, and the printed tables."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchrun.checkpoint import sizes_from_config
+from batchrun.plan import (
+    Bandwidth, RowCost, activation_bytes_for_sequence, compare_modes, format_duration, kv_bytes_for_sequence,
+    lower_bound_passes, make_plan, pack_batches, parse_streaming, passes_for, streamed_weights,
+)
+from batchrun.plan_format import format_bytes, format_comparison, format_plan_table
+
+CONFIGS = Path(__file__).parent / "configs"
+GiB = 1 << 30
+LLAMA_70B = sizes_from_config(json.loads((CONFIGS / "llama-3-70b.json").read_text()), "BF16")
+GEMMA_1B = sizes_from_config(json.loads((CONFIGS / "gemma-3-1b.json").read_text()), "BF16")
+TINY = sizes_from_config({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4,
+                          "vocab_size": 256, "max_position_embeddings": 2048, "tie_word_embeddings": True}, "F32")
+MEASURED = Bandwidth(1.0e9, "measured", "O_DIRECT reads of 1 GiB")
+
+
+def plan(sizes=LLAMA_70B, rows=(RowCost(300, 8),), **overrides):
+    options = dict(model="m", device="cpu", compute_dtype="bfloat16", memory_budget_bytes=24 * GiB,
+                   streaming="auto", bandwidth=MEASURED, compute_flops_per_s=4e11, disk_free_bytes=None,
+                   checkpoint_is_local=True, runtime_overhead_bytes=600 << 20)
+    return make_plan(sizes, list(rows), **(options | overrides))
+
+
+# --- policy words -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("word, policy", [
+    ("auto", "auto"), ("always", "always"), ("never", "never"), ("YES", "always"), ("on", "always"),
+    ("true", "always"), ("1", "always"), ("no", "never"), ("Off", "never"), ("false", "never"), ("0", "never"),
+])
+def test_streaming_words_people_type_map_to_a_policy(word, policy):
+    assert parse_streaming(word, env={}) == policy
+
+
+def test_flag_beats_environment_which_beats_default():
+    assert parse_streaming(None, env={}) == "auto"
+    assert parse_streaming(None, env={"BATCHRUN_STREAMING": "off"}) == "never"
+    assert parse_streaming("always", env={"BATCHRUN_STREAMING": "off"}) == "always"
+
+
+def test_unknown_streaming_word_is_refused_naming_the_accepted_ones(monkeypatch):
+    with pytest.raises(ValueError, match="'alwyas'.*auto, always, never"):
+        parse_streaming("alwyas", env={})
+    monkeypatch.setenv("BATCHRUN_STREAMING", "maybe")
+    with pytest.raises(ValueError, match="BATCHRUN_STREAMING: unknown streaming policy 'maybe'"):
+        parse_streaming(None)
+
+
+# --- sizes the plan stands on -----------------------------------------------------------------------------------
+
+
+def test_llama_70b_kv_cache_is_320_kib_per_token_and_1_25_gib_per_4k_sequence():
+    candidate = plan(streaming="always")
+    assert candidate.kv_bytes_per_token == 2 * 8 * 128 * 2 * 80 == 327_680
+    assert kv_bytes_for_sequence(LLAMA_70B, 2, 4096) == 1.25 * GiB
+    assert candidate.largest_layer_bytes == 1_711_308_800 and candidate.layers == 80
+
+
+def test_sliding_window_layers_cap_their_kv_at_the_window():
+    per_layer = 2 * 1 * 256 * 2  # one KV head of 256 dims, bf16
+    assert plan(GEMMA_1B).kv_bytes_per_token == per_layer * 26  # reported without the cap
+    assert kv_bytes_for_sequence(GEMMA_1B, 2, 4096) == per_layer * (22 * 512 + 4 * 4096)
+    assert kv_bytes_for_sequence(GEMMA_1B, 2, 300) == per_layer * 26 * 300
+
+
+def test_cpu_activations_include_the_materialised_attention_scores():
+    cpu = activation_bytes_for_sequence(LLAMA_70B, 2, "cpu", 1000, 1)
+    cuda = activation_bytes_for_sequence(LLAMA_70B, 2, "cuda", 1000, 1)
+    assert cpu - cuda == 64 * 1000 * 1000 * 4
+
+
+def test_float32_compute_of_bf16_weights_adds_a_raw_read_buffer_per_slot():
+    weights = streamed_weights(LLAMA_70B, "float32", prefetch=True)
+    expected = (LLAMA_70B.non_decoder_params * 4 + 2 * LLAMA_70B.largest_layer_params * 4
+                + 2 * LLAMA_70B.largest_layer_bytes)
+    assert weights.bytes == expected
+    same_dtype = streamed_weights(LLAMA_70B, "bfloat16", prefetch=False)
+    assert same_dtype.bytes == LLAMA_70B.non_decoder_params * 2 + LLAMA_70B.largest_layer_params * 2
+
+
+def test_published_70b_calibration_at_4k_context():
+    """Published: ~3.9 GB without prefetch, ~6.1 GB with (layers, KV and activations on a 4 GB-class card)."""
+    for prefetch, published in ((False, 3.9e9), (True, 6.1e9)):
+        candidate = plan(rows=[RowCost(4095, 1)], device="cuda", streaming="always", prefetch=prefetch,
+                         memory_budget_bytes=80 * GiB)
+        on_card = candidate.peak_memory_bytes - LLAMA_70B.non_decoder_params * 2 - candidate.runtime_overhead_bytes
+        assert on_card == pytest.approx(published, rel=0.15)
+
+
+# --- batching and passes ----------------------------------------------------------------------------------------
+
+MIXED = [RowCost(100, 8), RowCost(50, 4), RowCost(200, 0, (1, 1)), RowCost(120, 0, (2, 3, 1)), RowCost(80, 2)]
+
+
+def test_row_costs_count_sequences_and_kv_tokens():
+    assert (MIXED[2].sequences(), MIXED[2].tokens()) == (1, 201)  # one-token choices: one distribution
+    assert (MIXED[3].sequences(), MIXED[3].tokens()) == (3, 3 * 123)  # each choice its own sequence
+    assert (MIXED[0].sequences(), MIXED[0].tokens(), MIXED[0].passes()) == (1, 108, 8)
+
+
+def test_mixed_job_batches_choices_apart_and_counts_passes():
+    batches = pack_batches(MIXED, max_sequences=4, max_tokens=10_000)
+    assert batches == [[3, 2], [1, 4, 0]]
+    assert passes_for(MIXED, batches) == 1 + 8
+    assert lower_bound_passes(MIXED, 4) == max(8, math.ceil((8 + 4 + 1 + 1 + 2) / 4))
+
+
+def test_smaller_batches_cost_more_passes_and_an_oversized_row_runs_alone():
+    batches = pack_batches(MIXED, max_sequences=2, max_tokens=10_000)
+    assert batches == [[3], [2], [1, 4], [0]]  # row 3 alone holds 3 sequences
+    assert passes_for(MIXED, batches) == 1 + 1 + 4 + 8
+
+
+def test_token_budget_counts_padding_to_the_longest_sequence():
+    rows = [RowCost(10, 1), RowCost(10, 1), RowCost(100, 1)]
+    assert pack_batches(rows, max_sequences=8, max_tokens=150) == [[0, 1], [2]]  # 3 x 101 > 150
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 500), st.integers(0, 20), st.lists(st.integers(1, 4), max_size=4)),
+                max_size=40),
+       st.integers(1, 16), st.integers(1, 4000))
+def test_packing_places_every_row_once_in_single_kind_batches_within_limits(specs, max_sequences, max_tokens):
+    rows = [RowCost(p, 0, tuple(c)) if c else RowCost(p, n) for p, n, c in specs]
+    batches = pack_batches(rows, max_sequences, max_tokens)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(rows)))
+    for batch in batches:
+        assert len({rows[i].is_choice for i in batch}) == 1
+        sequences = sum(rows[i].sequences() for i in batch)
+        if len(batch) > 1:
+            assert sequences <= max_sequences
+            assert sequences * max(rows[i].sequence_length() for i in batch) <= max_tokens
+    if rows:
+        assert passes_for(rows, batches) >= lower_bound_passes(rows, max_sequences)
+
+
+def test_batch_chosen_for_a_budget_fills_it_with_typical_rows():
+    budget, overhead = 40 * GiB, 1 * GiB
+    candidate = plan(rows=[RowCost(4000, 96)] * 32, device="cuda", streaming="always",
+                     memory_budget_bytes=budget, runtime_overhead_bytes=overhead)
+    weights = LLAMA_70B.non_decoder_params * 2 + 2 * LLAMA_70B.largest_layer_params * 2
+    per_token = 327_680 + 8192 * 2 * 4 + 28672 * 2 * 2  # KV + hidden states x4 + MLP intermediate x2
+    per_sequence_logits = 128256 * 4
+    expected = (budget - weights - overhead) // (4096 * per_token + per_sequence_logits)
+    assert candidate.batch_size == expected == 16
+    assert candidate.passes == 2 * 96 == candidate.lower_bound_passes
+    assert candidate.peak_memory_bytes <= budget and candidate.fits
+
+
+def test_user_batch_size_caps_the_batch():
+    candidate = plan(rows=[RowCost(100, 4)] * 20, streaming="always", batch_size=3)
+    assert candidate.batch_size == 3 and max(len(b) for b in candidate.batches) == 3
+    with pytest.raises(ValueError, match="batch_size"):
+        plan(batch_size=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([LLAMA_70B, GEMMA_1B, TINY]), st.sampled_from(["cpu", "cuda"]),
+       st.lists(st.tuples(st.integers(1, 6000), st.integers(1, 64)), min_size=1, max_size=30),
+       st.integers(8, 64))
+def test_a_plan_that_fits_never_exceeds_its_budget(sizes, device, specs, budget_gib):
+    candidate = plan(sizes, [RowCost(p, n) for p, n in specs], device=device, memory_budget_bytes=budget_gib * GiB)
+    if candidate.fits:
+        assert candidate.peak_memory_bytes <= budget_gib * GiB
+
+
+# --- policy and blockers ----------------------------------------------------------------------------------------
+
+
+def test_auto_runs_resident_when_the_model_fits():
+    candidate = plan(TINY, compute_dtype="float32")
+    assert candidate.mode == "resident" and candidate.fits
+    assert candidate.reason.startswith("auto: the model fits") and candidate.io_seconds_per_pass == 0
+
+
+def test_auto_streams_a_model_that_does_not_fit_and_says_why():
+    candidate = plan()
+    assert candidate.mode == "streamed" and candidate.fits
+    assert "over the 24.0 GiB budget" in candidate.reason and "131 GiB" in candidate.reason
+
+
+def test_always_streams_even_a_model_that_fits():
+    assert plan(TINY, streaming="always", compute_dtype="float32").mode == "streamed"
+
+
+def test_never_on_a_model_that_does_not_fit_is_refused_with_the_numbers():
+    candidate = plan(streaming="never")
+    assert candidate.mode == "resident" and not candidate.fits
+    assert any("resident run does not fit" in b and "24.0 GiB" in b and "131 GiB" in b for b in candidate.blockers)
+
+
+def test_budget_below_one_layer_is_a_blocker():
+    candidate = plan(streaming="always", memory_budget_bytes=6 * GiB)
+    assert any(b.startswith("does not fit even one layer") for b in candidate.blockers)
+
+
+def test_a_row_too_long_for_the_budget_is_a_blocker():
+    candidate = plan(rows=[RowCost(60_000, 1)], streaming="always", context_length=100_000)
+    assert any(b.startswith("does not fit even one sequence") and "60,001 tokens" in b for b in candidate.blockers)
+
+
+def test_rows_over_the_context_are_left_out_and_counted():
+    candidate = plan(rows=[RowCost(9000, 4), RowCost(300, 8)])
+    assert candidate.passes == 8 and candidate.fits
+    assert any("1 row(s) longer than the 8,192-token context" in c for c in candidate.caveats)
+    assert not plan(rows=[RowCost(9000, 4)]).fits
+
+
+def test_a_job_without_rows_is_sized_for_one_sequence():
+    candidate = plan(rows=[], streaming="always")
+    assert candidate.passes == 0 and candidate.batches == [] and candidate.fits
+    assert candidate.peak_memory_bytes > candidate.weights_bytes + kv_bytes_for_sequence(LLAMA_70B, 2, 4096)
+
+
+def test_unknown_bandwidth_blocks_streaming_but_not_a_resident_run():
+    unknown = Bandwidth(None, "assumed", "not measured")
+    streamed = plan(bandwidth=unknown)
+    assert "read bandwidth unknown" in streamed.blockers[0] and streamed.eta_seconds is None
+    resident = plan(TINY, compute_dtype="float32", bandwidth=unknown)
+    assert resident.fits and resident.eta_seconds is not None
+    assert any("load the model is not counted" in c for c in resident.caveats)
+
+
+def test_assumed_bandwidth_is_a_caveat():
+    candidate = plan(bandwidth=Bandwidth(1e9, "assumed", "the low end of cold reads"))
+    assert any("assumed read bandwidth of 1.00 GB/s" in c for c in candidate.caveats)
+
+
+def test_downloading_needs_the_checkpoint_in_free_disk():
+    short = plan(checkpoint_is_local=False, disk_free_bytes=100 * GiB)
+    assert short.disk_needed_bytes == LLAMA_70B.checkpoint_bytes
+    assert any("not enough disk" in b for b in short.blockers)
+    assert plan(checkpoint_is_local=True, disk_free_bytes=1).fits  # read in place: nothing to download
+
+
+def test_mixture_of_experts_is_read_whole_and_said_so():
+    config = json.loads((CONFIGS / "llama-3-70b.json").read_text()) | {
+        "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4}
+    candidate = plan(sizes_from_config(config), streaming="always")
+    assert any("8 experts" in c and "only 2 run per token" in c for c in candidate.caveats)
+
+
+# --- time -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefetch, efficiency", [(True, 0.85), (False, 0.70)])
+def test_io_bound_eta_is_one_read_of_the_layers_per_pass(prefetch, efficiency):
+    rows = [RowCost(300, 8)] * 4 + [RowCost(300, 0, (1, 1))] * 4
+    candidate = plan(rows=rows, streaming="always", prefetch=prefetch, compute_flops_per_s=1e30)
+    per_pass = LLAMA_70B.decoder_bytes / 1e9 / efficiency
+    assert candidate.passes == 1 + 8
+    assert candidate.io_seconds_per_pass == pytest.approx(per_pass)
+    assert candidate.eta_seconds == pytest.approx(LLAMA_70B.non_decoder_bytes / 1e9 + 9 * per_pass)
+    assert candidate.first_answer_seconds == pytest.approx(LLAMA_70B.non_decoder_bytes / 1e9 + per_pass)
+    assert candidate.answers_per_hour == pytest.approx(8 / candidate.eta_seconds * 3600)
+
+
+def test_long_prefill_on_a_slow_cpu_is_compute_bound_and_said_so():
+    candidate = plan(rows=[RowCost(4000, 1)] * 8, streaming="always", bandwidth=Bandwidth(1e12, "declared", "x"),
+                     compute_flops_per_s=1e11)
+    prefill_tokens = len(candidate.batches[0]) * 4000  # every batch holds the same rows
+    assert candidate.seconds_per_pass > 2 * LLAMA_70B.decoder_params * prefill_tokens / 1e11
+    assert candidate.seconds_per_pass == candidate.compute_seconds_per_pass
+    assert any("compute-bound" in c for c in candidate.caveats)
+
+
+def test_resident_eta_counts_loading_once_and_compute_per_pass():
+    candidate = plan(TINY, rows=[RowCost(100, 3)], compute_dtype="float32", compute_flops_per_s=1e9)
+    assert candidate.io_seconds_per_pass == 0
+    assert candidate.eta_seconds > candidate.load_seconds == TINY.checkpoint_bytes / 1e9
+    assert plan(TINY, compute_dtype="float32", compute_flops_per_s=None).eta_seconds is None
+
+
+# --- output -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seconds, text", [
+    (2.46, "2.5 s"), (42, "42 s"), (180, "3 min"), (3.4 * 3600, "3.4 h"), (2.3 * 86400, "2.3 days"),
+    (None, "unknown"),
+])
+def test_durations_read_the_way_people_say_them(seconds, text):
+    assert format_duration(seconds) == text
+
+
+def test_bytes_read_in_binary_units():
+    assert [format_bytes(n) for n in (512, 1.25 * GiB, 131 * GiB)] == ["512 B", "1.25 GiB", "131 GiB"]
+
+
+def test_plan_json_is_serialisable_and_omits_row_indices():
+    report = plan(rows=MIXED, streaming="always").to_json()
+    assert json.loads(json.dumps(report))["batch_count"] == 2
+    assert "batches" not in report and report["fits"] is True and report["eta_human"].endswith(("min", "h", "s"))
+
+
+def test_plan_table_and_comparison_show_mode_memory_eta_and_blockers():
+    candidates = compare_modes(LLAMA_70B, MIXED, model="m", device="cpu", compute_dtype="bfloat16",
+                               memory_budget_bytes=24 * GiB, bandwidth=MEASURED, compute_flops_per_s=4e11,
+                               disk_free_bytes=None, checkpoint_is_local=True, runtime_overhead_bytes=0)
+    assert [(c.mode, c.prefetch) for c in candidates] == [("resident", True), ("streamed", True),
+                                                           ("streamed", False)]
+    table = format_plan_table(candidates[1].to_json())
+    assert "streaming forced" in table and format_bytes(candidates[1].peak_memory_bytes) in table
+    assert candidates[1].eta_human in table
+    comparison = format_comparison(candidates)
+    assert "streamed (no prefetch)" in comparison and "resident blockers:" in comparison
+    assert "resident run does not fit" in comparison
