@@ -11,10 +11,35 @@ import pytest
 TEST_CACHE = Path(os.environ.get("BATCHRUN_TEST_CACHE", Path.home() / ".cache" / "batchrun-tests"))
 
 
+@pytest.fixture(scope="session")
+def machine_measurements(tmp_path_factory) -> Path:
+    """Compute rate and runtime overhead, measured once per session (each costs seconds)."""
+    import os as _os
+
+    from batchrun import measure
+
+    home = tmp_path_factory.mktemp("measure-home")
+    previous = _os.environ.get("BATCHRUN_HOME")
+    _os.environ["BATCHRUN_HOME"] = str(home)
+    try:
+        measure.compute_rate("float32", "cpu")
+        measure.runtime_overhead_bytes()
+    finally:
+        if previous is None:
+            del _os.environ["BATCHRUN_HOME"]
+        else:
+            _os.environ["BATCHRUN_HOME"] = previous
+    return home / measure.MEASUREMENTS_FILE
+
+
 @pytest.fixture(autouse=True)
-def isolated_state(tmp_path, monkeypatch):
-    """Each test gets its own BATCHRUN_HOME so no test sees another's database or measurements."""
-    home = tmp_path / "batchrun-home"
+def isolated_state(tmp_path_factory, monkeypatch, machine_measurements):
+    """Each test gets its own BATCHRUN_HOME so no test sees another's database; the machine's
+    measurements are copied in so each test does not spend seconds re-measuring them."""
+    import shutil
+
+    home = tmp_path_factory.mktemp("batchrun-home")  # outside tmp_path, which tests list
+    shutil.copy(machine_measurements, home / machine_measurements.name)
     monkeypatch.setenv("BATCHRUN_HOME", str(home))
     monkeypatch.delenv("BATCHRUN_STREAMING", raising=False)
     return home

@@ -12,6 +12,13 @@ from batchrun import measure
 from batchrun.paths import state_dir
 
 
+
+@pytest.fixture(autouse=True)
+def no_seeded_measurements(isolated_state):
+    """conftest seeds each home with the session's measurements; these tests start from none."""
+    (isolated_state / measure.MEASUREMENTS_FILE).unlink(missing_ok=True)
+
+
 def cached_measurements() -> dict:
     return json.loads((state_dir() / measure.MEASUREMENTS_FILE).read_text())
 
