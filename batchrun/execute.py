@@ -14,6 +14,7 @@ from typing import Callable
 from tqdm import tqdm
 from transformers.utils import logging as transformers_logging
 
+from batchrun import faults
 from batchrun.errors import OutputRefused, PlanRefused
 from batchrun.oom import killed_by_oom, memory_cgroup_dir, oom_kill_count
 from batchrun.output import default_output_path, write_parquet
@@ -128,6 +129,7 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
             log.warning(note)
         if on_plan is not None:
             on_plan(plan)
+        faults.reached("planned")
         if not plan.fits:
             raise PlanRefused("the plan refuses this job: " + " ".join(plan.blockers))
         summary.mode, summary.batch_size = plan.mode, plan.batch_size
@@ -173,7 +175,9 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
             if batch[0].is_choice:
                 tick = time.monotonic()
                 answers = score_choices(model.model, batch, pad_id, model.device)
+                faults.reached("pass")
                 store.commit_batch(job_id, [to_row_result(a, ids[a.idx]) for a in answers], passes=1)
+                faults.reached("committed")
                 pass_times.append(time.monotonic() - tick)
                 bar.update(len(answers))
             else:
@@ -195,8 +199,10 @@ def _run_generation(model, batch, tokenizer, eos, pad_id, store, job_id, partial
     while not greedy.done:
         tick = time.monotonic()
         finished = greedy.step()
+        faults.reached("pass")
         results = [to_row_result(generation_answer(s), ids[s.row.request.index]) for s in finished]
         store.commit_pass(job_id, results, greedy.partial(), passes=1)
+        faults.reached("committed")
         pass_times.append(time.monotonic() - tick)
         bar.update(len(finished))
 

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchrun import faults
 from batchrun.store_rows import RowResult
 
 CHOICE_PROBS_TYPE = pa.map_(pa.string(), pa.float64())
@@ -49,6 +50,7 @@ def atomic_write(path: Path, write: Callable[[Path], None], *, force: bool = Fal
         path.parent.mkdir(parents=True, exist_ok=True)
         write(temp)
         _fsync_path(temp)
+        faults.reached("output")
         os.replace(temp, path)
         _fsync_directory(path.parent)  # makes the rename itself durable
     except BaseException as exc:

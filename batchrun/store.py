@@ -376,6 +376,7 @@ class Store:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
+                faults.reached("commit")
                 conn.execute("COMMIT")
             except BaseException:
                 _rollback_quietly(conn)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from batchrun import faults
 from batchrun.checkpoint import CheckpointError, load_config, read_tensor_infos, resolve_checkpoint
 from batchrun.devices import default_device, resolve_dtype
 from batchrun.loader import LayerLoader, LayerWeights
@@ -207,6 +208,7 @@ class StreamedModel:
     def _make_post_hook(self, index: int):
         def hook(module, args, output):
             self._release(index)
+            faults.reached("layer")
         return hook
 
     def _schedule(self, index: int) -> None:
