@@ -16,6 +16,7 @@ from typing import Iterator, Mapping, Sequence
 import sqlite_utils
 
 from batchrun import store_migrations
+from batchrun import faults
 from batchrun.store_locks import HOST, effective_job_state, lock_holder_alive, process_identity, run_seconds
 from batchrun.store_rows import ROW_UPDATE_SQL, RowResult, row_result_from_db, row_update_params
 
