@@ -59,7 +59,7 @@ def build_options(model: str | None, kw: dict):
     try:
         parse_streaming(kw["streaming"])
     except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--streaming")
+        raise click.BadParameter(str(exc))  # the message already names --streaming (or the env variable)
     return JobOptions(model=model, template=kw["template"], id_column=kw["id_column"],
                       choices=_csv(kw["choices"]), system=kw["system"], max_new_tokens=kw["max_new_tokens"],
                       stop=tuple(kw["stop"]) or None, raw=kw["raw"], dtype=kw["dtype"],
@@ -74,10 +74,11 @@ class FriendlyErrors(click.Group):
 
     def invoke(self, ctx):
         from batchrun.errors import user_errors
+        from batchrun.store import JobNotFound
 
         try:
             return super().invoke(ctx)
-        except user_errors() as exc:
+        except (*user_errors(), JobNotFound) as exc:  # JobNotFound: `status`/`results` with no such job
             click.echo(f"Error: {exc}", err=True)
             sys.exit(1)
 

@@ -169,19 +169,21 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     eos = eos_token_ids(model.config, getattr(model.model, "generation_config", None), tokenizer)
     pass_times: list[float] = []
+    micro_batch = getattr(plan, "micro_batch_size", None)
     try:
         for batch in batches:
             ids = {r.request.index: r.request.id for r in batch}
             if batch[0].is_choice:
                 tick = time.monotonic()
-                answers = score_choices(model.model, batch, pad_id, model.device)
+                answers = score_choices(model, batch, pad_id, micro_batch=micro_batch)
                 faults.reached("pass")
                 store.commit_batch(job_id, [to_row_result(a, ids[a.idx]) for a in answers], passes=1)
                 faults.reached("committed")
                 pass_times.append(time.monotonic() - tick)
                 bar.update(len(answers))
             else:
-                _run_generation(model, batch, tokenizer, eos, pad_id, store, job_id, partial, ids, bar, pass_times)
+                _run_generation(model, batch, tokenizer, eos, pad_id, store, job_id, partial, ids, bar, pass_times,
+                                micro_batch)
             _show_rate(bar, pass_times, batch)
     finally:
         bar.close()
@@ -189,9 +191,10 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
     return len(pass_times)
 
 
-def _run_generation(model, batch, tokenizer, eos, pad_id, store, job_id, partial, ids, bar, pass_times) -> None:
+def _run_generation(model, batch, tokenizer, eos, pad_id, store, job_id, partial, ids, bar, pass_times,
+                    micro_batch) -> None:
     prefixes = {r.request.index: partial[r.request.index] for r in batch if r.request.index in partial}
-    greedy = GreedyBatch(model.model, batch, tokenizer, eos, pad_id, model.device, prefixes=prefixes)
+    greedy = GreedyBatch(model, batch, tokenizer, eos, pad_id, prefixes=prefixes, micro_batch=micro_batch)
     if greedy.already_finished:
         store.commit_batch(job_id, [to_row_result(generation_answer(s), ids[s.row.request.index])
                                     for s in greedy.already_finished], passes=0)

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from batchrun.checkpoint import load_config, read_tensor_infos
 from batchrun.devices import resolve_dtype
-from batchrun.stream import StreamedModel, text_config
+from batchrun.stream import StreamedModel, find_decoder_stack, text_config
 from batchrun.tokenizer import load_tokenizer
 
 
@@ -28,10 +28,36 @@ class ResidentModel:
         self.tokenizer = load_tokenizer(self.checkpoint, trust_remote_code)
         self.passes = 0
         self.bytes_read = 0
-        self._hook = self.model.register_forward_pre_hook(self._count_pass)
+        _, self.layers = find_decoder_stack(self.model, text_config(self.config).num_hidden_layers)
+        self._in_pass = False
+        self._micro = 0
+        self._before_layer = None
+        self._hooks = [self.model.register_forward_pre_hook(self._count_pass)]
+        self._hooks += [layer.register_forward_pre_hook(self._make_layer_hook(i)) for i, layer in enumerate(self.layers)]
 
     def _count_pass(self, module, args):
+        if not self._in_pass:
+            self.passes += 1
+
+    def _make_layer_hook(self, index: int):
+        def hook(module, args):
+            if self._before_layer is not None:
+                self._before_layer(index, self._micro)
+        return hook
+
+    def run_pass(self, calls, before_layer=None) -> list:
+        """Micro-batches of one pass. Resident weights cost no reads, so they simply run in turn."""
         self.passes += 1
+        self._in_pass, self._before_layer = True, before_layer
+        try:
+            results = []
+            for micro, call in enumerate(calls):
+                self._micro = micro
+                with torch.inference_mode():
+                    results.append(call())
+            return results
+        finally:
+            self._in_pass, self._before_layer, self._micro = False, None, 0
 
     @property
     def max_seq_len(self) -> int | None:
@@ -42,9 +68,9 @@ class ResidentModel:
             return self.model(*args, **kwargs)
 
     def close(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def __enter__(self):
         return self

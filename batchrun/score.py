@@ -5,13 +5,13 @@ checkpoint when streamed). Shapes: B sequences, S padded length, V vocabulary.
 """
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
+from batchrun.prefill import decode, drop_finished, prefill
 from batchrun.prompts import EncodedRow
 
 
@@ -28,33 +28,6 @@ class Answer:
     token_ids: list[int] | None = None
 
 
-def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-pad so every sequence ends at the last position: input_ids, attention_mask, position_ids [B, S]."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for row, seq in enumerate(seqs):
-        ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-        mask[row, width - len(seq):] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    return ids.to(device), mask.to(device), positions.to(device)
-
-
-def cache_argument(model) -> str:
-    """transformers 5.2x renamed `past_key_values` to `cache`; accept either release."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def forward(model, ids, mask, positions, *, keep: int, cache=None, use_cache: bool = False):
-    """One pass. Returns float32 log-probs of the last `keep` positions [B, keep, V] and the cache."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=use_cache,
-                logits_to_keep=keep, **{cache_argument(model): cache})
-    new_cache = getattr(out, "cache", None)
-    if new_cache is None:
-        new_cache = getattr(out, "past_key_values", None)
-    return torch.log_softmax(out.logits.float(), dim=-1), new_cache
-
-
 # -- choice rows ---------------------------------------------------------------------------------
 def choice_sequences(row: EncodedRow) -> list[list[int]]:
     """Single-token choices share one sequence (the prompt); otherwise one sequence per choice."""
@@ -63,27 +36,27 @@ def choice_sequences(row: EncodedRow) -> list[list[int]]:
     return [list(row.prompt_ids) + list(c) for c in row.choice_ids]
 
 
-def score_choices(model, rows: Sequence[EncodedRow], pad_id: int, device) -> list[Answer]:
+def score_choices(handle, rows: Sequence[EncodedRow], pad_id: int, *, micro_batch: int | None = None,
+                  share_prefix: bool = True) -> list[Answer]:
     """All choices of all rows in one pass; log-likelihood of each choice's tokens after the prompt."""
     seqs: list[list[int]] = []
-    owners: list[tuple[int, int]] = []  # (row position, first sequence) per row
-    for pos, row in enumerate(rows):
-        owners.append((pos, len(seqs)))
+    firsts: list[int] = []  # first sequence of each row
+    for row in rows:
+        firsts.append(len(seqs))
         seqs.extend(choice_sequences(row))
     longest_choice = max(len(c) for row in rows for c in row.choice_ids)
-    ids, mask, positions = left_pad(seqs, pad_id, device)
     keep = longest_choice + 1  # logits of the last prompt token and every choice token but the last
-    with torch.inference_mode():
-        logprobs, _ = forward(model, ids, mask, positions, keep=keep)  # [N, keep, V]
-    return [_choice_answer(row, logprobs, first) for (_, first), row in zip(owners, rows)]
+    logprobs, _ = prefill(handle, seqs, pad_id, keep=keep, micro_batch=micro_batch, use_cache=False,
+                          share_prefix=share_prefix)  # per sequence [keep, V]
+    return [_choice_answer(row, logprobs, first) for first, row in zip(firsts, rows)]
 
 
-def _choice_answer(row: EncodedRow, logprobs: torch.Tensor, first: int) -> Answer:
+def _choice_answer(row: EncodedRow, logprobs: list[torch.Tensor], first: int) -> Answer:
     sums = []
     shared = all(len(c) == 1 for c in row.choice_ids)
     for k, tokens in enumerate(row.choice_ids):
         if shared:
-            sums.append(logprobs[first, -1, tokens[0]].item())
+            sums.append(logprobs[first][-1, tokens[0]].item())
             continue
         seq_lp = logprobs[first + k]  # [keep, V]; the sequence ends with the choice tokens
         n = len(tokens)
@@ -128,9 +101,11 @@ class GreedyBatch:
     then prefills prompt + prefix, which costs one pass, and decoding continues from there.
     """
 
-    def __init__(self, model, rows: Sequence[EncodedRow], tokenizer, eos_ids: set[int], pad_id: int, device,
-                 prefixes: dict[int, tuple[list[int], float]] | None = None):
-        self.model, self.tokenizer, self.eos_ids, self.pad_id, self.device = model, tokenizer, eos_ids, pad_id, device
+    def __init__(self, handle, rows: Sequence[EncodedRow], tokenizer, eos_ids: set[int], pad_id: int,
+                 prefixes: dict[int, tuple[list[int], float]] | None = None, *, micro_batch: int | None = None,
+                 share_prefix: bool = True):
+        self.handle, self.tokenizer, self.eos_ids, self.pad_id = handle, tokenizer, eos_ids, pad_id
+        self.micro_batch, self.share_prefix = micro_batch, share_prefix
         prefixes = prefixes or {}
         self.live: list[Sequence_] = []
         for row in rows:
@@ -139,10 +114,6 @@ class GreedyBatch:
                 tokens, logprob = prefixes[row.request.index]
                 seq.generated, seq.logprob = list(tokens), logprob
             self.live.append(seq)
-        self.cache = None
-        self.mask = None
-        self.positions = None
-        self.passes = 0
         # A row whose restored prefix already ends it (the crash came between its last pass and the
         # commit of its answer) finishes without any pass.
         self.already_finished = []
@@ -152,47 +123,39 @@ class GreedyBatch:
                 if seq.finish:
                     self.already_finished.append(seq)
         self.live = [s for s in self.live if not s.finish]
+        self.states = None  # micro-batch states after the first pass
+        self.passes = 0
 
     def step(self) -> list[Sequence_]:
         """Run one pass; return the sequences that finished in it."""
-        with torch.inference_mode():
-            if self.cache is None:
-                logprobs = self._prefill()
-            else:
-                logprobs = self._decode()
+        if self.states is None:
+            seqs = [list(s.row.prompt_ids) + s.generated for s in self.live]
+            per_seq, self.states = prefill(self.handle, seqs, self.pad_id, keep=1, micro_batch=self.micro_batch,
+                                           use_cache=True, share_prefix=self.share_prefix)
+            logprobs = {i: lp[-1] for i, lp in enumerate(per_seq)}
+            self._index = {i: seq for i, seq in enumerate(self.live)}
+        else:
+            logprobs = decode(self.handle, self.states, {i: s.generated[-1] for i, s in self._index.items()})
         self.passes += 1
-        next_ids = logprobs.argmax(-1)  # [B]
         finished = []
-        for b, seq in enumerate(self.live):
-            token = int(next_ids[b])
+        for i, lp in logprobs.items():
+            seq = self._index[i]
+            token = int(lp.argmax())
             seq.generated.append(token)
-            seq.logprob += float(logprobs[b, token])
+            seq.logprob += float(lp[token])
             self._check_finished(seq)
             if seq.finish:
                 finished.append(seq)
         if finished:
-            self._drop([b for b, s in enumerate(self.live) if not s.finish])
-        self._next_tokens = torch.tensor([[s.generated[-1]] for s in self.live], dtype=torch.long,
-                                         device=self.device)
+            done = {i for i, s in self._index.items() if s.finish}
+            self.states = drop_finished(self.states, done)
+            self._index = {i: s for i, s in self._index.items() if not s.finish}
+            self.live = [s for s in self.live if not s.finish]
         return finished
 
     @property
     def done(self) -> bool:
         return not self.live
-
-    def _prefill(self) -> torch.Tensor:
-        seqs = [list(s.row.prompt_ids) + s.generated for s in self.live]
-        ids, self.mask, self.positions = left_pad(seqs, self.pad_id, self.device)
-        logprobs, self.cache = forward(self.model, ids, self.mask, self.positions, keep=1, use_cache=True)
-        return logprobs[:, -1]
-
-    def _decode(self) -> torch.Tensor:
-        ones = torch.ones((len(self.live), 1), dtype=self.mask.dtype, device=self.device)
-        self.mask = torch.cat([self.mask, ones], dim=1)
-        self.positions = self.positions[:, -1:] + 1
-        logprobs, self.cache = forward(self.model, self._next_tokens, self.mask, self.positions, keep=1,
-                                       cache=self.cache, use_cache=True)
-        return logprobs[:, -1]
 
     def _check_finished(self, seq: Sequence_) -> None:
         request = seq.row.request
@@ -208,16 +171,6 @@ class GreedyBatch:
                 return
         if len(seq.generated) >= request.max_new_tokens:
             seq.finish, seq.text = "length", text
-
-    def _drop(self, keep: list[int]) -> None:
-        """Finished sequences leave the pass: shrink the batch, the mask and the KV cache."""
-        self.live = [self.live[b] for b in keep]
-        if not keep or self.cache is None:
-            return
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self.cache.batch_select_indices(index)
-        self.mask = self.mask[index]
-        self.positions = self.positions[index]
 
     def partial(self) -> dict[int, tuple[list[int], float]]:
         """Tokens generated so far by every unfinished row: what a resume keeps."""

@@ -20,6 +20,7 @@ from batchrun import faults
 from batchrun.checkpoint import CheckpointError, load_config, read_tensor_infos, resolve_checkpoint
 from batchrun.devices import default_device, resolve_dtype
 from batchrun.loader import LayerLoader, LayerWeights
+from batchrun.passes import LayerTurns, PassGroup, run_threads
 from batchrun.tokenizer import load_tokenizer
 from batchrun.weights import Recipe, build_recipes, realize, tensor_from_bytes
 
@@ -100,6 +101,7 @@ class StreamedModel:
         self._pending: dict[int, Future] = {}
         self._active: dict[int, LayerWeights] = {}
         self.passes = 0
+        self._group: PassGroup | None = None
         self._hooks = []
         self._install_hooks()
         self._closed = False
@@ -189,6 +191,11 @@ class StreamedModel:
             self._hooks.append(layer.register_forward_hook(self._make_post_hook(index)))
 
     def _before_pass(self, module, args):
+        if self._group is not None:
+            return  # a micro-batch of a pass that run_pass already counted
+        self._start_pass()
+
+    def _start_pass(self) -> None:
         # A pass interrupted by an exception leaves layers assigned: release them first.
         for index in list(self._active):
             self._release(index)
@@ -196,20 +203,47 @@ class StreamedModel:
 
     def _make_pre_hook(self, index: int):
         def hook(module, args):
-            weights = self._acquire(index)
-            for name, tensor in weights.tensors.items():
-                _assign(module, name, tensor)
-            self._active[index] = weights
-            if self._executor is not None:
-                for ahead in range(1, self.prefetch_depth + 1):
-                    self._schedule((index + ahead) % self.num_layers)
+            group = self._group
+            if group is not None:
+                group.turns.wait(index, group.micro)
+            if group is None or group.micro == 0:  # load once; later micro-batches reuse the weights
+                weights = self._acquire(index)
+                for name, tensor in weights.tensors.items():
+                    _assign(module, name, tensor)
+                self._active[index] = weights
+                if self._executor is not None:
+                    for ahead in range(1, self.prefetch_depth + 1):
+                        self._schedule((index + ahead) % self.num_layers)
+            if group is not None and group.before_layer is not None:
+                group.before_layer(index, group.micro)
         return hook
 
     def _make_post_hook(self, index: int):
         def hook(module, args, output):
-            self._release(index)
-            faults.reached("layer")
+            group = self._group
+            if group is None or group.last_micro:
+                self._release(index)
+                faults.reached("layer")
+            if group is not None:
+                group.turns.advance(index, group.micro)
         return hook
+
+    def run_pass(self, calls, before_layer=None) -> list:
+        """Run forward calls as the micro-batches of ONE pass: each layer is read once for all of them.
+
+        `before_layer(layer, micro)` runs inside the turn, before that micro-batch enters the layer.
+        """
+        if len(calls) == 1 and before_layer is None:
+            with torch.inference_mode():
+                return [calls[0]()]
+        self._start_pass()
+        self._group = PassGroup(LayerTurns(len(calls)), before_layer)
+        try:
+            return run_threads(self._group, calls, torch.inference_mode)
+        finally:
+            self._group = None
+            for index in list(self._active):  # after a failure, nothing stays materialised
+                self._release(index)
 
     def _schedule(self, index: int) -> None:
         if index in self._pending or index in self._active:

@@ -1,0 +1,85 @@
+"""One pass, several micro-batches: every micro-batch takes its turn at a layer before the next layer.
+
+FlexGen's order (token -> layer -> micro-batch) without per-family code: each micro-batch is an
+ordinary transformers forward call on its own thread, and the decoder-layer hooks make the threads
+take turns, (layer 0, mb 0), (layer 0, mb 1), ..., (layer 1, mb 0), ... So a layer loaded once serves
+every sequence of the pass, while only one micro-batch's activations are live at a time; the others'
+hidden states and KV caches wait in host memory.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+class PassAborted(RuntimeError):
+    """Another micro-batch of the pass failed; this one stops too."""
+
+
+class LayerTurns:
+    def __init__(self, micro_batches: int):
+        self.micro_batches = micro_batches
+        self._turn = (0, 0)
+        self._cond = threading.Condition()
+        self._failed: BaseException | None = None
+
+    def wait(self, layer: int, micro: int) -> None:
+        with self._cond:
+            while self._turn != (layer, micro) and self._failed is None:
+                self._cond.wait()
+            if self._failed is not None:
+                raise PassAborted("another micro-batch of this pass failed") from self._failed
+
+    def advance(self, layer: int, micro: int) -> None:
+        with self._cond:
+            self._turn = (layer, micro + 1) if micro + 1 < self.micro_batches else (layer + 1, 0)
+            self._cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        with self._cond:
+            if self._failed is None:
+                self._failed = exc
+            self._cond.notify_all()
+
+
+@dataclass
+class PassGroup:
+    """The micro-batches of the pass in flight, and a hook run before each (layer, micro-batch)."""
+
+    turns: LayerTurns
+    before_layer: Callable[[int, int], None] | None = None
+    local: threading.local = field(default_factory=threading.local)
+
+    @property
+    def micro(self) -> int:
+        return getattr(self.local, "micro", 0)
+
+    @property
+    def last_micro(self) -> bool:
+        return self.micro == self.turns.micro_batches - 1
+
+
+def run_threads(group: PassGroup, calls: list[Callable[[], object]], wrap) -> list[object]:
+    """Run each call on its own thread as micro-batch m; re-raise the first failure after all stop."""
+    results: list[object] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def work(micro: int) -> None:
+        group.local.micro = micro
+        try:
+            with wrap():
+                results[micro] = calls[micro]()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            errors.append(exc)
+            group.turns.fail(exc)
+
+    threads = [threading.Thread(target=work, args=(m,), name=f"batchrun-micro-{m}") for m in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    real = [e for e in errors if not isinstance(e, PassAborted)]
+    if real or errors:
+        raise (real or errors)[0]
+    return results

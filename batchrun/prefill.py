@@ -1,0 +1,191 @@
+"""Forward passes over micro-batches, and a shared prompt prefix computed once per pass.
+
+A pass carries B sequences split into micro-batches (one forward call each, taking turns at every
+layer: see passes.py). When the sequences of a pass start with the same tokens (a system prompt,
+instructions, a template head), the prefix is computed once, as an extra micro-batch of one
+sequence that goes first at every layer; before each other micro-batch enters layer i, the prefix's
+keys and values for layer i are copied into its cache. The suffixes then attend to the prefix as if
+they had computed it themselves: same positions, same keys, one computation instead of B.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+# Below this many shared tokens the saved compute does not pay for the extra micro-batch.
+MIN_SHARED_PREFIX = 16
+
+
+@dataclass
+class MicroState:
+    """One micro-batch between passes: its KV cache, attention mask and positions [b, ...]."""
+
+    members: list[int]  # indices into the pass's sequences
+    cache: object
+    mask: torch.Tensor
+    positions: torch.Tensor
+
+
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-pad so every sequence ends at the last position: input_ids, attention_mask, position_ids [B, S]."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        mask[row, width - len(seq):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), positions.to(device)
+
+
+def cache_argument(model) -> str:
+    """transformers 5.2x renamed `past_key_values` to `cache`; accept either release."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def forward(model, ids, mask, positions, *, keep: int, cache=None, use_cache: bool = False):
+    """One forward call. Returns float32 log-probs of the last `keep` positions [b, keep, V] and the cache."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=use_cache,
+                logits_to_keep=keep, **{cache_argument(model): cache})
+    new_cache = getattr(out, "cache", None)
+    if new_cache is None:
+        new_cache = getattr(out, "past_key_values", None)
+    return torch.log_softmax(out.logits.float(), dim=-1), new_cache
+
+
+def micro_slices(count: int, size: int | None) -> list[list[int]]:
+    size = max(1, size or count)
+    return [list(range(start, min(start + size, count))) for start in range(0, count, size)]
+
+
+def common_prefix_length(seqs: Sequence[Sequence[int]]) -> int:
+    first = seqs[0]
+    length = min(len(s) for s in seqs)
+    for position in range(length):
+        token = first[position]
+        if any(s[position] != token for s in seqs):
+            return position
+    return length
+
+
+class SharedPrefix:
+    """The prefix's KV, computed by micro-batch 0 of the pass and copied into the others' caches."""
+
+    def __init__(self, model, prefix: list[int], dtype: torch.dtype, device):
+        self.model, self.prefix, self.dtype, self.device = model, prefix, dtype, device
+        self.cache = DynamicCache(config=model.config)
+        self.targets: dict[int, object] = {}  # micro-batch -> its placeholder cache
+
+    @staticmethod
+    def usable(model) -> bool:
+        """Only full-attention caches: a sliding window would count the padding between prefix and suffix."""
+        probe = DynamicCache(config=model.config)
+        return not any(getattr(probe, "is_sliding", [False]))
+
+    def prefix_call(self):
+        ids = torch.tensor([self.prefix], dtype=torch.long, device=self.device)
+        mask = torch.ones_like(ids)
+        positions = torch.arange(len(self.prefix), device=self.device)[None]
+        return lambda: forward(self.model, ids, mask, positions, keep=1, cache=self.cache, use_cache=True)
+
+    def placeholder_cache(self, micro: int, batch: int):
+        """A cache already `len(prefix)` long, so the model builds the suffix's masks and positions after it."""
+        text = self.model.config.get_text_config()
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        cache = DynamicCache(config=self.model.config)
+        zeros = torch.zeros(batch, heads, len(self.prefix), head_dim, dtype=self.dtype, device=self.device)
+        for layer in range(text.num_hidden_layers):
+            cache.update(zeros.clone(), zeros.clone(), layer)
+        self.targets[micro] = cache
+        return cache
+
+    def inject(self, layer: int, micro: int) -> None:
+        target = self.targets.get(micro)
+        if target is None:
+            return
+        source, into = self.cache.layers[layer], target.layers[layer]
+        if source.keys.shape[1:] != into.keys.shape[1:]:
+            raise RuntimeError(f"shared prefix: layer {layer} caches keys of shape {tuple(source.keys.shape)}, "
+                               f"expected {tuple(into.keys.shape)}; run without prefix sharing")
+        into.keys.copy_(source.keys.expand_as(into.keys))
+        into.values.copy_(source.values.expand_as(into.values))
+
+
+def prefill(handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, micro_batch: int | None,
+            use_cache: bool, share_prefix: bool = True) -> tuple[list[torch.Tensor], list[MicroState]]:
+    """The first pass over `seqs`: log-probs of the last `keep` positions of each, and the micro-batch states.
+
+    Returns per-sequence log-probs [keep, V] (in the order of `seqs`) and one MicroState per micro-batch.
+    """
+    model, device = handle.model, handle.device
+    groups = micro_slices(len(seqs), micro_batch)
+    shared = 0
+    if share_prefix and len(seqs) > 1:
+        shared = min(common_prefix_length(seqs), min(len(s) for s in seqs) - keep)
+        if shared < MIN_SHARED_PREFIX or not SharedPrefix.usable(model):
+            shared = 0
+    calls, states = [], []
+    prefix = SharedPrefix(model, list(seqs[0][:shared]), handle.dtype, device) if shared else None
+    if prefix is not None:
+        calls.append(prefix.prefix_call())
+    for members in groups:
+        ids, mask, positions = left_pad([seqs[i][shared:] for i in members], pad_id, device)
+        cache = None
+        if prefix is not None:
+            cache = prefix.placeholder_cache(len(calls), len(members))
+            mask = torch.cat([torch.ones(len(members), shared, dtype=mask.dtype, device=device), mask], dim=1)
+            positions = positions + shared
+        states.append(MicroState(members, cache, mask, positions))
+        calls.append(_call(model, ids, mask, positions, keep, cache, use_cache or prefix is not None))
+    outputs = handle.run_pass(calls, before_layer=prefix.inject if prefix is not None else None)
+    if prefix is not None:
+        outputs = outputs[1:]
+    logprobs: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]
+    for state, (lp, cache) in zip(states, outputs):
+        state.cache = cache
+        for row, index in enumerate(state.members):
+            logprobs[index] = lp[row]
+    return logprobs, states
+
+
+def decode(handle, states: list[MicroState], next_tokens: dict[int, int]) -> dict[int, torch.Tensor]:
+    """One decode pass: each micro-batch feeds its sequences' last tokens. Returns index -> log-probs [V]."""
+    calls = []
+    for state in states:
+        ones = torch.ones((len(state.members), 1), dtype=state.mask.dtype, device=handle.device)
+        state.mask = torch.cat([state.mask, ones], dim=1)
+        state.positions = state.positions[:, -1:] + 1
+        ids = torch.tensor([[next_tokens[i]] for i in state.members], dtype=torch.long, device=handle.device)
+        calls.append(_call(handle.model, ids, state.mask, state.positions, 1, state.cache, True))
+    outputs = handle.run_pass(calls)
+    result = {}
+    for state, (lp, cache) in zip(states, outputs):
+        state.cache = cache
+        for row, index in enumerate(state.members):
+            result[index] = lp[row, -1]
+    return result
+
+
+def drop_finished(states: list[MicroState], finished: set[int]) -> list[MicroState]:
+    """Finished sequences leave the pass: shrink each micro-batch's cache, mask and positions."""
+    kept_states = []
+    for state in states:
+        keep = [row for row, index in enumerate(state.members) if index not in finished]
+        if not keep:
+            continue
+        if len(keep) < len(state.members):
+            rows = torch.tensor(keep, dtype=torch.long, device=state.mask.device)
+            state.cache.batch_select_indices(rows)
+            state.mask, state.positions = state.mask[rows], state.positions[rows]
+            state.members = [state.members[row] for row in keep]
+        kept_states.append(state)
+    return kept_states
+
+
+def _call(model, ids, mask, positions, keep, cache, use_cache):
+    return lambda: forward(model, ids, mask, positions, keep=keep, cache=cache, use_cache=use_cache)

@@ -1,0 +1,346 @@
+"""Does the plan predict what a run does? Predicted peak memory and seconds per pass against measurement.
+
+For each case the script asks `batchrun plan --json` for its prediction, then runs `batchrun submit` with the
+same options in a fresh subprocess (inside a cgroup v1 memory cap for the large model, page cache dropped before
+each streamed run) and measures:
+  - the process's peak RSS (VmHWM polled, and wait4's ru_maxrss): what an OOM killer sees, nothing excluded;
+  - the time of every pass, from the moment the model's forward starts to the moment the pass's results are
+    committed (what the executor calls a pass), split into the prefill pass (first of a batch) and decode passes.
+Targets (the issue): peak within 20% and median seconds per pass within 30%.
+
+    /work/venv/bin/python -m benchmarks.plan_accuracy              # all cases (~10 min on 2 cores)
+    /work/venv/bin/python -m benchmarks.plan_accuracy --cases default-resident-generate,large-streamed-generate
+
+Results: a Markdown table on stdout and benchmarks/results/plan_accuracy.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks import harness
+
+PEAK_TOLERANCE = 0.20
+PASS_TOLERANCE = 0.30
+# The large model's cap, as a share of its checkpoint: well under it, so every pass really reads from disk.
+LARGE_CAP_SHARE = 0.60
+# Budget given to the default-model cases: enough for one batch of every row, and the same number for plan and run.
+DEFAULT_MEMORY_GB = 8.0
+WORDS = ("the order arrived late and the box was crushed but the blender inside works well enough although the lid "
+         "does not seal and the motor makes a grinding noise when I press the pulse button so I would like a "
+         "replacement or a refund please tell me which one you can offer and how long it will take to process "
+         "because I need it for a party next weekend").split()
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str  # "default" or "large"
+    streaming: str  # never | always
+    job: str  # generate | choice
+    rows: int
+    words: tuple[int, int]  # prompt length range in words
+    max_new_tokens: int = 8
+    batch_size: int | None = None
+
+
+CASES = [
+    Case("default-resident-generate", "default", "never", "generate", 16, (80, 220)),
+    Case("default-streamed-generate", "default", "always", "generate", 16, (80, 220)),
+    Case("default-resident-choice", "default", "never", "choice", 32, (80, 220), batch_size=8),
+    Case("default-streamed-choice", "default", "always", "choice", 32, (80, 220), batch_size=8),
+    Case("large-streamed-generate", "large", "always", "generate", 4, (60, 100)),
+    Case("large-streamed-choice", "large", "always", "choice", 8, (40, 60), batch_size=2),
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Specs
+
+
+def write_spec(case: Case, directory: Path) -> Path:
+    """A deterministic JSONL spec: prompts of varying length from a fixed word list."""
+    low, high = case.words
+    lines = []
+    for index in range(case.rows):
+        count = low + (high - low) * index // max(case.rows - 1, 1)
+        text = " ".join(WORDS[(index * 7 + k) % len(WORDS)] for k in range(count))
+        row: dict = {"id": f"{case.name}-{index}"}
+        if case.job == "choice":
+            row.update(prompt=f"Review: {text}\nIs this review positive or negative?",
+                       choices=["positive", "negative"])
+        else:
+            row.update(prompt=f"Ticket: {text}\nSummarise the ticket in one sentence.",
+                       max_new_tokens=case.max_new_tokens)
+        lines.append(json.dumps(row))
+    path = directory / f"{case.name}.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def job_arguments(case: Case, checkpoint: Path, memory_gb: float, bandwidth_gbps: float) -> list[str]:
+    """The options plan and submit share: same budget, batch size, policy and bandwidth."""
+    arguments = ["--model", str(checkpoint), "--streaming", case.streaming, "--memory", f"{memory_gb:.3f}",
+                 "--bandwidth", f"{bandwidth_gbps:.4f}"]
+    if case.batch_size:
+        arguments += ["--batch-size", str(case.batch_size)]
+    return arguments
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prediction
+
+
+def predict(spec: Path, arguments: list[str]) -> dict:
+    """`batchrun plan --json` (the candidate), plus the plan's prefill and decode pass times from the same
+    arithmetic, which the JSON folds into one median."""
+    plan = subprocess.run([sys.executable, "-m", "batchrun", "plan", str(spec), *arguments, "--json"],
+                          capture_output=True, text=True, check=False)
+    if plan.returncode != 0:
+        raise RuntimeError(f"batchrun plan failed: {plan.stderr[-3000:]}")
+    candidate = json.loads(plan.stdout)["candidates"][0]
+    prefill, decode = predicted_pass_kinds(spec, arguments)
+    return {**candidate, "predicted_prefill_seconds": prefill, "predicted_decode_seconds": decode}
+
+
+def predicted_pass_kinds(spec: Path, arguments: list[str]) -> tuple[float | None, float | None]:
+    """Median predicted seconds of the first pass of each batch (prefill) and of the later ones (decode)."""
+    from batchrun import measure
+    from batchrun.plan import job_timeline
+    from batchrun.prepare import plan_rows, prepare_job, row_costs
+
+    options = _options_from_arguments(arguments)
+    prepared = prepare_job(spec, options)
+    costs = row_costs([r for r in prepared.rows if not r.error])
+    candidate = plan_rows(prepared.model, costs, options, prepared.device)
+    rate = measure.compute_rate(prepared.compute_dtype, prepared.device)
+    timeline = job_timeline(prepared.model.sizes, costs, candidate.batches, candidate.io_seconds_per_pass, rate)
+    prefill, decode, position = [], [], 0
+    for batch in candidate.batches:
+        passes = max(costs[i].passes() for i in batch)
+        prefill.append(timeline.pass_seconds[position])
+        decode += timeline.pass_seconds[position + 1:position + passes]
+        position += passes
+    return (statistics.median(prefill) if prefill else None, statistics.median(decode) if decode else None)
+
+
+def _options_from_arguments(arguments: list[str]):
+    from batchrun.prepare import JobOptions
+
+    values = dict(zip(arguments[::2], arguments[1::2]))
+    return JobOptions(model=values["--model"], streaming=values["--streaming"], memory_gb=float(values["--memory"]),
+                      bandwidth_gbps=float(values["--bandwidth"]),
+                      batch_size=int(values["--batch-size"]) if "--batch-size" in values else None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measurement: `batchrun submit` in a subprocess that records when each pass starts and ends
+
+
+def probe(events_file: Path, submit_arguments: list[str]) -> int:
+    """Run `batchrun submit` in this process, recording pass timings to events_file (runs in the subprocess).
+
+    Timing hooks only: the model's own forward pre/post hooks and the executor's named fault points
+    (`pass` after a pass computed, `committed` after its results are stored)."""
+    import batchrun.execute as execute
+    from batchrun import faults
+    from batchrun.cli import cli
+
+    events: list[list] = []
+    real_open = execute.open_model
+    real_reached = faults.reached
+
+    def timed_open(*args, **kwargs):
+        started = time.perf_counter()
+        model = real_open(*args, **kwargs)
+        events.append(["loaded", started, time.perf_counter()])
+
+        def before(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            events.append(["forward", time.perf_counter(), list(ids.shape) if ids is not None else None])
+
+        def after(module, args, kwargs, output):
+            events.append(["forward_end", time.perf_counter()])
+
+        model.model.register_forward_pre_hook(before, with_kwargs=True)
+        model.model.register_forward_hook(after, with_kwargs=True)
+        return model
+
+    def reached(point: str) -> None:
+        if point in ("pass", "committed"):
+            events.append([point, time.perf_counter()])
+        real_reached(point)
+
+    execute.open_model = timed_open
+    faults.reached = reached
+    try:
+        cli.main(args=["submit", *submit_arguments], standalone_mode=False)
+        return 0
+    finally:
+        events_file.write_text(json.dumps(events))
+
+
+def passes_from_events(events: list[list]) -> dict:
+    """Per pass: seconds from the first forward after the previous commit to this commit, and whether it was a
+    prefill (more than one token per sequence) or a decode pass."""
+    passes = []
+    start = shape = None
+    forward_seconds = 0.0
+    forward_started = None
+    load_seconds = None
+    for event in events:
+        kind, moment = event[0], event[1]
+        if kind == "loaded":
+            load_seconds = event[2] - moment
+        elif kind == "forward":
+            if start is None:
+                start, shape = moment, event[2]
+            forward_started = moment
+        elif kind == "forward_end" and forward_started is not None:
+            forward_seconds += moment - forward_started
+            forward_started = None
+        elif kind == "committed" and start is not None:
+            passes.append({"kind": "prefill" if shape and shape[-1] > 1 else "decode", "shape": shape,
+                           "seconds": moment - start, "forward_seconds": forward_seconds})
+            start = shape = None
+            forward_seconds = 0.0
+    return {"load_seconds": load_seconds, "passes": passes}
+
+
+def measure_run(case: Case, spec: Path, arguments: list[str], cap_bytes: int | None, work: Path) -> dict:
+    events_file = work / f"{case.name}.events.json"
+    submit_arguments = [str(spec), *arguments, "--json", "--force", "--db", str(work / f"{case.name}.db"),
+                        "--output", str(work / f"{case.name}.parquet")]
+    if case.streaming == "always":
+        harness.drop_page_cache()  # a streamed run must read from disk, as it would overnight
+    run = harness.run_measured(
+        [sys.executable, "-m", "benchmarks.plan_accuracy", "probe", str(events_file), "--", *submit_arguments],
+        cwd=harness.REPO_ROOT, memory_cap_bytes=cap_bytes)
+    run.check()
+    timings = passes_from_events(json.loads(events_file.read_text()))
+    seconds = [p["seconds"] for p in timings["passes"]]
+    return {
+        "peak_rss_bytes": run.peak_rss_bytes, "polled_hwm_bytes": run.polled_hwm_bytes,
+        "ru_maxrss_bytes": run.ru_maxrss_bytes, "cgroup_max_usage_bytes": run.cgroup_max_usage_bytes,
+        "cap_bytes": cap_bytes, "oom_killed": run.oom_killed, "wall_seconds": run.wall_seconds,
+        "summary": run.json_stdout(), **timings,
+        "median_seconds_per_pass": statistics.median(seconds) if seconds else None,
+        "median_prefill_seconds": _median_of(timings["passes"], "prefill"),
+        "median_decode_seconds": _median_of(timings["passes"], "decode"),
+    }
+
+
+def _median_of(passes: list[dict], kind: str) -> float | None:
+    values = [p["seconds"] for p in passes if p["kind"] == kind]
+    return statistics.median(values) if values else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def checkpoint_for(model: str) -> Path:
+    if model == "large":
+        return harness.large_checkpoint()
+    from batchrun.default import default_model
+
+    return default_model()
+
+
+def run_case(case: Case, bandwidth: float, work: Path) -> dict:
+    checkpoint = checkpoint_for(case.model)
+    size = harness.checkpoint_bytes(checkpoint)
+    cap = int(size * LARGE_CAP_SHARE) if case.model == "large" else None
+    memory_gb = cap / 1e9 if cap else DEFAULT_MEMORY_GB
+    spec = write_spec(case, work)
+    arguments = job_arguments(case, checkpoint, memory_gb, bandwidth / 1e9)
+    predicted = predict(spec, arguments)
+    measured = measure_run(case, spec, arguments, cap, work)
+    row = {
+        "case": case.name, "model": checkpoint.name, "checkpoint_bytes": size, "mode": predicted["mode"],
+        "job": case.job, "rows": case.rows, "batch_size": predicted["batch_size"], "passes": predicted["passes"],
+        "measured_passes": len(measured["passes"]), "cap_bytes": cap,
+        "predicted_peak_bytes": predicted["peak_memory_bytes"], "measured_peak_bytes": measured["peak_rss_bytes"],
+        "predicted_seconds_per_pass": predicted["seconds_per_pass"],
+        "measured_seconds_per_pass": measured["median_seconds_per_pass"],
+        "predicted_prefill_seconds": predicted["predicted_prefill_seconds"],
+        "measured_prefill_seconds": measured["median_prefill_seconds"],
+        "predicted_decode_seconds": predicted["predicted_decode_seconds"],
+        "measured_decode_seconds": measured["median_decode_seconds"],
+        "predicted_load_seconds": predicted["load_seconds"], "measured_load_seconds": measured["load_seconds"],
+    }
+    row["peak_ratio"] = _ratio(row["predicted_peak_bytes"], row["measured_peak_bytes"])
+    row["pass_ratio"] = _ratio(row["predicted_seconds_per_pass"], row["measured_seconds_per_pass"])
+    row["within_tolerance"] = (abs(row["peak_ratio"] - 1) <= PEAK_TOLERANCE
+                               and abs(row["pass_ratio"] - 1) <= PASS_TOLERANCE)
+    return {"row": row, "predicted": predicted, "measured": measured}
+
+
+def _ratio(predicted: float | None, measured: float | None) -> float | None:
+    return predicted / measured if predicted and measured else None
+
+
+TABLE_COLUMNS = {
+    "case": "case", "mode": "mode", "checkpoint_gb": "ckpt GB", "cap_gb": "cap GB", "passes": "passes",
+    "predicted_peak_mb": "pred peak MB", "measured_peak_mb": "meas peak MB", "peak_ratio": "peak ratio",
+    "predicted_seconds_per_pass": "pred s/pass", "measured_seconds_per_pass": "meas s/pass", "pass_ratio": "pass ratio",
+    "predicted_prefill_seconds": "pred prefill s", "measured_prefill_seconds": "meas prefill s",
+    "predicted_decode_seconds": "pred decode s", "measured_decode_seconds": "meas decode s",
+    "within_tolerance": "ok",
+}
+
+
+def table_row(row: dict) -> dict:
+    return {**row, "checkpoint_gb": row["checkpoint_bytes"] / 1e9,
+            "cap_gb": row["cap_bytes"] / 1e9 if row["cap_bytes"] else None,
+            "predicted_peak_mb": row["predicted_peak_bytes"] / 1e6, "measured_peak_mb": row["measured_peak_bytes"] / 1e6}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["probe"]:
+        return probe(Path(argv[1]), argv[3:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", help="comma-separated case names (default: all): "
+                        + ", ".join(c.name for c in CASES))
+    args = parser.parse_args(argv)
+    wanted = set(args.cases.split(",")) if args.cases else {c.name for c in CASES}
+    unknown = wanted - {c.name for c in CASES}
+    if unknown:
+        parser.error(f"unknown case(s): {', '.join(sorted(unknown))}")
+    os.environ.setdefault("BATCHRUN_HOME", str(harness.bench_cache_dir() / "home"))
+    Path(os.environ["BATCHRUN_HOME"]).mkdir(parents=True, exist_ok=True)
+    results = []
+    with harness.exclusive_machine(), tempfile.TemporaryDirectory(prefix="plan-accuracy-") as temporary:
+        work = Path(temporary)
+        large = harness.large_checkpoint()
+        from batchrun import measure
+
+        harness.drop_page_cache()
+        bandwidth = harness.cold_read_bandwidth(large)
+        compute = measure.measure_compute_rate("float32", "cpu")  # now, on the machine as loaded now
+        print(f"cold read {bandwidth / 1e9:.2f} GB/s, float32 compute {compute / 1e9:.0f} GFLOP/s", flush=True)
+        for case in CASES:
+            if case.name in wanted:
+                result = run_case(case, bandwidth, work)
+                results.append(result)
+                harness.print_table([table_row(result["row"])], TABLE_COLUMNS)
+    print()
+    harness.print_table([table_row(r["row"]) for r in results], TABLE_COLUMNS)
+    path = harness.save_results("plan_accuracy", {
+        "read_bandwidth_bytes_per_s": bandwidth, "compute_flops_per_s": compute,
+        "tolerances": {"peak": PEAK_TOLERANCE, "seconds_per_pass": PASS_TOLERANCE}, "cases": results})
+    print(f"saved {path}")
+    return 0 if all(r["row"]["within_tolerance"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Micro-batched passes and the shared prefix give the same numbers as one plain forward per sequence."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchrun.prefill import MIN_SHARED_PREFIX, SharedPrefix, decode, prefill
+from batchrun.runtime import ResidentModel
+from batchrun.stream import StreamedModel
+
+ARCHS_WITHOUT_WINDOWS = ["llama", "qwen2", "gpt_neox", "phi3", "mixtral", "gpt2"]
+
+
+def sequences(vocab: int, shared: int = 24, count: int = 5) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    head = torch.randint(3, vocab, (shared,), generator=generator).tolist()
+    return [head + torch.randint(3, vocab, (4 + 3 * i,), generator=generator).tolist() for i in range(count)]
+
+
+def plain_logprobs(handle, seq: list[int], keep: int) -> torch.Tensor:
+    with torch.inference_mode():
+        logits = handle.model(input_ids=torch.tensor([seq])).logits[0, -keep:]
+    return torch.log_softmax(logits.float(), -1)
+
+
+def open_handle(kind: str, path):
+    if kind == "streamed":
+        return StreamedModel(path, device="cpu", dtype=torch.float32)
+    return ResidentModel(path, device="cpu", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("arch", ARCHS_WITHOUT_WINDOWS)
+@pytest.mark.parametrize("kind", ["streamed", "resident"])
+@pytest.mark.parametrize("micro_batch,share", [(None, True), (2, True), (1, False), (2, False)])
+def test_prefill_equals_plain_forward(tiny_checkpoint, arch, kind, micro_batch, share):
+    handle = open_handle(kind, tiny_checkpoint(arch))
+    try:
+        seqs = sequences(handle.model.config.vocab_size)
+        passes_before = handle.passes
+        got, states = prefill(handle, seqs, pad_id=0, keep=3, micro_batch=micro_batch, use_cache=True,
+                              share_prefix=share)
+        assert handle.passes == passes_before + 1  # however many micro-batches, one pass
+        for seq, lp in zip(seqs, got):
+            assert (lp - plain_logprobs(handle, seq, 3)).abs().max().item() <= 1e-4
+        # decoding continues from the caches the prefill left
+        next_tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
+        stepped = decode(handle, states, next_tokens)
+        for i, seq in enumerate(seqs):
+            expected = plain_logprobs(handle, seq + [next_tokens[i]], 1)[-1]
+            assert (stepped[i] - expected).abs().max().item() <= 1e-4
+    finally:
+        handle.close()
+
+
+def test_micro_batched_streamed_pass_reads_each_layer_once(tiny_checkpoint):
+    # without prefetch, so no layer of the next pass is read ahead and the bytes per pass are exact
+    with StreamedModel(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32, prefetching=False) as handle:
+        seqs = sequences(handle.model.config.vocab_size, count=6)
+        prefill(handle, seqs[:1], 0, keep=1, micro_batch=None, use_cache=False)
+        one_pass = handle.bytes_read
+        prefill(handle, seqs, 0, keep=1, micro_batch=1, use_cache=False, share_prefix=True)
+        # 6 micro-batches plus the shared prefix: still one read of the decoder stack
+        assert handle.bytes_read == 2 * one_pass
+        assert handle.peak_materialised_layers == 1
+        assert all(p.is_meta for p in handle.layers.parameters())
+
+
+def test_shared_prefix_is_computed_once(tiny_checkpoint):
+    """The prefix rides as one extra sequence: the layers see prefix + suffix tokens, not B copies."""
+    with StreamedModel(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32) as handle:
+        seqs = sequences(handle.model.config.vocab_size, shared=MIN_SHARED_PREFIX + 8, count=4)
+        seen = []
+        hook = handle.layers[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0] * args[0].shape[1]))
+        prefill(handle, seqs, 0, keep=1, micro_batch=None, use_cache=True, share_prefix=True)
+        hook.remove()
+        shared = MIN_SHARED_PREFIX + 8
+        suffix_width = max(len(s) for s in seqs) - shared
+        assert sum(seen) == shared + len(seqs) * suffix_width
+
+
+def test_sliding_window_models_do_not_share_prefixes(tiny_checkpoint):
+    with StreamedModel(tiny_checkpoint("gemma3"), device="cpu", dtype=torch.float32) as handle:
+        assert not SharedPrefix.usable(handle.model)
+        seqs = sequences(handle.model.config.vocab_size)
+        got, _ = prefill(handle, seqs, 0, keep=1, micro_batch=2, use_cache=False, share_prefix=True)
+        for seq, lp in zip(seqs, got):
+            assert (lp - plain_logprobs(handle, seq, 1)).abs().max().item() <= 1e-4
+
+
+def test_a_failing_micro_batch_fails_the_pass_and_releases_layers(tiny_checkpoint):
+    with StreamedModel(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32) as handle:
+        def boom():
+            raise ValueError("bad micro-batch")
+
+        good = lambda: handle.model(input_ids=torch.tensor([[5, 6, 7]]))  # noqa: E731
+        with pytest.raises(ValueError, match="bad micro-batch"):
+            handle.run_pass([good, boom, good])
+        assert all(p.is_meta for p in handle.layers.parameters())
+        # and the model still works afterwards
+        assert handle.run_pass([good, good])[0].logits.shape[0] == 1
