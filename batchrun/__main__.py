@@ -1,5 +1,4 @@
-"""`python -m batchrun` runs the command line (handy where the console script is not on PATH)."""
+"""`python -m batchrun ...`: the same command line as the `batchrun` script, without needing it on PATH."""
 from batchrun.cli import cli
 
-if __name__ == "__main__":
-    cli(prog_name="batchrun")
+cli(prog_name="batchrun")

@@ -43,9 +43,16 @@ class RunSummary:
     mode: str | None
     batch_size: int | None
     notes: list[str] = field(default_factory=list)
+    bytes_read: int = 0  # weight bytes read from the checkpoint by this run (streamed mode)
+    pass_seconds: list[float] = field(default_factory=list)  # wall time of each pass of this run
+
+    @property
+    def median_pass_seconds(self) -> float | None:
+        ordered = sorted(self.pass_seconds)
+        return ordered[len(ordered) // 2] if ordered else None
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        return {**self.__dict__, "median_pass_seconds": self.median_pass_seconds}
 
 
 def to_row_result(answer: Answer, row_id) -> RowResult:
@@ -134,7 +141,7 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
             raise PlanRefused("the plan refuses this job: " + " ".join(plan.blockers))
         summary.mode, summary.batch_size = plan.mode, plan.batch_size
         batches = [[rows[i] for i in batch] for batch in plan.batches]
-        summary.passes_now = _run_batches(prepared, store, job_id, plan, batches, partial, status, quiet)
+        _run_batches(prepared, store, job_id, plan, batches, partial, status, quiet, summary)
     final = store.status(job_id)
     summary.rows_done, summary.rows_errored = final["rows_done"], final["rows_errored"]
     summary.seconds = time.monotonic() - started
@@ -157,7 +164,8 @@ def _after_previous_run(options: JobOptions, previous: dict | None, notes: list[
 
 
 def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candidate,
-                 batches: list[list[EncodedRow]], partial: dict, status: dict, quiet: bool) -> int:
+                 batches: list[list[EncodedRow]], partial: dict, status: dict, quiet: bool,
+                 summary: RunSummary) -> None:
     finished_before = status["rows_done"] + status["rows_errored"]
     bar = tqdm(total=status["rows_total"], initial=finished_before, unit="row", disable=quiet,
                desc=f"batchrun {job_id[:8]} ({plan.mode})", dynamic_ncols=True)
@@ -168,7 +176,7 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
     tokenizer = prepared.model.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     eos = eos_token_ids(model.config, getattr(model.model, "generation_config", None), tokenizer)
-    pass_times: list[float] = []
+    pass_times = summary.pass_seconds
     micro_batch = getattr(plan, "micro_batch_size", None)
     try:
         for batch in batches:
@@ -187,8 +195,9 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
             _show_rate(bar, pass_times, batch)
     finally:
         bar.close()
+        summary.passes_now = len(pass_times)
+        summary.bytes_read = model.bytes_read
         model.close()
-    return len(pass_times)
 
 
 def _run_generation(model, batch, tokenizer, eos, pad_id, store, job_id, partial, ids, bar, pass_times,

@@ -17,7 +17,7 @@ class ResidentModel:
 
     def __init__(self, checkpoint: Path, *, device: str, dtype=None, trust_remote_code: bool = False):
         load_config(checkpoint, trust_remote_code=trust_remote_code)
-        read_tensor_infos(checkpoint)  # same refusals as streaming: pickle-only, truncated, missing shards
+        infos = read_tensor_infos(checkpoint)  # same refusals as streaming: pickle-only, truncated, missing shards
         self.checkpoint = Path(checkpoint)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -27,7 +27,7 @@ class ResidentModel:
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.checkpoint, trust_remote_code)
         self.passes = 0
-        self.bytes_read = 0
+        self.bytes_read = sum(info.nbytes for info in infos.values())  # every weight, read once at load
         _, self.layers = find_decoder_stack(self.model, text_config(self.config).num_hidden_layers)
         self._in_pass = False
         self._micro = 0

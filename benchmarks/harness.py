@@ -76,6 +76,38 @@ def exclusive_machine(lock_file: Path = LOCK_FILE) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
+    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def busy_cores(seconds: float = 2.0) -> float:
+    """Cores kept busy by everything on the machine over the next `seconds` (0 = idle, os.cpu_count() = full)."""
+    busy_before, total_before = _cpu_ticks()
+    time.sleep(seconds)
+    busy_after, total_after = _cpu_ticks()
+    return (busy_after - busy_before) / max(total_after - total_before, 1) * (os.cpu_count() or 1)
+
+
+def wait_for_quiet(max_busy_cores: float = 0.3, timeout_s: float = 600.0, window_s: float = 3.0) -> float:
+    """Wait until other work keeps at most max_busy_cores busy (timings on 2 shared cores mean nothing otherwise);
+    returns the busy cores last seen, which may still be above the limit when timeout_s ran out."""
+    deadline = time.monotonic() + timeout_s
+    announced = False
+    while True:
+        busy = busy_cores(window_s)
+        if busy <= max_busy_cores or time.monotonic() > deadline:
+            return busy
+        if not announced:
+            print(f"waiting for a quiet machine ({busy:.1f} cores busy)", file=sys.stderr, flush=True)
+            announced = True
+
+
 def drop_page_cache() -> None:
     """Write dirty pages back and drop the clean page cache (root only), so the next read comes from disk."""
     os.sync()
@@ -194,6 +226,9 @@ class RunResult:
     cgroup_max_usage_bytes: int | None = None  # with a cap: peak charge including page cache
     oom_killed: bool = False
     cap_hits: int | None = None
+    # Cores other processes kept busy on average during the run (machine busy time minus the child's CPU time):
+    # above ~0.3 on this 2-core machine, timings are not trustworthy.
+    foreign_busy_cores: float | None = None
 
     def json_stdout(self) -> dict:
         """stdout parsed as JSON (the last JSON object if the command printed other lines first)."""
@@ -237,6 +272,7 @@ def run_measured(command: Sequence[str], *, env: Mapping[str, str] | None = None
 
         out = stack.enter_context(tempfile.TemporaryFile("w+"))
         err = stack.enter_context(tempfile.TemporaryFile("w+"))
+        machine_before = _cpu_ticks()
         start = time.perf_counter()
         process = subprocess.Popen(list(command), env=full_env, cwd=cwd, stdout=out, stderr=err,
                                    preexec_fn=join_cap if cap else None)
@@ -259,16 +295,19 @@ def run_measured(command: Sequence[str], *, env: Mapping[str, str] | None = None
                 process.kill()
             time.sleep(0.01)
         wall = time.perf_counter() - start
+        machine_after = _cpu_ticks()
         done.set()
         poller.join()
         process.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
         maxrss = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # Linux reports KiB
+        machine_busy_s = (machine_after[0] - machine_before[0]) / CLOCK_TICKS
+        foreign = max(machine_busy_s - usage.ru_utime - usage.ru_stime, 0.0) / max(wall, 1e-9)
         result = RunResult(
             command=list(command), returncode=process.returncode, stdout=out.read(), stderr=err.read(),
             wall_seconds=wall, peak_rss_bytes=max(polled[0], maxrss), polled_hwm_bytes=polled[0],
-            ru_maxrss_bytes=maxrss, memory_cap_bytes=memory_cap_bytes,
+            ru_maxrss_bytes=maxrss, memory_cap_bytes=memory_cap_bytes, foreign_busy_cores=foreign,
         )
         if cap:
             result.cgroup_max_usage_bytes = cap.max_usage_bytes
@@ -333,5 +372,5 @@ def _jsonable(value):
 __all__ = [
     "MemoryCap", "RunResult", "bench_cache_dir", "checkpoint_bytes", "cold_read_bandwidth", "compute_rate",
     "drop_page_cache", "exclusive_machine", "format_table", "large_checkpoint", "machine_description", "memory_cap",
-    "own_memory_cgroup", "print_table", "run_measured", "save_results",
+    "own_memory_cgroup", "print_table", "run_measured", "save_results", "busy_cores", "wait_for_quiet",
 ]

@@ -154,21 +154,22 @@ def probe(events_file: Path, submit_arguments: list[str]) -> int:
     from batchrun import faults
     from batchrun.cli import cli
 
-    events: list[list] = []
+    events: list[list] = [["imported", time.perf_counter(), _rss_now()]]
     real_open = execute.open_model
     real_reached = faults.reached
 
     def timed_open(*args, **kwargs):
         started = time.perf_counter()
         model = real_open(*args, **kwargs)
-        events.append(["loaded", started, time.perf_counter()])
+        events.append(["loaded", started, time.perf_counter(), _rss_now()])
 
         def before(module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
-            events.append(["forward", time.perf_counter(), list(ids.shape) if ids is not None else None])
+            events.append(["forward", time.perf_counter(), list(ids.shape) if ids is not None else None,
+                           _rss_now()])
 
         def after(module, args, kwargs, output):
-            events.append(["forward_end", time.perf_counter()])
+            events.append(["forward_end", time.perf_counter(), _rss_now()])
 
         model.model.register_forward_pre_hook(before, with_kwargs=True)
         model.model.register_forward_hook(after, with_kwargs=True)
@@ -176,7 +177,7 @@ def probe(events_file: Path, submit_arguments: list[str]) -> int:
 
     def reached(point: str) -> None:
         if point in ("pass", "committed"):
-            events.append([point, time.perf_counter()])
+            events.append([point, time.perf_counter(), _rss_now()])
         real_reached(point)
 
     execute.open_model = timed_open
@@ -188,6 +189,16 @@ def probe(events_file: Path, submit_arguments: list[str]) -> int:
         events_file.write_text(json.dumps(events))
 
 
+def _rss_now() -> dict:
+    """Current and peak resident set of this process, bytes (diagnoses where memory goes)."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
 def passes_from_events(events: list[list]) -> dict:
     """Per pass: seconds from the first forward after the previous commit to this commit, and whether it was a
     prefill (more than one token per sequence) or a decode pass."""
@@ -196,23 +207,28 @@ def passes_from_events(events: list[list]) -> dict:
     forward_seconds = 0.0
     forward_started = None
     load_seconds = None
+    rss_start = None
+    rss_loaded = rss_imported = None
     for event in events:
         kind, moment = event[0], event[1]
-        if kind == "loaded":
-            load_seconds = event[2] - moment
+        if kind == "imported":
+            rss_imported = event[2]
+        elif kind == "loaded":
+            load_seconds, rss_loaded = event[2] - moment, event[3]
         elif kind == "forward":
             if start is None:
-                start, shape = moment, event[2]
+                start, shape, rss_start = moment, event[2], event[3]
             forward_started = moment
         elif kind == "forward_end" and forward_started is not None:
             forward_seconds += moment - forward_started
             forward_started = None
         elif kind == "committed" and start is not None:
             passes.append({"kind": "prefill" if shape and shape[-1] > 1 else "decode", "shape": shape,
-                           "seconds": moment - start, "forward_seconds": forward_seconds})
+                           "seconds": moment - start, "forward_seconds": forward_seconds, "rss_start": rss_start,
+                           "rss_end": event[2]})
             start = shape = None
             forward_seconds = 0.0
-    return {"load_seconds": load_seconds, "passes": passes}
+    return {"load_seconds": load_seconds, "rss_imported": rss_imported, "rss_loaded": rss_loaded, "passes": passes}
 
 
 def measure_run(case: Case, spec: Path, arguments: list[str], cap_bytes: int | None, work: Path) -> dict:

@@ -1,0 +1,263 @@
+"""Every `batchrun` command through click's CliRunner: what a user types and what they read back."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchrun.cli import cli
+from batchrun.output import read_parquet_results
+
+PROMPTS = ["Summarise: the parcel came late.", "Summarise: great soup.", "Summarise: the app crashes.",
+           "Summarise: friendly staff.", "Summarise: too loud.", "Summarise: fair price."]
+PLAN_KEYS = ("rows", "invalid_rows", "prompt_tokens_total", "prompt_tokens_max", "new_tokens_max", "candidates")
+CANDIDATE_KEYS = (
+    "model", "mode", "reason", "checkpoint_bytes", "layers", "largest_layer_bytes", "non_decoder_bytes",
+    "kv_bytes_per_token", "compute_dtype", "memory_budget_bytes", "peak_memory_bytes", "batch_size", "passes",
+    "read_bandwidth_bytes_per_s", "bandwidth_basis", "seconds_per_pass", "eta_seconds", "eta_human",
+    "disk_free_bytes", "fits", "blockers", "caveats",
+)
+
+
+def invoke(*args) -> "click.testing.Result":  # noqa: F821 - the annotation is for readers
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture
+def spec(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "notes.jsonl", [{"id": i, "prompt": p, "max_new_tokens": 4}
+                                                  for i, p in enumerate(PROMPTS)])
+
+
+@pytest.fixture
+def model(tiny_checkpoint) -> Path:
+    return tiny_checkpoint("llama")
+
+
+def submitted(spec: Path, model: Path, db: Path, *extra) -> dict:
+    """Run a job to the end and return its JSON summary."""
+    result = invoke("submit", spec, "--model", model, "--db", db, "--json", *extra)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+# ---- submit --------------------------------------------------------------------------------------------
+
+
+def test_submit_prints_plan_progress_and_a_one_line_summary(tmp_path, spec, model):
+    out = tmp_path / "answers.parquet"
+    result = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db", "--output", out)
+    assert result.exit_code == 0, result.output
+    summary = re.fullmatch(r"job ([0-9a-f]{16}): 6 answered, 0 errored of 6; 6 computed now in (\d+) passes, "
+                           r"[0-9.]+ s -> (.+)\n", result.stdout)
+    assert summary, result.stdout
+    assert Path(summary.group(3)) == out and pq.read_table(out).num_rows == 6
+    assert re.search(r"^passes\s+\d+ \(lower bound \d+\)", result.stderr, re.M)  # the plan, before the run
+    assert f"batchrun {summary.group(1)[:8]}" in result.stderr  # the progress bar
+
+
+def test_submit_json_summary(tmp_path, spec, model):
+    out = tmp_path / "answers.parquet"
+    summary = submitted(spec, model, tmp_path / "j.db", "--output", out, "--batch-size", "2")
+    assert (summary["state"], summary["rows_total"], summary["rows_done"], summary["rows_errored"]) == ("done", 6, 6, 0)
+    assert summary["rows_computed_now"] == 6
+    assert 3 <= summary["passes_now"] <= 3 * 4  # 3 batches of 2 rows, each at most 4 passes (4 new tokens)
+    assert summary["batch_size"] == 2 and summary["mode"] == "resident"
+    assert summary["output"] == str(out) and summary["notes"] == []
+    assert re.fullmatch(r"[0-9a-f]{16}", summary["job_id"])
+
+
+def test_submit_quiet_prints_only_the_summary(tmp_path, spec, model):
+    result = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db", "--quiet",
+                    "--output", tmp_path / "a.parquet")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("job ") and result.stdout.count("\n") == 1
+    assert "lower bound" not in result.stderr and "batchrun " not in result.stderr
+
+
+def test_submit_refuses_to_overwrite_output_without_force(tmp_path, spec, model):
+    out = tmp_path / "answers.parquet"
+    out.write_bytes(b"yesterday's answers")
+    result = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db", "--output", out)
+    assert result.exit_code == 1
+    assert result.stderr.startswith("Error: ") and "--force" in result.stderr and str(out) in result.stderr
+    assert "Traceback" not in result.output
+    assert out.read_bytes() == b"yesterday's answers"
+    forced = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db", "--output", out, "--force")
+    assert forced.exit_code == 0, forced.output
+    assert pq.read_table(out).num_rows == 6
+
+
+def test_submit_bad_spec_lists_every_bad_row_and_runs_nothing(tmp_path, model):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"id": 1, "prompt": "fine"}, {"id": 2}, "not json",
+                                               {"id": 3, "prompt": "x", "choices": []}])
+    result = invoke("submit", bad, "--model", model, "--db", tmp_path / "j.db")
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    for line, reason in ((2, "missing prompt"), (3, "malformed JSON"), (4, "choices is empty")):
+        assert re.search(rf"bad\.jsonl:line {line}: {reason}", result.stderr), result.stderr
+    assert "bad.jsonl:line 1" not in result.stderr
+    assert not (tmp_path / "bad.answers.parquet").exists()
+
+
+@pytest.mark.parametrize("command", ["submit", "plan"])
+def test_streaming_typo_is_a_usage_error_naming_the_accepted_words(tmp_path, spec, model, command):
+    result = invoke(command, spec, "--model", model, "--streaming", "alwayz")
+    assert result.exit_code == 2
+    assert "'alwayz'" in result.stderr and "accepted: auto, always, never" in result.stderr
+    assert not (tmp_path / "notes.answers.parquet").exists()
+
+
+def test_submit_takes_one_model(tmp_path, spec, model):
+    result = invoke("submit", spec, "--model", model, "--model", model)
+    assert result.exit_code == 2 and "submit takes one --model" in result.stderr
+
+
+# ---- plan ----------------------------------------------------------------------------------------------
+
+
+def test_plan_table_names_mode_memory_passes_and_eta(spec, model):
+    result = invoke("plan", spec, "--model", model)
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    assert text.startswith("job ") and "6 rows" in text and "up to 4 new tokens per row" in text
+    assert re.search(rf"^model\s+{re.escape(str(model))}$", text, re.M)
+    assert re.search(r"^mode\s+resident \(auto: the model fits", text, re.M)
+    assert re.search(r"^fits\s+yes$", text, re.M)
+    for label in ("memory", "batches", "read bandwidth", "per pass", "ETA", "disk"):
+        assert re.search(rf"^{label}\s+\S", text, re.M), label
+    assert re.search(r"^passes\s+4 \(lower bound 4\)$", text, re.M)  # one batch, 4 new tokens
+
+
+def test_plan_json_has_every_field_a_script_needs(tmp_path, model):
+    spec = write_jsonl(tmp_path / "mixed.jsonl", [{"id": i, "prompt": p, "max_new_tokens": 4}
+                                                  for i, p in enumerate(PROMPTS)] + ["not json"])
+    result = invoke("plan", spec, "--model", model, "--skip-invalid", "--streaming", "always", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert set(PLAN_KEYS) <= set(report), set(PLAN_KEYS) - set(report)
+    assert (report["rows"], report["invalid_rows"], report["new_tokens_max"]) == (7, 1, 4)
+    assert 0 < report["prompt_tokens_max"] <= report["prompt_tokens_total"] <= 6 * report["prompt_tokens_max"]
+    (candidate,) = report["candidates"]
+    assert set(CANDIDATE_KEYS) <= set(candidate), set(CANDIDATE_KEYS) - set(candidate)
+    assert candidate["model"] == str(model) and candidate["mode"] == "streamed" and candidate["fits"] is True
+    assert candidate["layers"] == 2 and candidate["passes"] == 4 and candidate["blockers"] == []
+    layers_bytes = candidate["checkpoint_bytes"] - candidate["non_decoder_bytes"]
+    assert candidate["largest_layer_bytes"] <= layers_bytes <= 2 * candidate["largest_layer_bytes"]
+    assert candidate["peak_memory_bytes"] <= candidate["memory_budget_bytes"]
+
+
+def test_plan_compares_two_models_side_by_side(spec, tiny_checkpoint):
+    llama, qwen = tiny_checkpoint("llama"), tiny_checkpoint("qwen2")
+    result = invoke("plan", spec, "--model", llama, "--model", qwen)
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.stdout.splitlines() if str(llama) in line)
+    assert str(qwen) in header  # one column per model
+    for label, values in (("mode", r"resident\s+resident"), ("fits", r"yes\s+yes"), ("passes", r"4\s+4")):
+        assert re.search(rf"^{label}\s+{values}$", result.stdout, re.M), label
+    as_json = json.loads(invoke("plan", spec, "--model", llama, "--model", qwen, "--json").stdout)
+    assert [c["model"] for c in as_json["candidates"]] == [str(llama), str(qwen)]
+
+
+def test_plan_shows_why_a_pickle_only_checkpoint_cannot_be_used(tmp_path, spec, model):
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(model / "config.json", pickled / "config.json")
+    (pickled / "pytorch_model.bin").write_bytes(b"a pickle")
+    result = invoke("plan", spec, "--model", model, "--model", pickled)
+    assert result.exit_code == 0, result.output
+    assert re.search(r"^fits\s+yes\s+NO$", result.stdout, re.M)
+    assert f"{pickled} blockers:" in result.stdout
+    assert "weights only as pickle (pytorch_model.bin): pickle has no tensor index" in result.stdout
+    report = json.loads(invoke("plan", spec, "--model", pickled, "--json").stdout)
+    (candidate,) = report["candidates"]
+    assert candidate["fits"] is False and candidate["mode"] is None
+    assert any("requires safetensors" in blocker for blocker in candidate["blockers"])
+
+
+# ---- status, jobs, results -----------------------------------------------------------------------------
+
+
+def test_status_and_jobs_of_a_finished_job(tmp_path, spec, model):
+    db = tmp_path / "j.db"
+    summary = submitted(spec, model, db, "--output", tmp_path / "a.parquet")
+    job_id = summary["job_id"]
+    info = json.loads(invoke("status", "--db", db, "--json").stdout)
+    assert info["passes"] == summary["passes_now"] and info["elapsed_seconds"] > 0
+    assert (info["id"], info["state"], info["rows_done"], info["rows_pending"]) == (job_id, "done", 6, 0)
+    assert info["partial_tokens"] == 0 and info["running_pid"] is None
+    text = invoke("status", job_id[:6], "--db", db)  # a unique prefix names the job
+    assert text.exit_code == 0, text.output
+    assert f"job {job_id}: done" in text.stdout and "rows     6 done, 0 errored, 0 pending of 6" in text.stdout
+    assert str(model) in text.stdout and str(spec) in text.stdout
+
+    listing = invoke("jobs", "--db", db)
+    assert re.match(rf"{job_id}\s+done\s+6/6\s", listing.stdout)
+    assert [job["id"] for job in json.loads(invoke("jobs", "--db", db, "--json").stdout)] == [job_id]
+
+
+def test_status_without_jobs_is_a_clear_error(tmp_path):
+    empty = invoke("status", "--db", tmp_path / "empty.db")
+    assert empty.exit_code == 1 and "Error: no jobs recorded" in empty.stderr
+    assert invoke("jobs", "--db", tmp_path / "empty.db").stdout == "no jobs yet\n"
+    unknown = invoke("results", "nope", "--db", tmp_path / "empty.db", "--output", tmp_path / "x.parquet")
+    assert unknown.exit_code == 1 and 'Error: no job matches "nope"' in unknown.stderr
+
+
+def test_results_export_parquet_and_openai_batch_jsonl(tmp_path, model):
+    spec = write_jsonl(tmp_path / "mixed.jsonl", [{"id": "a", "prompt": "Hello", "max_new_tokens": 3},
+                                                  {"id": "b", "prompt": 7},
+                                                  {"id": "c", "prompt": "Pick one", "choices": ["x", "y"]}])
+    db = tmp_path / "j.db"
+    submitted(spec, model, db, "--output", tmp_path / "run.parquet", "--skip-invalid")
+
+    parquet = invoke("results", "--db", db, "--output", tmp_path / "again.parquet")
+    assert parquet.exit_code == 0 and parquet.stdout == f"3 rows -> {tmp_path / 'again.parquet'}\n"
+    assert pq.read_table(tmp_path / "again.parquet").equals(pq.read_table(tmp_path / "run.parquet"))
+    rows = {r["id"]: r for r in read_parquet_results(tmp_path / "run.parquet")}
+
+    assert invoke("results", "--db", db, "--output", tmp_path / "batch.jsonl").exit_code == 0
+    lines = [json.loads(line) for line in (tmp_path / "batch.jsonl").read_text().splitlines()]
+    assert [line["custom_id"] for line in lines] == ["a", "b", "c"]
+    for line in lines:
+        assert set(line) == {"id", "custom_id", "response", "error"} and line["id"]
+    answered, failed, chosen = lines
+    assert answered["error"] is None and answered["response"]["status_code"] == 200
+    body = answered["response"]["body"]
+    assert body["object"] == "chat.completion" and body["model"] == str(model)
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": rows["a"]["answer"]}
+    assert body["choices"][0]["finish_reason"] == rows["a"]["finish_reason"]
+    assert body["usage"]["completion_tokens"] == rows["a"]["output_tokens"]
+    assert failed["response"] is None and "mixed.jsonl:2: prompt must be a string" in failed["error"]["message"]
+    assert chosen["response"]["body"]["choices"][0]["message"]["content"] == rows["c"]["answer"]
+    assert chosen["response"]["body"]["choice_probs"] == pytest.approx(rows["c"]["choice_probs"])
+
+    again = invoke("results", "--db", db, "--output", tmp_path / "batch.jsonl")
+    assert again.exit_code == 1 and "--force" in again.stderr
+    forced = invoke("results", "--db", db, "--output", tmp_path / "batch.jsonl", "--format", "parquet", "--force")
+    assert forced.exit_code == 0 and pq.read_table(tmp_path / "batch.jsonl").num_rows == 3
+
+
+# ---- disk ----------------------------------------------------------------------------------------------
+
+
+def test_disk_measures_a_checkpoint_directory(tmp_path, model):
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(model, checkpoint)
+    result = invoke("disk", "--model", checkpoint)
+    assert result.exit_code == 0, result.output
+    assert re.fullmatch(r"\d+\.\d\d GB/s \(measured\): .+\n", result.stdout), result.stdout
+    assert str(checkpoint / "model.safetensors") in result.stdout
+    measured = json.loads(invoke("disk", "--model", checkpoint, "--json").stdout)
+    assert measured["bytes_per_s"] > 0 and measured["basis"] == "measured"
+    assert str(checkpoint) in measured["how"]
