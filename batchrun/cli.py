@@ -42,6 +42,10 @@ def job_options(fn):
                      help="Memory budget in GB (default: what the device has available)."),
         click.option("--streaming", help="auto|always|never (also yes/no/on/off/1/0); env BATCHRUN_STREAMING."),
         click.option("--no-prefetch", is_flag=True, help="Do not read the next layer while one computes."),
+        click.option("--prefetch-depth", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Layers read ahead of the one computing (each holds a layer in memory)."),
+        click.option("--micro-batch", type=click.IntRange(min=1),
+                     help="Sequences per forward call within a pass (default: planned from memory)."),
         click.option("--bandwidth", "bandwidth_gbps", type=click.FloatRange(min=0, min_open=True),
                      help="Declare the disk read bandwidth in GB/s instead of measuring it."),
         click.option("--trust-remote-code", is_flag=True, help="Allow a checkpoint's own Python code."),
@@ -65,6 +69,7 @@ def build_options(model: str | None, kw: dict):
                       stop=tuple(kw["stop"]) or None, raw=kw["raw"], dtype=kw["dtype"],
                       skip_invalid=kw["skip_invalid"], device=kw["device"], batch_size=kw["batch_size"],
                       memory_gb=kw["memory_gb"], streaming=kw["streaming"], prefetch=not kw["no_prefetch"],
+                      prefetch_depth=kw["prefetch_depth"], micro_batch=kw["micro_batch"],
                       bandwidth_gbps=kw["bandwidth_gbps"], hf_token=kw["hf_token"],
                       trust_remote_code=kw["trust_remote_code"])
 

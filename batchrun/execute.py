@@ -172,12 +172,13 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
     transformers_logging.disable_progress_bar()  # ours is the progress bar that matters
     model = open_model(prepared.model.checkpoint, mode=plan.mode, device=prepared.device,
                        dtype=prepared.compute_dtype, prefetching=prepared.options.prefetch,
+                       prefetch_depth=prepared.options.prefetch_depth,
                        trust_remote_code=prepared.options.trust_remote_code)
     tokenizer = prepared.model.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     eos = eos_token_ids(model.config, getattr(model.model, "generation_config", None), tokenizer)
     pass_times = summary.pass_seconds
-    micro_batch = getattr(plan, "micro_batch_size", None)
+    micro_batch = prepared.options.micro_batch or getattr(plan, "micro_batch_size", None)
     try:
         for batch in batches:
             ids = {r.request.index: r.request.id for r in batch}

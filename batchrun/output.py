@@ -5,6 +5,7 @@ sees the old file or the new one, never half of either, and a failed write leave
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import time
@@ -15,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun import faults
+from batchrun.store_locks import HOST, pid_alive
 from batchrun.store_rows import RowResult
 
 CHOICE_PROBS_TYPE = pa.map_(pa.string(), pa.float64())
@@ -45,9 +47,10 @@ def atomic_write(path: Path, write: Callable[[Path], None], *, force: bool = Fal
     path = Path(path)
     if path.exists() and not force:
         raise OutputExists(path)
-    temp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    temp = path.parent / f"{_temp_prefix(path)}{HOST}-{os.getpid()}"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned_temps(path)
         write(temp)
         _fsync_path(temp)
         faults.reached("output")
@@ -62,6 +65,23 @@ def atomic_write(path: Path, write: Callable[[Path], None], *, force: bool = Fal
             raise OutputError(path, exc) from exc
         raise
     return path
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}.tmp-"
+
+
+def _remove_abandoned_temps(path: Path) -> None:
+    """Delete temp files of `path` left by a writer on this host that died mid-write (killed, out of memory): nothing
+    else would ever remove them. A temp of a live process, or of another host sharing the directory, is kept."""
+    prefix = _temp_prefix(path) + f"{HOST}-"
+    for temp in path.parent.glob(glob.escape(prefix) + "*"):
+        pid = temp.name[len(prefix):]
+        if pid.isdecimal() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            try:
+                temp.unlink()
+            except OSError:
+                pass  # another writer removed it first, or the directory is read-only: the new write decides
 
 
 def results_table(results: Sequence[RowResult]) -> pa.Table:

@@ -41,6 +41,8 @@ class JobOptions:
     memory_gb: float | None = None
     streaming: str | None = None
     prefetch: bool = True
+    prefetch_depth: int = 1  # layers read ahead of the one computing
+    micro_batch: int | None = None  # sequences per forward call within a pass (default: the plan's)
     bandwidth_gbps: float | None = None
     hf_token: str | None = field(default=None, repr=False)
     trust_remote_code: bool = False

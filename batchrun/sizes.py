@@ -120,6 +120,8 @@ def checkpoint_sizes(checkpoint: str | os.PathLike, trust_remote_code: bool = Fa
             f"{embedding.file}: tensor {embedding.name!r} has shape {list(embedding.shape)} but {CONFIG_NAME} says "
             f"vocab_size={arch.vocab_size}, hidden_size={arch.hidden_size} (config and weights disagree)"
         )
+    if not config.get("auto_map") and not config.get("quantization_config"):
+        _check_layer_shapes(infos, prefix, num_layers, arch, text)
     # Tied weights are saved once; an untied head is a second matrix of the embedding's shape.
     tied = arch.tied if embedding is None else sum(m.shape == embedding.shape for m in matrices) == 1
 
@@ -132,6 +134,47 @@ def checkpoint_sizes(checkpoint: str | os.PathLike, trust_remote_code: bool = Fa
         layer_params=layer_params, non_decoder_params=sum(i.numel for i in outside),
         tied_embeddings=bool(tied), estimated=False, source="headers", decoder_prefix=prefix, **arch.size_fields(),
     )
+
+
+# Layer tensors whose shape the config fixes in every architecture transformers ships under these exact names (the
+# Llama layout most families share). Names differing from these (fused qkv, experts, other families) are not checked
+# here; transformers checks them when it loads. Dims are (config field, ...) per axis, None = not checked.
+LAYER_SHAPES = {
+    "mlp.gate_proj.weight": ("intermediate_size", "hidden_size"),
+    "mlp.up_proj.weight": ("intermediate_size", "hidden_size"),
+    "mlp.down_proj.weight": ("hidden_size", "intermediate_size"),
+    "input_layernorm.weight": ("hidden_size",),
+    "post_attention_layernorm.weight": ("hidden_size",),
+    "self_attn.q_proj.weight": (None, "hidden_size"),
+    "self_attn.k_proj.weight": (None, "hidden_size"),
+    "self_attn.v_proj.weight": (None, "hidden_size"),
+    "self_attn.o_proj.weight": ("hidden_size", None),
+}
+
+
+def _check_layer_shapes(infos: dict[str, TensorInfo], prefix: str, num_layers: int, arch: _Architecture,
+                        text: dict) -> None:
+    """Refuse at plan time a decoder tensor whose shape contradicts config.json (a wrong config beside the weights,
+    a mixed-up download), instead of failing inside the first pass. Skipped for quantized (packed) and remote-code
+    checkpoints, whose tensors need not have these shapes."""
+    intermediate = text.get("intermediate_size")
+    for layer in range(num_layers):
+        # Some families give each layer its own MLP width (a list in the config).
+        width = intermediate[layer] if isinstance(intermediate, list) and len(intermediate) == num_layers \
+            else intermediate
+        fields = {"hidden_size": arch.hidden_size, "intermediate_size": width if isinstance(width, int) else None}
+        for relative, dims in LAYER_SHAPES.items():
+            info = infos.get(f"{prefix}.{layer}.{relative}")
+            if info is None:
+                continue
+            wanted = [fields[field] if field else None for field in dims]
+            if len(info.shape) != len(dims) or any(w is not None and w != got for w, got in zip(wanted, info.shape)):
+                said = ", ".join(f"{field}={fields[field]}" for field in dict.fromkeys(dims) if field)
+                expected = " x ".join("*" if w is None else str(w) for w in wanted)
+                raise CheckpointError(
+                    f"{info.file}: tensor {info.name!r} has shape {list(info.shape)} but {CONFIG_NAME} says {said} "
+                    f"(expected {expected}): config and weights disagree"
+                )
 
 
 def sizes_from_config(config: dict, dtype: str = "BF16", *, path: Path | None = None) -> CheckpointSizes:

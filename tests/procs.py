@@ -1,0 +1,140 @@
+"""Running `batchrun` as a real process for the fault tests: killed, out of memory, out of disk, run twice at once.
+
+In-process calls cannot show these: a SIGKILL, the kernel's OOM killer or a file-size limit act on the process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+BATCHRUN = [sys.executable, "-m", "batchrun"]
+FAULT_ENV = ("BATCHRUN_KILL_AT", "BATCHRUN_STOP_AT", "BATCHRUN_FAULT_TRACE")
+RUN_TIMEOUT_S = 180  # one tiny-model run takes seconds; this only stops a hung test
+
+
+@dataclass
+class Finished:
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def summary(self) -> dict:
+        """The --json summary printed by a successful `batchrun submit`."""
+        return json.loads(self.stdout)
+
+    def describe(self) -> str:
+        return f"`batchrun {' '.join(self.args)}` -> {self.returncode}\nstdout:\n{self.stdout}\nstderr:\n{self.stderr}"
+
+
+def batchrun_env(home: Path, **extra: str) -> dict[str, str]:
+    """The environment of a test run: its own state dir, offline, no fault point unless asked for."""
+    env = {k: v for k, v in os.environ.items() if k not in FAULT_ENV and k != "HF_TOKEN"}
+    env.update(BATCHRUN_HOME=str(home), HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false",
+               PYTHONFAULTHANDLER="0")
+    env.update(extra)
+    return env
+
+
+def start(args: list[str], env: dict[str, str], *, wrapper: list[str] | None = None,
+          preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen:
+    """`batchrun ARGS` in the background; `wrapper` (e.g. ["sh", "-c", "...; exec \"$@\"", "sh"]) goes in front."""
+    return subprocess.Popen([*(wrapper or []), *BATCHRUN, *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+
+
+def finish(process: subprocess.Popen, args: list[str], timeout: float = RUN_TIMEOUT_S) -> Finished:
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        stdout, stderr = process.communicate()
+        pytest.fail(f"`batchrun {' '.join(args)}` still ran after {timeout} s\nstderr:\n{stderr}")
+    return Finished(args, process.returncode, stdout, stderr)
+
+
+def run(args: list[str], env: dict[str, str], **kwargs) -> Finished:
+    return finish(start(args, env, **kwargs), args)
+
+
+def submit_args(spec: Path, model: Path, db: Path, output: Path, *extra: str) -> list[str]:
+    return ["submit", str(spec), "--model", str(model), "--db", str(db), "--output", str(output), "--json", *extra]
+
+
+def assert_clean_error(result: Finished, *fragments: str) -> str:
+    """Failed with one `Error: ...` line naming every fragment, and no traceback."""
+    assert result.returncode == 1, result.describe()
+    assert "Traceback" not in result.stderr, result.describe()
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, result.describe()
+    for fragment in fragments:
+        assert fragment in errors[0], result.describe()
+    return errors[0]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def mixed_job(path: Path, rows: int = 12, max_new_tokens: int = 8) -> Path:
+    """Choice rows and generation rows alternating, so a run has several batches and many passes."""
+    items = []
+    for i in range(rows):
+        if i % 2 == 0:
+            items.append({"id": f"c{i}", "prompt": f"Review {i}: the parcel came late but intact. Happy?",
+                          "choices": ["positive", "negative"]})
+        else:
+            items.append({"id": f"g{i}", "prompt": f"Write a short note number {i} about the meeting",
+                          "max_new_tokens": max_new_tokens})
+    return write_jsonl(path, items)
+
+
+def fresh_home(parent: Path, source_home: Path) -> Path:
+    """A state directory for one process chain, with the session's measurements (measuring costs seconds)."""
+    home = parent / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    for file in source_home.glob("*.json"):
+        shutil.copy(file, home / file.name)
+    return home
+
+
+def done_answers(db: Path) -> dict[int, tuple]:
+    """idx -> (answer, choice_probs_json, finish_reason) of every finished row, read without writing the database."""
+    conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        columns = {row[1] for row in conn.execute("pragma table_info(rows)")}
+        if not columns:
+            return {}  # killed before the schema was committed
+        rows = conn.execute("select idx, answer, choice_probs_json, finish_reason from rows where state = 'done'")
+        return {idx: (answer, probs, reason) for idx, answer, probs, reason in rows}
+    finally:
+        conn.close()
+
+
+def assert_same_answers(actual: list[dict], expected: list[dict]) -> None:
+    """Same ids, each exactly once, in input order, with the same answers and (to float noise) probabilities."""
+    assert [row["id"] for row in actual] == [row["id"] for row in expected]
+    assert len({row["id"] for row in actual}) == len(actual)
+    for got, want in zip(actual, expected):
+        assert (got["answer"], got["finish_reason"], got["error"]) == (want["answer"], want["finish_reason"],
+                                                                       want["error"]), got["id"]
+        assert (got["prompt_tokens"], got["output_tokens"]) == (want["prompt_tokens"], want["output_tokens"])
+        if want["choice_probs"] is None:
+            assert got["choice_probs"] is None
+        else:
+            assert got["choice_probs"] == pytest.approx(want["choice_probs"], abs=1e-4), got["id"]
+        for key in ("score", "logprob"):
+            assert (got[key] is None) == (want[key] is None), (got["id"], key)
+            if want[key] is not None:
+                assert got[key] == pytest.approx(want[key], abs=1e-3), (got["id"], key)
