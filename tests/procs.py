@@ -10,11 +10,14 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import pytest
+
+from batchrun.output import read_parquet_results
 
 BATCHRUN = [sys.executable, "-m", "batchrun"]
 FAULT_ENV = ("BATCHRUN_KILL_AT", "BATCHRUN_STOP_AT", "BATCHRUN_FAULT_TRACE")
@@ -138,3 +141,31 @@ def assert_same_answers(actual: list[dict], expected: list[dict]) -> None:
             assert (got[key] is None) == (want[key] is None), (got["id"], key)
             if want[key] is not None:
                 assert got[key] == pytest.approx(want[key], abs=1e-3), (got["id"], key)
+
+
+@dataclass
+class Reference:
+    spec: Path
+    model: Path
+    answers: list[dict]
+    work: Counter  # fault points reached: "layer" and "pass" counts are the work of one uninterrupted run
+
+
+def reference_run(tmp: Path, model: Path, spec: Path, options: dict) -> Reference:
+    """The job run once without interruption, in this process (no extra torch import), with the work it did."""
+    from batchrun import faults
+    from batchrun.execute import submit
+    from batchrun.prepare import JobOptions
+
+    trace = tmp / "reference-trace.txt"
+    previous = os.environ.get(faults.TRACE_ENV)
+    os.environ[faults.TRACE_ENV] = str(trace)
+    try:
+        summary = submit(spec, options=JobOptions(model=str(model), **options), output=tmp / "reference.parquet",
+                         db=tmp / "reference.db")
+    finally:
+        if previous is None:
+            del os.environ[faults.TRACE_ENV]
+        else:
+            os.environ[faults.TRACE_ENV] = previous
+    return Reference(spec, model, read_parquet_results(Path(summary.output)), Counter(trace.read_text().split()))

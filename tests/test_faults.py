@@ -6,7 +6,6 @@ are tiny.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -14,20 +13,17 @@ import sqlite3
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from batchrun import faults
-from batchrun.execute import submit
 from batchrun.oom import CGROUP_ROOT, memory_cgroup_dir, oom_kill_count
 from batchrun.output import read_parquet_results
-from batchrun.prepare import JobOptions
 from batchrun.store import integrity_ok
 from tests.procs import (
-    assert_same_answers, batchrun_env, done_answers, finish, fresh_home, mixed_job, run, start, submit_args,
-    write_jsonl,
+    Reference, assert_same_answers, batchrun_env, done_answers, finish, fresh_home, mixed_job, reference_run, run,
+    start, submit_args, write_jsonl,
 )
 
 CHAIN_OPTIONS = ("--streaming", "always", "--batch-size", "4", "--force", "--quiet")
@@ -67,7 +63,7 @@ class ChainResult:
     kills: list[str]
     final: dict
     answers: list[dict]
-    trace: Counter = field(default_factory=Counter)
+    trace: Counter  # fault points reached over all the chain's runs
 
 
 def run_kill_chain(tmp: Path, home_source: Path, spec: Path, model: Path, points: tuple[str, ...]) -> ChainResult:
@@ -89,29 +85,20 @@ def run_kill_chain(tmp: Path, home_source: Path, spec: Path, model: Path, points
     assert result.returncode == 0, result.describe()
     assert integrity_ok(db)
     assert sorted(p.name for p in out_dir.iterdir()) == [output.name]  # temp files of killed writers are gone
-    final_answers = read_parquet_results(output)
-    assert {idx: answer for idx, answer in answered.items()} == {
-        idx: answer for idx, answer in done_answers(db).items() if idx in answered}
-    return ChainResult(list(points), result.summary, final_answers,
-                       Counter(trace.read_text().split()))
+    final = done_answers(db)
+    assert all(final[idx] == answer for idx, answer in answered.items())  # nor by the final run
+    return ChainResult(list(points), result.summary, read_parquet_results(output), Counter(trace.read_text().split()))
 
 
 @pytest.fixture
-def reference(tmp_path, tiny_checkpoint, monkeypatch):
-    """The job run once without interruption (in this process), with the work it did."""
-    model = tiny_checkpoint("llama")
-    spec = mixed_job(tmp_path / "job.jsonl")
-    trace = tmp_path / "reference-trace.txt"
-    monkeypatch.setenv(faults.TRACE_ENV, str(trace))
-    summary = submit(spec, options=JobOptions(model=str(model), streaming="always", batch_size=4),
-                     output=tmp_path / "reference.parquet", db=tmp_path / "reference.db")
-    monkeypatch.delenv(faults.TRACE_ENV)
-    return spec, model, read_parquet_results(Path(summary.output)), Counter(trace.read_text().split())
+def reference(tmp_path, tiny_checkpoint) -> Reference:
+    return reference_run(tmp_path, tiny_checkpoint("llama"), mixed_job(tmp_path / "job.jsonl"),
+                         dict(streaming="always", batch_size=4))
 
 
 @pytest.mark.slow
 def test_killed_anywhere_the_job_resumes_to_the_uninterrupted_answers(tmp_path, reference, isolated_state):
-    spec, model, expected, reference_work = reference
+    spec, model, expected, reference_work = reference.spec, reference.model, reference.answers, reference.work
     assert reference_work["pass"] == 19 and reference_work["layer"] == 19 * LAYERS  # what the chains are sized for
     with ThreadPoolExecutor(max_workers=2) as pool:
         chains = [pool.submit(run_kill_chain, tmp_path / name, isolated_state, spec, model, points)
