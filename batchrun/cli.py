@@ -79,11 +79,10 @@ class FriendlyErrors(click.Group):
 
     def invoke(self, ctx):
         from batchrun.errors import user_errors
-        from batchrun.store import JobNotFound
 
         try:
             return super().invoke(ctx)
-        except (*user_errors(), JobNotFound) as exc:  # JobNotFound: `status`/`results` with no such job
+        except user_errors() as exc:
             click.echo(f"Error: {exc}", err=True)
             sys.exit(1)
 
@@ -142,6 +141,8 @@ def plan(spec, models, as_json, **kw):
         click.echo(format_plan_table(report))
     else:
         click.echo(format_comparison(report))
+    if not any(candidate.get("fits") for candidate in report["candidates"]):
+        sys.exit(1)  # scripts can tell "no model can run this job as asked" from the exit code
 
 
 @cli.command()

@@ -15,7 +15,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from batchrun.default import DefaultModelError
     from batchrun.output import OutputError, OutputExists
     from batchrun.spec import SpecError
-    from batchrun.store import JobLocked, StoreError
+    from batchrun.store import JobLocked, JobNotFound, StoreError
 
     return (SpecError, CheckpointError, DefaultModelError, PlanRefused, OutputRefused, OutputExists,
-            OutputError, JobLocked, StoreError)
+            OutputError, JobLocked, JobNotFound, StoreError)

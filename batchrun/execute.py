@@ -19,7 +19,7 @@ from batchrun.errors import OutputRefused, PlanRefused
 from batchrun.oom import killed_by_oom, memory_cgroup_dir, oom_kill_count
 from batchrun.output import default_output_path, write_parquet
 from batchrun.paths import default_db_path
-from batchrun.plan import Candidate, pack_batches
+from batchrun.plan import Candidate
 from batchrun.prepare import JobOptions, PreparedJob, plan_rows, prepare_job, row_costs
 from batchrun.prompts import EncodedRow
 from batchrun.runtime import open_model

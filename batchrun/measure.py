@@ -4,6 +4,7 @@ state_dir()/measurements.json. Importing this module imports no torch; only meas
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
@@ -27,11 +28,23 @@ MIN_CACHED_SAMPLE_BYTES = 64 << 20
 # A matmul shaped like a batch of a few hundred tokens through a 2k-wide layer (median of COMPUTE_REPEATS).
 COMPUTE_SHAPE = (256, 2048, 2048)
 COMPUTE_REPEATS = 5
+# A decode step: a few sequences through weights much larger than the CPU caches, so the matmul runs at the speed
+# the weights stream from RAM, not at COMPUTE_SHAPE's rate. Several matrices in turn, so none is cached on a repeat.
+DECODE_SHAPE = (8, 2048, 8192)
+DECODE_MATRICES = 4
 # Used only when the probe below cannot run: resident set of a CPU process that imported torch and
 # transformers' model code, rounded up.
 RUNTIME_OVERHEAD_FALLBACK_BYTES = 700 << 20
+# What a run holds before its first weight: everything the executor imports, and torch's kernels and thread pools
+# warmed by a forward pass (with KV cache) of a model too small to count.
 _RUNTIME_PROBE = (
-    "import resource, sys, torch, transformers.modeling_utils\n"
+    "import resource, sys, torch\n"
+    "import batchrun.execute\n"
+    "from transformers import LlamaConfig, LlamaForCausalLM\n"
+    "config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,\n"
+    "                     num_key_value_heads=2, vocab_size=256)\n"
+    "with torch.inference_mode():\n"
+    "    LlamaForCausalLM(config).eval()(input_ids=torch.ones((2, 64), dtype=torch.long), use_cache=True)\n"
     "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
     "print(peak if sys.platform == 'darwin' else peak * 1024)\n"  # macOS reports bytes, Linux KiB
 )
@@ -157,6 +170,40 @@ def compute_rate(dtype: str, device: str = "cpu") -> float:
     return entry["flops_per_s"] if entry else measure_compute_rate(dtype, device)
 
 
+def measure_memory_read_rate(dtype: str, device: str = "cpu") -> float:
+    """Bytes/s at which a decode-shaped matmul streams its weights from memory (median of a few), cached per device,
+    dtype and torch thread count: what bounds a decode pass of a few sequences."""
+    import torch
+
+    rows, inner, cols = DECODE_SHAPE
+    torch_dtype = getattr(torch, dtype)
+    tokens = torch.ones(rows, inner, dtype=torch_dtype, device=device)
+    weights = [torch.full((inner, cols), 0.01, dtype=torch_dtype, device=device) for _ in range(DECODE_MATRICES)]
+    wait = _synchronizer(torch, device)
+    for weight in weights:  # first touch and kernel selection
+        tokens @ weight
+    wait()
+    seconds = []
+    for _ in range(COMPUTE_REPEATS):
+        start = time.perf_counter()
+        for weight in weights:
+            tokens @ weight
+        wait()
+        seconds.append(time.perf_counter() - start)
+    streamed = sum(weight.numel() * weight.element_size() for weight in weights)
+    rate = streamed / max(statistics.median(seconds), 1e-9)
+    _store("memory", _compute_key(dtype, device, torch.get_num_threads()), {"bytes_per_s": rate})
+    return rate
+
+
+def memory_read_rate(dtype: str, device: str = "cpu") -> float:
+    """The cached memory read rate for dtype on device, measured now if there is none."""
+    import torch
+
+    entry = _load().get("memory", {}).get(_compute_key(dtype, device, torch.get_num_threads()))
+    return entry["bytes_per_s"] if entry else measure_memory_read_rate(dtype, device)
+
+
 def _compute_key(dtype: str, device: str, threads: int) -> str:
     return f"{device}:{dtype}:threads={threads}"
 
@@ -166,7 +213,7 @@ def runtime_overhead_bytes() -> int:
     before any weight. Measured once per interpreter in a subprocess; RUNTIME_OVERHEAD_FALLBACK_BYTES if the
     probe fails."""
     entry = _load().get("runtime_overhead", {}).get(sys.executable)
-    if entry:
+    if entry and entry.get("probe") == _probe_digest():  # a changed probe measures again
         return entry["bytes"]
     try:
         probe = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE], capture_output=True, text=True,
@@ -174,8 +221,12 @@ def runtime_overhead_bytes() -> int:
         measured = int(probe.stdout.split()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return RUNTIME_OVERHEAD_FALLBACK_BYTES
-    _store("runtime_overhead", sys.executable, {"bytes": measured})
+    _store("runtime_overhead", sys.executable, {"bytes": measured, "probe": _probe_digest()})
     return measured
+
+
+def _probe_digest() -> str:
+    return hashlib.sha256(_RUNTIME_PROBE.encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -32,12 +32,20 @@ COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Share of the disk's sequential bandwidth a streamed pass achieves (published design: reads overlapped with
 # compute by a prefetch thread, or not).
 IO_EFFICIENCY = {True: 0.85, False: 0.70}
-# Activations of one sequence at prefill, the peak of a batch (to be calibrated against measured RSS):
+# Activations of one sequence at prefill, the peak of a batch (checked against RSS in benchmarks/plan_accuracy.py):
 HIDDEN_STATE_COPIES = 4  # residual stream, normed input, attention output, MLP output live together
-MLP_INTERMEDIATE_COPIES = 2  # gate and up projections of the MLP
-ATTENTION_SCORE_BYTES = 4  # eager attention materialises heads x S x S float32 scores...
-SCORES_MATERIALISED_ON = frozenset({"cpu", "mps"})  # ...while CUDA kernels compute attention in tiles
+MLP_INTERMEDIATE_COPIES = 3  # act(gate), up, and their product live together until down_proj runs
+ATTENTION_SCORE_BYTES = 4  # an unfused attention materialises heads x S x S float32 scores...
+SCORES_MATERIALISED_ON = frozenset({"mps"})  # ...while torch's SDPA computes them in tiles on CUDA and on CPU
 LOGIT_BYTES = 4  # logits are upcast to float32
+# glibc malloc serves blocks under its (self-raising, up to 32 MB) mmap threshold from the heap and keeps them when
+# freed; interleaved with the KV cache that grows layer by layer, freed activations are not returned. Measured on
+# CPU prefills (SmolLM2, 1-16 sequences x 100-1200 tokens): resident growth = KV + live activations x (1 + 0.9..2.3).
+HEAP_RETAINED_ACTIVATION_COPIES = 2
+HEAP_RETAINS_ON = frozenset({"cpu"})  # accelerator allocators hold freed blocks for reuse: no growth beyond the peak
+# A decode pass streams every weight from RAM once, so below a few dozen sequences it runs at the speed of memory,
+# not of the matmul units. Appending a token to a KV cache copies it (read + write) and attention reads it.
+KV_TRAFFIC_PER_DECODE = 3
 # With no rows to size, memory is reported for one sequence of this many tokens (or the context, if shorter).
 DEFAULT_SIZING_TOKENS = 4096
 
@@ -92,6 +100,7 @@ class Candidate:
     seconds_per_pass: float | None  # median pass of the job
     io_seconds_per_pass: float | None
     compute_seconds_per_pass: float | None  # median
+    memory_bytes_per_s: float | None  # how fast a decode pass streams weights from RAM; None: FLOPs alone
     eta_seconds: float | None
     first_answer_seconds: float | None
     answers_per_hour: float | None
@@ -135,18 +144,20 @@ def kv_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, tokens: in
     return kv_bytes_per_token_per_layer(sizes, compute_bytes) * attended_positions(sizes, tokens)
 
 
-def linear_activation_bytes_per_token(sizes: CheckpointSizes, compute_bytes: int) -> int:
+def linear_activation_bytes_per_token(sizes: CheckpointSizes, compute_bytes: int, device: str = "cuda") -> int:
+    """Live activations of one token in the layer computing, plus what the host allocator keeps of earlier layers'."""
     hidden_states = sizes.hidden_size * compute_bytes * HIDDEN_STATE_COPIES
     mlp_intermediate = sizes.intermediate_size * compute_bytes * MLP_INTERMEDIATE_COPIES
-    return hidden_states + mlp_intermediate
+    return (hidden_states + mlp_intermediate) * _heap_factor(device)
 
 
 def activation_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, device: str,
                                   prefill_tokens: int, logit_positions: int) -> int:
-    per_token = prefill_tokens * linear_activation_bytes_per_token(sizes, compute_bytes)
+    per_token = prefill_tokens * linear_activation_bytes_per_token(sizes, compute_bytes, device)
     attention_scores = 0
     if _scores_materialised(device):  # one layer's scores at a time
-        attention_scores = sizes.num_attention_heads * prefill_tokens * prefill_tokens * ATTENTION_SCORE_BYTES
+        attention_scores = (sizes.num_attention_heads * prefill_tokens * prefill_tokens * ATTENTION_SCORE_BYTES
+                            * _heap_factor(device))
     logits = logit_positions * sizes.vocab_size * LOGIT_BYTES  # only the positions the executor keeps
     return per_token + attention_scores + logits
 
@@ -192,8 +203,8 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     rows fill the budget; the token budget then keeps longer rows from overflowing it."""
     longest_prefill = max(row.prefill_length() for row in rows)
     per_token = (kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers
-                 + linear_activation_bytes_per_token(sizes, compute_bytes)
-                 + (sizes.num_attention_heads * longest_prefill * ATTENTION_SCORE_BYTES
+                 + linear_activation_bytes_per_token(sizes, compute_bytes, device)
+                 + (sizes.num_attention_heads * longest_prefill * ATTENTION_SCORE_BYTES * _heap_factor(device)
                     if _scores_materialised(device) else 0))
     per_sequence = max(row.logit_positions() for row in rows) * sizes.vocab_size * LOGIT_BYTES
     typical_length = statistics.median_low(row.sequence_length() for row in rows)
@@ -222,17 +233,54 @@ def decode_flops(sizes: CheckpointSizes, live_sequences: int, context: int) -> i
     return matmuls + attention
 
 
+def pass_memory_bytes(sizes: CheckpointSizes, compute_bytes: int, sequences: int, context: int,
+                      decode: bool) -> tuple[int, int]:
+    """(weight bytes, KV bytes) a pass moves through RAM: every decoder weight and the head once at the compute
+    dtype; a prefill writes its KV cache once, a decode pass moves the batch's cache KV_TRAFFIC_PER_DECODE times."""
+    weights = (sizes.decoder_params + sizes.vocab_size * sizes.hidden_size) * compute_bytes
+    kv = sequences * kv_bytes_for_sequence(sizes, compute_bytes, context)
+    return weights, kv * (KV_TRAFFIC_PER_DECODE if decode else 1)
+
+
+def pass_compute_seconds(flops: int, memory: tuple[int, int], flops_per_s: float | None,
+                         memory_bytes_per_s: float | None) -> float | None:
+    """Roofline of one pass: matmuls take the longer of their FLOPs and streaming their weights from RAM; KV cache
+    traffic adds to that. The memory terms count only when the memory rate is known."""
+    if flops_per_s is None:
+        return None
+    if memory_bytes_per_s is None:
+        return flops / flops_per_s
+    weights, kv = memory
+    return max(flops / flops_per_s, weights / memory_bytes_per_s) + kv / memory_bytes_per_s
+
+
+def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost], batch: Sequence[int],
+                       flops_per_s: float | None, memory_bytes_per_s: float | None) -> list[float | None]:
+    """Compute seconds of each pass of a batch, in the order of batch_pass_flops."""
+    sequences, _, prefill, _ = batch_shape(rows, batch)
+    flops = batch_pass_flops(sizes, rows, batch)
+    live = _live_sequences(rows, batch)
+    return [pass_compute_seconds(f, pass_memory_bytes(sizes, compute_bytes, live[step], prefill + step, step > 0),
+                            flops_per_s, memory_bytes_per_s) for step, f in enumerate(flops)]
+
+
+def _live_sequences(rows: Sequence[RowCost], batch: Sequence[int]) -> list[int]:
+    """Sequences still generating at each pass of a batch (rows drop out as they reach their new-token count)."""
+    sequences = batch_shape(rows, batch)[0]
+    finishing = Counter(rows[i].passes() for i in batch)
+    live = [sequences]
+    for step in range(2, max(finishing) + 1):
+        live.append(live[-1] - finishing[step - 1])
+    return live
+
+
 def batch_pass_flops(sizes: CheckpointSizes, rows: Sequence[RowCost], batch: Sequence[int]) -> list[int]:
     """FLOPs of each pass of a batch: pass 1 prefills every prompt; each later pass decodes one token for the
     sequences still generating (rows drop out as they reach their new-token count)."""
     sequences, _, prefill, positions = batch_shape(rows, batch)
-    flops = [prefill_flops(sizes, sequences, prefill, positions)]
-    finishing = Counter(rows[i].passes() for i in batch)
-    live = sequences
-    for step in range(2, max(finishing) + 1):
-        live -= finishing[step - 1]
-        flops.append(decode_flops(sizes, live, prefill + step - 1))
-    return flops
+    live = _live_sequences(rows, batch)
+    return [prefill_flops(sizes, sequences, prefill, positions)] + [
+        decode_flops(sizes, live[step], prefill + step) for step in range(1, len(live))]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -243,8 +291,11 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
               memory_budget_bytes: int, streaming: str, prefetch: bool = True, bandwidth: Bandwidth,
               compute_flops_per_s: float | None, disk_free_bytes: int | None, checkpoint_is_local: bool,
               runtime_overhead_bytes: int, batch_size: int | None = None,
-              context_length: int | None = None) -> Candidate:
-    """How to run `rows` through the model within a memory budget, and how long it will take."""
+              context_length: int | None = None, memory_bytes_per_s: float | None = None) -> Candidate:
+    """How to run `rows` through the model within a memory budget, and how long it will take.
+
+    memory_bytes_per_s: how fast a decode-shaped matmul streams weights from RAM (measure.memory_read_rate); without
+    it a pass is timed by its FLOPs alone, which undercounts decode passes several times over on a CPU."""
     if compute_dtype not in COMPUTE_BYTES:
         raise ValueError(f"compute_dtype must be one of {sorted(COMPUTE_BYTES)}, got {compute_dtype!r}")
     if batch_size is not None and batch_size < 1:
@@ -308,7 +359,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     if compute_flops_per_s is None:
         caveats.append("compute rate unknown: " + ("pass times count reads only" if mode == "streamed"
                                                    else "no ETA for a resident run"))
-    timeline = job_timeline(sizes, rows, batches, io_seconds, compute_flops_per_s)
+    timeline = job_timeline(sizes, rows, batches, io_seconds, compute_flops_per_s, compute_bytes, memory_bytes_per_s)
     if mode == "streamed" and timeline.compute_bound_passes:
         caveats.append(f"{timeline.compute_bound_passes} of {passes} passes are compute-bound (long prefills): "
                        "faster reads would not speed those up")
@@ -338,7 +389,8 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         lower_bound_passes=lower_bound_passes([rows[i] for i in planned], max_sequences),
         read_bandwidth_bytes_per_s=bytes_per_s, bandwidth_basis=bandwidth.basis, bandwidth_how=bandwidth.how,
         load_seconds=load_seconds, seconds_per_pass=_median(timeline.pass_seconds), io_seconds_per_pass=io_seconds,
-        compute_seconds_per_pass=_median(timeline.compute_seconds), eta_seconds=eta,
+        compute_seconds_per_pass=_median(timeline.compute_seconds), memory_bytes_per_s=memory_bytes_per_s,
+        eta_seconds=eta,
         first_answer_seconds=first_answer,
         answers_per_hour=len(planned) / eta * 3600 if eta and planned else None,
         disk_needed_bytes=disk_needed, disk_free_bytes=disk_free_bytes, estimated=sizes.estimated,
@@ -387,19 +439,19 @@ class Timeline:
 
 
 def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Sequence[Sequence[int]],
-                 io_seconds: float | None, compute_flops_per_s: float | None) -> Timeline:
+                 io_seconds: float | None, compute_flops_per_s: float | None, compute_bytes: int = 4,
+                 memory_bytes_per_s: float | None = None) -> Timeline:
     """Seconds of every pass of the job, in run order, and of every batch."""
-    pass_seconds, compute_seconds, batch_seconds = [], [], []
+    pass_seconds, all_computes, batch_seconds = [], [], []
     compute_bound = 0
     for batch in batches:
-        computes = [f / compute_flops_per_s if compute_flops_per_s else None
-                    for f in batch_pass_flops(sizes, rows, batch)]
+        computes = batch_pass_seconds(sizes, compute_bytes, rows, batch, compute_flops_per_s, memory_bytes_per_s)
         bounds = [pass_bound(io_seconds, c) for c in computes]
         compute_bound += sum(1 for c in computes if c is not None and io_seconds and c > io_seconds)
-        compute_seconds += computes
+        all_computes += computes
         pass_seconds += bounds
         batch_seconds.append(None if None in bounds else sum(bounds))
-    return Timeline(pass_seconds, compute_seconds, batch_seconds, compute_bound)
+    return Timeline(pass_seconds, all_computes, batch_seconds, compute_bound)
 
 
 def pass_bound(io_seconds: float | None, compute_seconds: float | None) -> float | None:
@@ -422,6 +474,10 @@ def compare_modes(sizes: CheckpointSizes, rows: Sequence[RowCost], **options) ->
 
 def _scores_materialised(device: str) -> bool:
     return device.split(":")[0] in SCORES_MATERIALISED_ON
+
+
+def _heap_factor(device: str) -> int:
+    return 1 + HEAP_RETAINED_ACTIVATION_COPIES if device.split(":")[0] in HEAP_RETAINS_ON else 1
 
 
 def _padded_tokens(rows: Sequence[RowCost], batch: Sequence[int]) -> int:

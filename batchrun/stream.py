@@ -8,6 +8,7 @@ discover the decoder stack and swap weights in and out around each layer's forwa
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,7 +23,7 @@ from batchrun.devices import default_device, resolve_dtype
 from batchrun.loader import LayerLoader, LayerWeights
 from batchrun.passes import LayerTurns, PassGroup, run_threads
 from batchrun.tokenizer import load_tokenizer
-from batchrun.weights import Recipe, build_recipes, realize, tensor_from_bytes
+from batchrun.weights import Recipe, build_recipes, read_into, realize, tensor_from_bytes
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +122,6 @@ class StreamedModel:
 
     def _load_resident(self, recipes: list[Recipe]) -> None:
         """Embeddings, final norm, head: read once, cast, keep. Then buffers and tied weights."""
-        import os
-        from batchrun.weights import read_into
-
         for recipe in recipes:
             tensors = []
             for info in recipe.sources:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from batchrun.cli import cli
 from batchrun.output import read_parquet_results
@@ -24,7 +24,7 @@ CANDIDATE_KEYS = (
 )
 
 
-def invoke(*args) -> "click.testing.Result":  # noqa: F821 - the annotation is for readers
+def invoke(*args) -> Result:
     return CliRunner().invoke(cli, [str(a) for a in args])
 
 

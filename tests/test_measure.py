@@ -91,6 +91,24 @@ def test_runtime_overhead_is_measured_in_a_subprocess_and_cached(monkeypatch):
     assert measure.runtime_overhead_bytes() == overhead
 
 
+def test_memory_read_rate_is_measured_once_and_then_read_from_the_cache(monkeypatch):
+    import torch
+
+    rate = measure.memory_read_rate("float32", "cpu")
+    assert 1e8 < rate < 1e13  # bytes/s of weights a decode-shaped matmul streams from RAM
+    key = f"cpu:float32:threads={torch.get_num_threads()}"
+    assert cached_measurements()["memory"][key]["bytes_per_s"] == rate
+    monkeypatch.setattr(measure, "measure_memory_read_rate", lambda *a: pytest.fail("measured again"))
+    assert measure.memory_read_rate("float32", "cpu") == rate
+
+
+def test_a_runtime_overhead_measured_by_an_older_probe_is_measured_again(monkeypatch):
+    measure._store("runtime_overhead", sys.executable, {"bytes": 123, "probe": "an older probe"})
+    monkeypatch.setattr(measure.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": "456789\n"})())
+    assert measure.runtime_overhead_bytes() == 456789
+    assert cached_measurements()["runtime_overhead"][sys.executable]["bytes"] == 456789
+
+
 def test_runtime_overhead_falls_back_to_the_labelled_constant_when_the_probe_fails(monkeypatch):
     monkeypatch.setattr(measure, "_RUNTIME_PROBE", "raise SystemExit(3)")
     assert measure.runtime_overhead_bytes() == measure.RUNTIME_OVERHEAD_FALLBACK_BYTES

@@ -1,0 +1,347 @@
+"""Throughput: answers per hour of batchrun against the tools people use today, on a model that does not fit.
+
+A random-weight Llama-style checkpoint of ~2.2 GB (bf16) runs under a cgroup memory cap of half its size, page
+cache dropped before every run, so every pass really reads from disk. Two sweeps (benchmarks/baselines/sweeps.py):
+classification (64 rows, ~320-token prompts sharing a ~240-token instruction, two single-token choices) and short
+answer (32 rows, ~250-token prompts, 8 new tokens). Each variant runs in its own process:
+
+  batchrun            `batchrun submit --streaming always --memory CAP --bandwidth BW`: streamed, as planned
+  batchrun-b1         the same with --batch-size 1: one sequence per pass, what AirLLM does
+  accelerate-1        transformers + accelerate disk offload, one prompt at a time
+  accelerate-batched  transformers + accelerate disk offload, batched (batchrun's batch size, halved after an OOM)
+  airllm-1            AirLLM from PyPI (its own venv), one prompt at a time
+  resident            plain transformers, whole model in memory, batched, no cap: the usual ceiling
+  batchrun-resident   `batchrun submit --streaming never`, no cap: batchrun's own resident ceiling
+
+One-prompt-at-a-time variants (-1, -b1) run the first --subset rows only: their cost per answer does not depend on
+the other rows, and all rows would take hours. Answers per hour = rows measured / answer seconds (first prompt to
+last answer; imports and model construction excluded, for every variant alike).
+
+    /work/venv/bin/python -m benchmarks.throughput                   # the full run, ~35-45 min on 2 cores
+    /work/venv/bin/python -m benchmarks.throughput --checkpoint-bytes 3e8 --classify-rows 8 --short-rows 4 \\
+        --subset 2 --name throughput-dev                             # a quick check of the machinery
+
+Results: a Markdown table on stdout and in benchmarks/results/<name>.md, everything in benchmarks/results/<name>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks import harness
+from benchmarks.baselines import sweeps
+from benchmarks.baselines.bounds import ModelShape, Strategy, lower_bound_passes, strategy_bound
+from benchmarks.baselines.common import encode_prompts
+
+AIRLLM_PYTHON = Path(os.environ.get("BATCHRUN_BENCH_AIRLLM_PYTHON", "/work/bench-venv/bin/python"))
+CAP_SHARE = 0.5
+# glibc keeps freed layer-sized blocks in its heap; without this the baselines' anonymous memory grows by a layer
+# per layer until the cap kills them (see the facts file). batchrun runs without it: it must hold memory flat itself.
+BASELINE_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+QUIET_CORES = 0.3
+
+
+@dataclass(frozen=True)
+class Variant:
+    key: str
+    label: str
+    subset: bool  # measured on the first --subset rows
+    capped: bool
+    role: str  # batchrun | baseline | ceiling
+
+
+VARIANTS = [
+    Variant("batchrun", "batchrun, streamed as planned", False, True, "batchrun"),
+    Variant("batchrun-b1", "batchrun --batch-size 1 (one sequence per pass)", True, True, "baseline"),
+    Variant("accelerate-1", "accelerate disk offload, one prompt at a time", True, True, "baseline"),
+    Variant("accelerate-batched", "accelerate disk offload, batched", False, True, "baseline"),
+    Variant("airllm-1", "AirLLM, one prompt at a time", True, True, "baseline"),
+    Variant("resident", "transformers resident, batched, no cap (ceiling)", False, False, "ceiling"),
+    Variant("batchrun-resident", "batchrun --streaming never, no cap (ceiling)", False, False, "ceiling"),
+]
+
+
+@dataclass
+class Setting:
+    checkpoint: Path
+    shape: ModelShape
+    cap_bytes: int
+    bandwidth: float  # bytes/s, cold
+    compute_rate: float  # FLOP/s, float32
+    subset: int
+    work: Path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running one variant
+
+
+def run_variant(variant: Variant, sweep: sweeps.Sweep, setting: Setting, batchrun_record: dict | None) -> dict:
+    rows = min(setting.subset, len(sweep.prompts)) if variant.subset else len(sweep.prompts)
+    stem = setting.work / f"{sweep.name}-{variant.key}"
+    record = {"variant": variant.key, "label": variant.label, "role": variant.role, "job": sweep.name,
+              "rows": rows, "capped": variant.capped}
+    if variant.key.startswith("batchrun"):
+        return record | run_batchrun(variant, sweep, setting, rows, stem)
+    job_file = stem.with_suffix(".job.json")
+    job_file.write_text(json.dumps(sweep.runner_job(setting.checkpoint, rows)))
+    if variant.key == "airllm-1":
+        return record | run_airllm(job_file, setting, stem)
+    if variant.key == "accelerate-1":
+        return record | run_transformers(job_file, "offload", [1], setting, stem)
+    if variant.key == "resident":
+        return record | run_transformers(job_file, "resident", [rows], setting, stem)
+    start = batchrun_record.get("batch_size") if batchrun_record else None
+    sizes, size = [], min(start or rows, rows)
+    while size >= 1:  # the largest batch that lives under the cap, as a user would find it
+        sizes.append(size)
+        size //= 2
+    return record | run_transformers(job_file, "offload", sizes, setting, stem)
+
+
+def measured(command: list[str], setting: Setting, capped: bool, env: dict | None = None) -> harness.RunResult:
+    busy = harness.wait_for_quiet(QUIET_CORES, timeout_s=300)
+    harness.drop_page_cache()
+    print(f"  running {' '.join(command[2:5])} ... (machine busy {busy:.2f} cores before)", flush=True)
+    return harness.run_measured(command, cwd=harness.REPO_ROOT, env=env,
+                                memory_cap_bytes=setting.cap_bytes if capped else None)
+
+
+def process_fields(run: harness.RunResult) -> dict:
+    return {"wall_seconds": run.wall_seconds, "peak_rss_bytes": run.peak_rss_bytes, "oom_killed": run.oom_killed,
+            "cgroup_max_usage_bytes": run.cgroup_max_usage_bytes, "foreign_busy_cores": run.foreign_busy_cores}
+
+
+def run_batchrun(variant: Variant, sweep: sweeps.Sweep, setting: Setting, rows: int, stem: Path) -> dict:
+    spec = sweep.write_spec(stem.with_suffix(".jsonl"), rows)
+    arguments = [str(spec), "--model", str(setting.checkpoint), "--raw", "--quiet", "--force",
+                 "--bandwidth", f"{setting.bandwidth / 1e9:.4f}", "--db", str(stem.with_suffix(".db")),
+                 "--output", str(stem.with_suffix(".parquet"))]
+    if variant.capped:
+        arguments += ["--streaming", "always", "--memory", f"{setting.cap_bytes / 1e9:.3f}"]
+    else:
+        arguments += ["--streaming", "never"]
+    if variant.key == "batchrun-b1":
+        arguments += ["--batch-size", "1"]
+    result_file = stem.with_suffix(".result.json")
+    command = [sys.executable, "-m", "benchmarks.baselines.batchrun_runner", str(result_file), *arguments]
+    run = measured(command, setting, variant.capped)
+    fields = {"command": "batchrun submit " + " ".join(arguments), **process_fields(run)}
+    if run.returncode != 0:
+        return fields | {"failed": run.stderr[-3000:]}
+    result = json.loads(result_file.read_text())
+    summary = result["summary"]
+    return fields | {
+        "answer_seconds": summary["seconds"], "passes": summary["passes_now"], "pass_seconds": summary["pass_seconds"],
+        "bytes_read": summary["bytes_read"], "disk_read_bytes": result["disk_read_bytes"], "mode": summary["mode"],
+        "batch_size": summary["batch_size"], "answers": [r["answer"] for r in result["answers"]],
+        "output_tokens": [r["output_tokens"] for r in result["answers"]],
+        "errors": [r["error"] for r in result["answers"] if r["error"]], "summary": summary,
+    }
+
+
+def run_transformers(job_file: Path, mode: str, batch_sizes: list[int], setting: Setting, stem: Path) -> dict:
+    capped = mode == "offload"
+    attempts = []
+    for size in batch_sizes:
+        result_file = stem.with_suffix(f".b{size}.result.json")
+        command = [sys.executable, "-m", "benchmarks.baselines.transformers_runner", str(job_file), str(result_file),
+                   "--mode", mode, "--batch-size", str(size)]
+        run = measured(command, setting, capped, BASELINE_ENV)
+        attempts.append({"batch_size": size, "returncode": run.returncode, "oom_killed": run.oom_killed,
+                         "wall_seconds": run.wall_seconds})
+        if run.returncode == 0:
+            streamed_bytes = setting.shape.decoder_bytes if capped else 0
+            return runner_fields(json.loads(result_file.read_text()), run, streamed_bytes) | {"attempts": attempts}
+        if not run.oom_killed:
+            return process_fields(run) | {"failed": run.stderr[-3000:], "attempts": attempts}
+        print(f"  batch of {size} was killed for lack of memory under the cap; halving", flush=True)
+    return {"failed": "killed for lack of memory at every batch size", "attempts": attempts}
+
+
+def run_airllm(job_file: Path, setting: Setting, stem: Path) -> dict:
+    if not AIRLLM_PYTHON.exists():
+        return {"failed": f"{AIRLLM_PYTHON} missing: python3 -m venv /work/bench-venv && "
+                          "/work/bench-venv/bin/pip install torch==2.13.0 airllm"}
+    split_dir = harness.bench_cache_dir() / "airllm-split" / setting.checkpoint.name
+    split_dir.mkdir(parents=True, exist_ok=True)
+    base = [str(AIRLLM_PYTHON), "-m", "benchmarks.baselines.airllm_runner", str(job_file)]
+    # AirLLM's one-off split into per-layer files (a second copy of the weights), outside any measurement.
+    harness.run_measured([*base, "-", "--split-dir", str(split_dir), "--prepare"], cwd=harness.REPO_ROOT).check()
+    result_file = stem.with_suffix(".result.json")
+    run = measured([*base, str(result_file), "--split-dir", str(split_dir)], setting, True, BASELINE_ENV)
+    if run.returncode != 0:
+        return process_fields(run) | {"failed": run.stderr[-3000:]}
+    split_bytes = sum(f.stat().st_size for f in (split_dir / "splitted_model").glob("*.safetensors"))
+    # AirLLM streams the embedding, norm and head with the layers: its passes read the whole split copy.
+    return runner_fields(json.loads(result_file.read_text()), run, split_bytes) | {"split_bytes_on_disk": split_bytes}
+
+
+def runner_fields(result: dict, run: harness.RunResult, bytes_per_pass: int) -> dict:
+    return process_fields(run) | {
+        "answer_seconds": result["answer_seconds"], "setup_seconds": result["setup_seconds"],
+        "passes": len(result["forward_seconds"]), "pass_seconds": result["forward_seconds"],
+        "bytes_read": bytes_per_pass * len(result["forward_seconds"]), "disk_read_bytes": result["disk_read_bytes"],
+        "batch_size": result["batch_size"], "answers": [a["answer"] for a in result["answers"]],
+        "output_tokens": [a["output_tokens"] for a in result["answers"]], "notes": result["notes"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Figures
+
+
+def add_figures(record: dict, prompts: list[list[int]], sweep: sweeps.Sweep, setting: Setting) -> None:
+    if "failed" in record:
+        return
+    rows = record["rows"]
+    record["answers_per_hour"] = rows / record["answer_seconds"] * 3600
+    record["median_pass_seconds"] = statistics.median(record["pass_seconds"]) if record["pass_seconds"] else None
+    new_tokens = [max(t or 1, 1) for t in record["output_tokens"]]
+    key = record["variant"]
+    strategy = Strategy(batch_size=record["batch_size"] or rows, share_prefix=key.startswith("batchrun"),
+                        streamed=record["capped"])
+    bound = strategy_bound(setting.shape, prompts[:rows], new_tokens, strategy, setting.bandwidth,
+                           setting.compute_rate)
+    record["bound"] = bound.__dict__
+    record["bound_seconds"] = bound.seconds
+    record["ratio_to_bound"] = record["answer_seconds"] / bound.seconds
+    record["median_pass_bound_seconds"] = bound.median_pass_seconds
+    if sweep.kind == "generate":
+        record["all_full_length"] = all(t == sweep.max_new_tokens for t in record["output_tokens"])
+
+
+def evaluate(sweep: sweeps.Sweep, records: dict[str, dict]) -> dict:
+    """The issue's done-when targets for one sweep."""
+    ours = records.get("batchrun")
+    if not ours or "failed" in ours:
+        return {"batchrun_ran": False}
+    new_tokens = [1 if sweep.kind == "choice" else sweep.max_new_tokens] * ours["rows"]
+    lower = lower_bound_passes(new_tokens, ours["batch_size"])
+    targets = {"lower_bound_passes": lower, "passes": ours["passes"], "passes_at_lower_bound": ours["passes"] == lower,
+               "median_pass_over_bound": ours["median_pass_seconds"] / ours["median_pass_bound_seconds"]}
+    targets["median_pass_within_1.25x"] = targets["median_pass_over_bound"] <= 1.25
+    speedups = {key: ours["answers_per_hour"] / r["answers_per_hour"] for key, r in records.items()
+                if key != "batchrun" and "answers_per_hour" in r}
+    targets["speedup_over"] = speedups
+    baselines = [key for key, r in records.items() if r["role"] == "baseline"]
+    targets["ahead_of_every_baseline"] = all(speedups.get(key, 0) > 1 for key in baselines)
+    if sweep.kind == "generate":
+        for key in ("accelerate-1", "batchrun-b1"):
+            targets[f"10x_over_{key}"] = speedups.get(key, 0) >= 10
+    return targets
+
+
+COLUMNS = {"job": "job", "label": "variant", "rows": "rows measured", "batch_size": "batch", "wall_seconds": "wall s",
+           "answer_seconds": "answer s", "answers_per_hour": "answers/h", "speedup": "batchrun x", "passes": "passes",
+           "bytes_read_gb": "GB read", "disk_read_gb": "disk GB (/proc)", "median_pass_seconds": "median s/pass",
+           "bound_seconds": "bound s", "ratio_to_bound": "answer s / bound", "peak_rss_mb": "peak RSS MB",
+           "status": "note"}
+
+
+def table_rows(records: list[dict], targets: dict[str, dict]) -> list[dict]:
+    rows = []
+    for r in records:
+        ours = targets.get(r["job"], {}).get("speedup_over", {})
+        status = "FAILED" if "failed" in r else ("subset" if r["rows"] < r.get("job_rows", r["rows"]) else "")
+        if r.get("all_full_length") is False:
+            status += " (some answers stopped early)"
+        rows.append({**r, "speedup": ours.get(r["variant"]), "status": status.strip(),
+                     "bytes_read_gb": r["bytes_read"] / 1e9 if "bytes_read" in r else None,
+                     "disk_read_gb": r["disk_read_bytes"] / 1e9 if "disk_read_bytes" in r else None,
+                     "peak_rss_mb": r["peak_rss_bytes"] / 1e6 if r.get("peak_rss_bytes") else None})
+    return rows
+
+
+def targets_markdown(targets: dict[str, dict]) -> str:
+    lines = []
+    for job, t in targets.items():
+        if not t.get("passes", None):
+            lines.append(f"- {job}: batchrun did not run")
+            continue
+        lines.append(f"- {job}: passes {t['passes']} vs lower bound {t['lower_bound_passes']} "
+                     f"({'met' if t['passes_at_lower_bound'] else 'NOT met'}); median pass {t['median_pass_over_bound']:.2f}x "
+                     f"its bound ({'met' if t['median_pass_within_1.25x'] else 'NOT met'}, target <= 1.25x); "
+                     f"ahead of every baseline: {'yes' if t['ahead_of_every_baseline'] else 'NO'}")
+        for key in ("accelerate-1", "batchrun-b1"):
+            if f"10x_over_{key}" in t:
+                lines.append(f"  - {t['speedup_over'].get(key, 0):.1f}x {key} (target >= 10x: "
+                             f"{'met' if t[f'10x_over_{key}'] else 'NOT met'})")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint-bytes", type=float, default=2.2e9)
+    parser.add_argument("--classify-rows", type=int, default=64)
+    parser.add_argument("--short-rows", type=int, default=32)
+    parser.add_argument("--subset", type=int, default=4, help="rows for the one-prompt-at-a-time variants")
+    parser.add_argument("--jobs", default="classification,short-answer")
+    parser.add_argument("--variants", default=",".join(v.key for v in VARIANTS))
+    parser.add_argument("--name", default="throughput", help="results file stem under benchmarks/results")
+    args = parser.parse_args(argv)
+    wanted = args.variants.split(",")
+    unknown = set(wanted) - {v.key for v in VARIANTS}
+    if unknown:
+        parser.error(f"unknown variant(s): {', '.join(sorted(unknown))}")
+    os.environ.setdefault("BATCHRUN_HOME", str(harness.bench_cache_dir() / "home"))
+    Path(os.environ["BATCHRUN_HOME"]).mkdir(parents=True, exist_ok=True)
+    from batchrun import measure
+    from transformers import AutoTokenizer
+
+    checkpoint = harness.large_checkpoint(target_bytes=int(args.checkpoint_bytes), dtype="bfloat16")
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    all_sweeps = {"classification": sweeps.classification(tokenizer, args.classify_rows),
+                  "short-answer": sweeps.short_answer(tokenizer, args.short_rows)}
+    records, targets = [], {}
+    with harness.exclusive_machine(), tempfile.TemporaryDirectory(prefix="throughput-") as temporary:
+        harness.wait_for_quiet(QUIET_CORES, timeout_s=300)
+        harness.drop_page_cache()
+        bandwidth = harness.cold_read_bandwidth(checkpoint)
+        compute_rate = measure.measure_compute_rate("float32", "cpu")
+        setting = Setting(checkpoint, ModelShape.of(checkpoint), int(harness.checkpoint_bytes(checkpoint) * CAP_SHARE),
+                          bandwidth, compute_rate, args.subset, Path(temporary))
+        print(f"{checkpoint.name}: {setting.shape.checkpoint_bytes / 1e9:.2f} GB, cap {setting.cap_bytes / 1e9:.2f} GB; "
+              f"cold read {bandwidth / 1e9:.2f} GB/s; float32 compute {compute_rate / 1e9:.0f} GFLOP/s", flush=True)
+        for job in args.jobs.split(","):
+            sweep = all_sweeps[job]
+            prompts = encode_prompts(tokenizer, sweep.prompts)
+            by_variant: dict[str, dict] = {}
+            for variant in VARIANTS:
+                if variant.key not in wanted:
+                    continue
+                print(f"{job}: {variant.key}", flush=True)
+                record = run_variant(variant, sweep, setting, by_variant.get("batchrun"))
+                record["job_rows"] = len(sweep.prompts)
+                add_figures(record, prompts, sweep, setting)
+                by_variant[variant.key] = record
+                records.append(record)
+                print(f"  -> {json.dumps({k: record.get(k) for k in ('answer_seconds', 'answers_per_hour', 'passes', 'failed')})}",
+                      flush=True)
+            targets[job] = evaluate(sweep, by_variant)
+    table = harness.format_table(table_rows(records, targets), COLUMNS)
+    markdown = (f"Checkpoint {checkpoint.name} ({setting.shape.checkpoint_bytes / 1e9:.2f} GB bf16), memory cap "
+                f"{setting.cap_bytes / 1e9:.2f} GB, cold read {bandwidth / 1e9:.2f} GB/s, float32 compute "
+                f"{compute_rate / 1e9:.0f} GFLOP/s, 2 cores.\n\n{table}\n\nTargets:\n{targets_markdown(targets)}\n")
+    print("\n" + markdown)
+    harness.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (harness.RESULTS_DIR / f"{args.name}.md").write_text(markdown)
+    path = harness.save_results(args.name, {
+        "checkpoint": str(checkpoint), "shape": setting.shape.__dict__, "cap_bytes": setting.cap_bytes,
+        "read_bandwidth_bytes_per_s": bandwidth, "compute_flops_per_s": compute_rate, "subset_rows": args.subset,
+        "targets": targets, "records": records})
+    print(f"saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
