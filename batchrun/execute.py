@@ -24,7 +24,7 @@ from batchrun.prepare import JobOptions, PreparedJob, plan_rows, prepare_job, ro
 from batchrun.prompts import EncodedRow
 from batchrun.runtime import open_model
 from batchrun.score import Answer, GreedyBatch, eos_token_ids, generation_answer, score_choices
-from batchrun.store import RowResult, Store
+from batchrun.store import RowResult, Store, StoreError
 
 log = logging.getLogger("batchrun")
 
@@ -81,6 +81,9 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
                                   settings=options.answer_settings(),
                                   rows=_all_row_ids(prepared))
         if output_path.exists() and not force:
+            if not store.pending_indices(job_id):
+                raise OutputRefused(f"job {job_id} is complete and {output_path} already exists, left untouched; "
+                                    f"pass --force to rewrite it, or export with `batchrun results {job_id} -o FILE`")
             raise OutputRefused(f"{output_path} exists; pass --force to overwrite it "
                                 f"(answers so far are kept in the database: `batchrun results {job_id}`)")
         store.acquire(job_id)
@@ -94,9 +97,20 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
             state = "interrupted"
             raise
         finally:
-            store.release(job_id, state)
+            _release(store, job_id, state)
     finally:
         store.close()
+
+
+def _release(store: Store, job_id: str, state: str) -> None:
+    """Release the job. When the run already failed (disk full, ...), a release failing the same way must not
+    hide that first error; the lock left behind is taken over by the next run, as after a crash."""
+    try:
+        store.release(job_id, state)
+    except StoreError:
+        if state == "done":
+            raise
+        log.warning("could not release job %s after the run failed; the next run will take its lock over", job_id)
 
 
 def _all_row_ids(prepared: PreparedJob) -> list[tuple[int, object]]:
