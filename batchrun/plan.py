@@ -29,9 +29,11 @@ STREAMING_WORDS = {
     "no": "never", "off": "never", "false": "never", "0": "never",
 }
 COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Share of the disk's sequential bandwidth a streamed pass achieves (published design: reads overlapped with
-# compute by a prefetch thread, or not).
-IO_EFFICIENCY = {True: 0.85, False: 0.70}
+# Share of the measured cold read bandwidth a streamed pass achieves. With a prefetch thread the disk never idles
+# during an I/O-bound pass, so nothing is lost (measured here: decode passes read at 1.1-1.25x the O_DIRECT figure
+# `batchrun disk` reports, kernel readahead helping buffered reads; the published design's 0.85 would overstate pass
+# times by 20-30%). Without prefetch each layer's compute waits for its read (published: 0.70).
+IO_EFFICIENCY = {True: 1.0, False: 0.70}
 # Activations of one sequence at prefill, the peak of a batch (checked against RSS in benchmarks/plan_accuracy.py):
 HIDDEN_STATE_COPIES = 4  # residual stream, normed input, attention output, MLP output live together
 MLP_INTERMEDIATE_COPIES = 3  # act(gate), up, and their product live together until down_proj runs
@@ -44,8 +46,11 @@ LOGIT_BYTES = 4  # logits are upcast to float32
 HEAP_RETAINED_ACTIVATION_COPIES = 2
 HEAP_RETAINS_ON = frozenset({"cpu"})  # accelerator allocators hold freed blocks for reuse: no growth beyond the peak
 # A decode pass streams every weight from RAM once, so below a few dozen sequences it runs at the speed of memory,
-# not of the matmul units. Appending a token to a KV cache copies it (read + write) and attention reads it.
-KV_TRAFFIC_PER_DECODE = 3
+# not of the matmul units. Appending a token to a KV cache copies it (read + write) and attention reads it...
+KV_COPIES_PER_DECODE = 3
+# ...and with grouped-query attention under a padding mask, transformers' SDPA path first expands K and V to every
+# query head (repeat_kv: read once more, write group times) and attention reads that expanded copy (group times).
+KV_EXPANSION_COPIES_PER_GROUP = 2
 # With no rows to size, memory is reported for one sequence of this many tokens (or the context, if shorter).
 DEFAULT_SIZING_TOKENS = 4096
 
@@ -233,13 +238,19 @@ def decode_flops(sizes: CheckpointSizes, live_sequences: int, context: int) -> i
     return matmuls + attention
 
 
+def kv_copies_per_decode(sizes: CheckpointSizes) -> int:
+    """Times a decode pass moves the batch's KV cache through RAM (see KV_COPIES_PER_DECODE)."""
+    group = sizes.num_attention_heads // max(sizes.num_kv_heads, 1)
+    return KV_COPIES_PER_DECODE + (KV_EXPANSION_COPIES_PER_GROUP * group if group > 1 else 0)
+
+
 def pass_memory_bytes(sizes: CheckpointSizes, compute_bytes: int, sequences: int, context: int,
                       decode: bool) -> tuple[int, int]:
     """(weight bytes, KV bytes) a pass moves through RAM: every decoder weight and the head once at the compute
-    dtype; a prefill writes its KV cache once, a decode pass moves the batch's cache KV_TRAFFIC_PER_DECODE times."""
+    dtype; a prefill writes its KV cache once, a decode pass moves the batch's cache kv_copies_per_decode times."""
     weights = (sizes.decoder_params + sizes.vocab_size * sizes.hidden_size) * compute_bytes
     kv = sequences * kv_bytes_for_sequence(sizes, compute_bytes, context)
-    return weights, kv * (KV_TRAFFIC_PER_DECODE if decode else 1)
+    return weights, kv * (kv_copies_per_decode(sizes) if decode else 1)
 
 
 def pass_compute_seconds(flops: int, memory: tuple[int, int], flops_per_s: float | None,
@@ -257,11 +268,11 @@ def pass_compute_seconds(flops: int, memory: tuple[int, int], flops_per_s: float
 def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost], batch: Sequence[int],
                        flops_per_s: float | None, memory_bytes_per_s: float | None) -> list[float | None]:
     """Compute seconds of each pass of a batch, in the order of batch_pass_flops."""
-    sequences, _, prefill, _ = batch_shape(rows, batch)
-    flops = batch_pass_flops(sizes, rows, batch)
+    prefill = batch_shape(rows, batch)[2]
     live = _live_sequences(rows, batch)
-    return [pass_compute_seconds(f, pass_memory_bytes(sizes, compute_bytes, live[step], prefill + step, step > 0),
-                            flops_per_s, memory_bytes_per_s) for step, f in enumerate(flops)]
+    return [pass_compute_seconds(flops, pass_memory_bytes(sizes, compute_bytes, live[step], prefill + step, step > 0),
+                                 flops_per_s, memory_bytes_per_s)
+            for step, flops in enumerate(batch_pass_flops(sizes, rows, batch))]
 
 
 def _live_sequences(rows: Sequence[RowCost], batch: Sequence[int]) -> list[int]:

@@ -18,7 +18,7 @@ the other rows, and all rows would take hours. Answers per hour = rows measured 
 last answer; imports and model construction excluded, for every variant alike).
 
     /work/venv/bin/python -m benchmarks.throughput                   # the full run, ~35-45 min on 2 cores
-    /work/venv/bin/python -m benchmarks.throughput --checkpoint-bytes 3e8 --classify-rows 8 --short-rows 4 \\
+    /work/venv/bin/python -m benchmarks.throughput --checkpoint-bytes 3e8 --cap-gb 1 --classify-rows 8 --short-rows 4 \\
         --subset 2 --name throughput-dev                             # a quick check of the machinery
 
 Results: a Markdown table on stdout and in benchmarks/results/<name>.md, everything in benchmarks/results/<name>.json.
@@ -113,6 +113,11 @@ def measured(command: list[str], setting: Setting, capped: bool, env: dict | Non
                                 memory_cap_bytes=setting.cap_bytes if capped else None)
 
 
+def failure(run: harness.RunResult) -> str:
+    killed = "killed for lack of memory under the cap; " if run.oom_killed else ""
+    return f"{killed}exit {run.returncode}: {(run.stderr or run.stdout)[-3000:]}"
+
+
 def process_fields(run: harness.RunResult) -> dict:
     return {"wall_seconds": run.wall_seconds, "peak_rss_bytes": run.peak_rss_bytes, "oom_killed": run.oom_killed,
             "cgroup_max_usage_bytes": run.cgroup_max_usage_bytes, "foreign_busy_cores": run.foreign_busy_cores}
@@ -134,7 +139,7 @@ def run_batchrun(variant: Variant, sweep: sweeps.Sweep, setting: Setting, rows: 
     run = measured(command, setting, variant.capped)
     fields = {"command": "batchrun submit " + " ".join(arguments), **process_fields(run)}
     if run.returncode != 0:
-        return fields | {"failed": run.stderr[-3000:]}
+        return fields | {"failed": failure(run)}
     result = json.loads(result_file.read_text())
     summary = result["summary"]
     return fields | {
@@ -160,7 +165,7 @@ def run_transformers(job_file: Path, mode: str, batch_sizes: list[int], setting:
             streamed_bytes = setting.shape.decoder_bytes if capped else 0
             return runner_fields(json.loads(result_file.read_text()), run, streamed_bytes) | {"attempts": attempts}
         if not run.oom_killed:
-            return process_fields(run) | {"failed": run.stderr[-3000:], "attempts": attempts}
+            return process_fields(run) | {"failed": failure(run), "attempts": attempts}
         print(f"  batch of {size} was killed for lack of memory under the cap; halving", flush=True)
     return {"failed": "killed for lack of memory at every batch size", "attempts": attempts}
 
@@ -177,7 +182,7 @@ def run_airllm(job_file: Path, setting: Setting, stem: Path) -> dict:
     result_file = stem.with_suffix(".result.json")
     run = measured([*base, str(result_file), "--split-dir", str(split_dir)], setting, True, BASELINE_ENV)
     if run.returncode != 0:
-        return process_fields(run) | {"failed": run.stderr[-3000:]}
+        return process_fields(run) | {"failed": failure(run)}
     split_bytes = sum(f.stat().st_size for f in (split_dir / "splitted_model").glob("*.safetensors"))
     # AirLLM streams the embedding, norm and head with the layers: its passes read the whole split copy.
     return runner_fields(json.loads(result_file.read_text()), run, split_bytes) | {"split_bytes_on_disk": split_bytes}
@@ -285,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--classify-rows", type=int, default=64)
     parser.add_argument("--short-rows", type=int, default=32)
     parser.add_argument("--subset", type=int, default=4, help="rows for the one-prompt-at-a-time variants")
+    parser.add_argument("--cap-gb", type=float, help=f"memory cap (default: {CAP_SHARE} x the checkpoint)")
     parser.add_argument("--jobs", default="classification,short-answer")
     parser.add_argument("--variants", default=",".join(v.key for v in VARIANTS))
     parser.add_argument("--name", default="throughput", help="results file stem under benchmarks/results")
@@ -308,8 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         harness.drop_page_cache()
         bandwidth = harness.cold_read_bandwidth(checkpoint)
         compute_rate = measure.measure_compute_rate("float32", "cpu")
-        setting = Setting(checkpoint, ModelShape.of(checkpoint), int(harness.checkpoint_bytes(checkpoint) * CAP_SHARE),
-                          bandwidth, compute_rate, args.subset, Path(temporary))
+        cap = int(args.cap_gb * 1e9) if args.cap_gb else int(harness.checkpoint_bytes(checkpoint) * CAP_SHARE)
+        setting = Setting(checkpoint, ModelShape.of(checkpoint), cap, bandwidth, compute_rate, args.subset,
+                          Path(temporary))
         print(f"{checkpoint.name}: {setting.shape.checkpoint_bytes / 1e9:.2f} GB, cap {setting.cap_bytes / 1e9:.2f} GB; "
               f"cold read {bandwidth / 1e9:.2f} GB/s; float32 compute {compute_rate / 1e9:.0f} GFLOP/s", flush=True)
         for job in args.jobs.split(","):

@@ -96,7 +96,7 @@ def test_plan_refuses_naming_the_file_and_the_problem(tmp_path, tiny_checkpoint,
     model, file, problem = make(tiny_checkpoint, tmp_path)
     spec = mixed_job(tmp_path / "job.jsonl")
     result = CliRunner().invoke(cli, ["plan", str(spec), "--model", str(model)])
-    assert result.exception is None, result.output
+    assert result.exit_code == 1, result.output  # no candidate can run the job: scripts see a failure
     assert "the checkpoint cannot be used" in result.stdout
     blocker = next(line for line in result.stdout.splitlines() if line.lstrip().startswith("- "))
     assert file in blocker and problem in blocker, result.stdout

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from batchrun.checkpoint import sizes_from_config
 from batchrun.plan import (
-    HEAP_RETAINED_ACTIVATION_COPIES, KV_TRAFFIC_PER_DECODE, Bandwidth, RowCost, activation_bytes_for_sequence, compare_modes, format_duration, kv_bytes_for_sequence,
-    lower_bound_passes, make_plan, pack_batches, parse_streaming, passes_for, streamed_weights,
+    HEAP_RETAINED_ACTIVATION_COPIES, Bandwidth, RowCost, activation_bytes_for_sequence, compare_modes,
+    format_duration, kv_bytes_for_sequence, kv_copies_per_decode, lower_bound_passes, make_plan, pack_batches,
+    parse_streaming, passes_for, streamed_weights,
 )
 from batchrun.plan_format import format_bytes, format_comparison, format_plan_table
 
@@ -264,7 +265,7 @@ def test_mixture_of_experts_is_read_whole_and_said_so():
 # --- time -------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("prefetch, efficiency", [(True, 0.85), (False, 0.70)])
+@pytest.mark.parametrize("prefetch, efficiency", [(True, 1.0), (False, 0.70)])
 def test_io_bound_eta_is_one_read_of_the_layers_per_pass(prefetch, efficiency):
     rows = [RowCost(300, 8)] * 4 + [RowCost(300, 0, (1, 1))] * 4
     candidate = plan(rows=rows, streaming="always", prefetch=prefetch, compute_flops_per_s=1e30)
@@ -287,20 +288,29 @@ def test_long_prefill_on_a_slow_cpu_is_compute_bound_and_said_so():
 
 def test_decode_passes_take_as_long_as_streaming_the_weights_and_kv_cache_from_memory():
     """A decode step of a few sequences is bound by RAM, not FLOPs (several times slower on a CPU): with the memory
-    rate measured, the median (decode) pass is every weight plus the KV cache moved KV_TRAFFIC_PER_DECODE times."""
+    rate measured, the median (decode) pass is every weight plus the KV cache moved kv_copies_per_decode times."""
     rows = [RowCost(300, 8)] * 4
     options = dict(rows=rows, streaming="never", memory_budget_bytes=400 * GiB, compute_flops_per_s=4e11)
     flops_only = plan(**options)
     bound = plan(**options, memory_bytes_per_s=1e10)
     weights = (LLAMA_70B.decoder_params + LLAMA_70B.vocab_size * LLAMA_70B.hidden_size) * 2
     kv_at = [4 * kv_bytes_for_sequence(LLAMA_70B, 2, 300 + step) for step in range(1, 8)]
-    decode = sorted((weights + KV_TRAFFIC_PER_DECODE * kv) / 1e10 for kv in kv_at)
+    decode = sorted((weights + kv_copies_per_decode(LLAMA_70B) * kv) / 1e10 for kv in kv_at)
     assert bound.memory_bytes_per_s == 1e10 and flops_only.memory_bytes_per_s is None
     assert bound.seconds_per_pass == pytest.approx((decode[3] + decode[4]) / 2)  # median of 1 prefill + 7 decodes
     assert bound.seconds_per_pass > 5 * flops_only.seconds_per_pass
     # the prefill (1200 tokens) stays FLOP-bound: its weights stream once for all of them
     assert bound.eta_seconds - flops_only.eta_seconds == pytest.approx(
         sum(decode) - 7 * flops_only.seconds_per_pass, rel=0.01)
+
+
+def test_grouped_query_attention_moves_the_kv_cache_once_more_per_query_head_group():
+    """Under a padding mask transformers expands K and V to every query head before attention (repeat_kv)."""
+    assert kv_copies_per_decode(LLAMA_70B) == 3 + 2 * 8  # 64 query heads share 8 KV heads
+    assert kv_copies_per_decode(TINY) == 3 + 2 * 2
+    no_groups = sizes_from_config({**json.loads((CONFIGS / "llama-3-70b.json").read_text()),
+                                   "num_key_value_heads": 64}, "BF16")
+    assert kv_copies_per_decode(no_groups) == 3
 
 
 def test_resident_eta_counts_loading_once_and_compute_per_pass():
