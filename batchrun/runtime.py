@@ -21,8 +21,11 @@ class ResidentModel:
         self.checkpoint = Path(checkpoint)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        _read_sequentially({info.file for info in infos.values()})
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=self.dtype,
                                                           trust_remote_code=trust_remote_code).to(self.device)
+        if self.device.type == "cpu":
+            _copy_out_of_file_mappings(self.model)
         self.model.eval()
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.checkpoint, trust_remote_code)
@@ -78,6 +81,27 @@ class ResidentModel:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def _read_sequentially(files, chunk: int = 16 << 20) -> None:
+    """Pull the shards into the page cache with large reads before transformers maps them.
+
+    transformers 5 memory-maps safetensors; from a cold cache the first pass would then fault the
+    weights in 4 KiB at a time (measured here: a 17 s first pass instead of 4 s)."""
+    buffer = bytearray(chunk)
+    for file in files:
+        with open(file, "rb", buffering=0) as handle:
+            while handle.readinto(buffer):
+                pass
+
+
+def _copy_out_of_file_mappings(model: torch.nn.Module) -> None:
+    """Resident means resident: copy tensors that still point into the mapped file into process memory,
+    so the kernel cannot drop them and fault them back in from disk in the middle of a job."""
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            tensor.data = tensor.data.clone()
+    model.tie_weights()
 
 
 def open_model(checkpoint: Path, *, mode: str, device: str, dtype=None, prefetching: bool = True,

@@ -323,6 +323,7 @@ def run_case(case: Case, bandwidth: float, work: Path) -> dict:
     arguments = job_arguments(case, checkpoint, memory_gb, bandwidth / 1e9)
     predicted = predict(spec, arguments)
     measured = measure_run(case, spec, arguments, cap, work)
+    measured["rates"] = _rates_now()
     row = {
         "case": case.name, "model": checkpoint.name, "checkpoint_bytes": size, "mode": predicted["mode"],
         "job": case.job, "rows": case.rows, "batch_size": predicted["batch_size"], "passes": predicted["passes"],
@@ -345,6 +346,13 @@ def run_case(case: Case, bandwidth: float, work: Path) -> dict:
     return {"row": row, "predicted": predicted, "measured": measured}
 
 
+def _rates_now() -> dict:
+    from batchrun import measure
+
+    return {"compute_flops_per_s": measure.compute_rate("float32", "cpu"),
+            "memory_bytes_per_s": measure.memory_read_rate("float32", "cpu")}
+
+
 def _ratio(predicted: float | None, measured: float | None) -> float | None:
     return predicted / measured if predicted and measured else None
 
@@ -363,6 +371,17 @@ def table_row(row: dict) -> dict:
     return {**row, "checkpoint_gb": row["checkpoint_bytes"] / 1e9,
             "cap_gb": row["cap_bytes"] / 1e9 if row["cap_bytes"] else None,
             "predicted_peak_mb": row["predicted_peak_bytes"] / 1e6, "measured_peak_mb": row["measured_peak_bytes"] / 1e6}
+
+
+def _merged_with_earlier_cases(results: list[dict]) -> list[dict]:
+    """Rerunning some cases (--cases) replaces those in the saved results and keeps the others, in CASES order;
+    each case records its own rates and foreign load."""
+    saved = harness.RESULTS_DIR / "plan_accuracy.json"
+    by_name = {}
+    if saved.exists():
+        by_name = {case["row"]["case"]: case for case in json.loads(saved.read_text()).get("cases", [])}
+    by_name.update({case["row"]["case"]: case for case in results})
+    return [by_name[case.name] for case in CASES if case.name in by_name]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = run_case(case, bandwidth, work)
                 results.append(result)
                 harness.print_table([table_row(result["row"])], TABLE_COLUMNS)
+    results = _merged_with_earlier_cases(results)
     print()
     harness.print_table([table_row(r["row"]) for r in results], TABLE_COLUMNS)
     path = harness.save_results("plan_accuracy", {
