@@ -42,7 +42,9 @@ class LayerLoader:
         self.drop_page_cache = drop_page_cache and hasattr(os, "posix_fadvise")
         self._fds: dict[str, int] = {}
         self._buffers: dict[tuple[int, str, tuple, torch.dtype], torch.Tensor] = {}
-        self._staging: dict[int, torch.Tensor] = {}  # slot -> raw byte buffer (pinned on CUDA)
+        # One raw byte buffer (pinned on CUDA) serves every slot: loads run one at a time under the lock, and each
+        # finishes its cast (CPU) or waits for its copy (CUDA) before the next load reuses the buffer.
+        self._staging: torch.Tensor | None = None
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.bytes_read = 0
@@ -56,13 +58,11 @@ class LayerLoader:
             self._buffers[key] = buf
         return buf
 
-    def _staging_bytes(self, slot: int, nbytes: int) -> torch.Tensor:
-        buf = self._staging.get(slot)
-        if buf is None or buf.numel() < nbytes:
-            pin = self.device.type == "cuda"
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-            self._staging[slot] = buf
-        return buf
+    def _staging_bytes(self, nbytes: int) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = None  # free the old one before allocating the larger
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        return self._staging
 
     def _fd(self, path) -> int:
         key = str(path)
@@ -116,7 +116,7 @@ class LayerLoader:
             by_file.setdefault(str(info.file), []).append(info)
         spans = [(path, span) for path, members in by_file.items() for span in coalesce(members)]
         total = sum(end - start for _, (start, end, _) in spans)
-        staging = self._staging_bytes(slot, total)
+        staging = self._staging_bytes(total)
         raw: dict[str, torch.Tensor] = {}
         cursor = 0
         for path, (start, end, members) in spans:
@@ -152,15 +152,15 @@ class LayerLoader:
             os.posix_fadvise(self._fd(path), offset, length, os.POSIX_FADV_DONTNEED)
 
     def buffer_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values()) + \
-            sum(b.numel() for b in self._staging.values())
+        staging = self._staging.numel() if self._staging is not None else 0
+        return sum(b.numel() * b.element_size() for b in self._buffers.values()) + staging
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
         self._buffers.clear()
-        self._staging.clear()
+        self._staging = None
 
 
 class _null_context:

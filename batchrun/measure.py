@@ -342,5 +342,9 @@ def _store(section: str, key: str, entry: dict) -> None:
     measurements.setdefault(section, {})[key] = entry
     file = state_dir() / MEASUREMENTS_FILE
     temporary = file.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(measurements, indent=2))
-    os.replace(temporary, file)  # atomic: a concurrent reader sees the old or the new file, never half
+    try:
+        temporary.write_text(json.dumps(measurements, indent=2))
+        os.replace(temporary, file)  # atomic: a concurrent reader sees the old or the new file, never half
+    except OSError:
+        # A full disk must not stop a job over a cache: the figure is simply measured again next time.
+        temporary.unlink(missing_ok=True)

@@ -192,8 +192,8 @@ def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool)
     slots = 2 if prefetch else 1  # the layer computing + the next one being read
     non_decoder = sizes.non_decoder_params * compute_bytes
     layer_slots = sizes.largest_layer_params * compute_bytes * slots
-    # Reading bf16 for float32 compute needs a raw buffer per slot to read into before the cast.
-    read_buffers = sizes.largest_layer_bytes * slots if DTYPE_CODES[compute_dtype] != sizes.storage_dtype else 0
+    # Reading bf16 for float32 compute needs a raw buffer to read into before the cast; loads take turns, so one.
+    read_buffers = sizes.largest_layer_bytes if DTYPE_CODES[compute_dtype] != sizes.storage_dtype else 0
     what = (f"non-decoder tensors {format_bytes(non_decoder)} + {slots} layer slot(s) "
             f"{format_bytes(layer_slots)}" + (f" + read buffers {format_bytes(read_buffers)}" if read_buffers else ""))
     return _Weights(non_decoder + layer_slots + read_buffers, what)

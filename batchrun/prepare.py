@@ -148,6 +148,7 @@ def plan_rows(prepared: PreparedModel, costs: Sequence[RowCost], options: JobOpt
         memory_budget_bytes=budget, streaming=parse_streaming(options.streaming), prefetch=options.prefetch,
         bandwidth=bandwidth_for(prepared.checkpoint, options),
         compute_flops_per_s=measure.compute_rate(compute_dtype, device),
+        memory_bytes_per_s=measure.memory_read_rate(compute_dtype, device),
         disk_free_bytes=measure.disk_free_bytes(prepared.checkpoint), checkpoint_is_local=True,
         runtime_overhead_bytes=measure.runtime_overhead_bytes(), batch_size=options.batch_size,
         context_length=prepared.context_length)

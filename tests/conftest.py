@@ -23,6 +23,7 @@ def machine_measurements(tmp_path_factory) -> Path:
     _os.environ["BATCHRUN_HOME"] = str(home)
     try:
         measure.compute_rate("float32", "cpu")
+        measure.memory_read_rate("float32", "cpu")
         measure.runtime_overhead_bytes()
     finally:
         if previous is None:
