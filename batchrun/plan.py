@@ -51,6 +51,10 @@ KV_COPIES_PER_DECODE = 3
 # ...and with grouped-query attention under a padding mask, transformers' SDPA path first expands K and V to every
 # query head (repeat_kv: read once more, write group times) and attention reads that expanded copy (group times).
 KV_EXPANSION_COPIES_PER_GROUP = 2
+# Micro-batches (passes.py): when a pass's activations do not fit all at once, its sequences enter each layer in
+# turns, so only one micro-batch's activations are live while every sequence's KV cache and hidden state wait.
+HELD_HIDDEN_COPIES = 2  # a waiting micro-batch holds its hidden states and the residual they add to
+MICRO_BATCH_MEMORY_SHARE = 0.25  # of the free memory given to one micro-batch's activations; the rest buys sequences
 # With no rows to size, memory is reported for one sequence of this many tokens (or the context, if shorter).
 DEFAULT_SIZING_TOKENS = 4096
 
@@ -93,6 +97,7 @@ class Candidate:
     runtime_overhead_bytes: int
     peak_memory_bytes: int
     batch_size: int  # most sequences in a batch
+    micro_batch_size: int | None  # sequences per forward call within a pass; None: the whole batch at once
     batch_tokens: int  # padded-token budget used for packing
     batches: list[list[int]]
     rows: int
@@ -168,12 +173,16 @@ def activation_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, de
 
 
 def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
-                batch: Sequence[int]) -> int:
-    """KV cache at the batch's longest sequence plus activations at its longest prefill, for every sequence."""
+                batch: Sequence[int], micro_sequences: int | None = None) -> int:
+    """KV cache at the batch's longest sequence plus activations at its longest prefill, for every sequence; with
+    micro-batches, activations for one micro-batch and held hidden states for the others."""
     sequences, longest, prefill, positions = batch_shape(rows, batch)
-    per_sequence = (kv_bytes_for_sequence(sizes, compute_bytes, longest)
-                    + activation_bytes_for_sequence(sizes, compute_bytes, device, prefill, positions))
-    return sequences * per_sequence
+    kv = kv_bytes_for_sequence(sizes, compute_bytes, longest)
+    activations = activation_bytes_for_sequence(sizes, compute_bytes, device, prefill, positions)
+    if micro_sequences is None or micro_sequences >= sequences:
+        return sequences * (kv + activations)
+    held = prefill * sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
+    return sequences * (kv + held) + micro_sequences * activations
 
 
 @dataclass(frozen=True)
@@ -200,24 +209,42 @@ def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool)
 
 
 def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
-                 free_bytes: int, batch_size: int | None) -> tuple[int, int]:
-    """(max sequences, max padded tokens) such that any batch packed under them fits in free_bytes.
+                 free_bytes: int, batch_size: int | None) -> tuple[int, int, int | None]:
+    """(max sequences, max padded tokens, sequences per micro-batch or None) such that any batch packed under them
+    fits in free_bytes.
 
     Bound: every token costs at most its KV (no window cap), its linear activations and one row of attention scores
     at the longest prefill; every sequence adds its kept logits. Sequences are sized so typical (median-length)
-    rows fill the budget; the token budget then keeps longer rows from overflowing it."""
+    rows fill the budget; the token budget then keeps longer rows from overflowing it. When the job's sequences do
+    not all fit with their activations live at once, the pass is split into micro-batches: activations are bought
+    for one micro-batch (a share of the budget), KV and held hidden states for every sequence of the pass."""
     longest_prefill = max(row.prefill_length() for row in rows)
-    per_token = (kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers
-                 + linear_activation_bytes_per_token(sizes, compute_bytes, device)
-                 + (sizes.num_attention_heads * longest_prefill * ATTENTION_SCORE_BYTES * _heap_factor(device)
-                    if _scores_materialised(device) else 0))
+    kv_per_token = kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers
+    activation_per_token = (linear_activation_bytes_per_token(sizes, compute_bytes, device)
+                            + (sizes.num_attention_heads * longest_prefill * ATTENTION_SCORE_BYTES
+                               * _heap_factor(device) if _scores_materialised(device) else 0))
     per_sequence = max(row.logit_positions() for row in rows) * sizes.vocab_size * LOGIT_BYTES
     typical_length = statistics.median_low(row.sequence_length() for row in rows)
-    max_sequences = max(free_bytes, 0) // (typical_length * per_token + per_sequence)
-    max_sequences = min(max_sequences, sum(row.sequences() for row in rows), batch_size or math.inf)
-    max_sequences = max(int(max_sequences), 1)
-    max_tokens = max((free_bytes - max_sequences * per_sequence) // per_token, 1)
-    return max_sequences, int(max_tokens)
+    wanted = min(sum(row.sequences() for row in rows), batch_size or math.inf)
+    free_bytes = max(free_bytes, 0)
+
+    per_token = kv_per_token + activation_per_token
+    all_live = free_bytes // (typical_length * per_token + per_sequence)
+    if all_live >= wanted:  # every sequence's activations fit at once: one forward call per pass
+        max_sequences = max(int(wanted), 1)
+        return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
+
+    micro_budget = free_bytes * MICRO_BATCH_MEMORY_SHARE
+    micro_sequences = max(int(micro_budget // (typical_length * activation_per_token + per_sequence)), 1)
+    micro_bytes = micro_sequences * (typical_length * activation_per_token + per_sequence)
+    held_per_token = kv_per_token + sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
+    max_sequences = (free_bytes - micro_bytes) // (typical_length * held_per_token)
+    max_sequences = max(int(min(max_sequences, wanted)), 1)
+    if max_sequences <= micro_sequences:  # no room to gain: the old single-forward bound
+        max_sequences = max(int(min(all_live, wanted)), 1)
+        return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
+    max_tokens = max(int((free_bytes - micro_bytes) // held_per_token), 1)
+    return max_sequences, max_tokens, micro_sequences
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -345,15 +372,15 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
                         f"{format_bytes(fixed_bytes)} of weights and runtime; budget {format_bytes(budget)}")
 
     # Batches: the largest that fit beside the weights, packed by the rule the executor uses.
-    max_sequences, max_tokens = batch_limits(sizes, compute_bytes, device, sizing_rows, budget - fixed_bytes,
-                                             batch_size)
+    max_sequences, max_tokens, micro_sequences = batch_limits(sizes, compute_bytes, device, sizing_rows,
+                                                              budget - fixed_bytes, batch_size)
     packed = pack_batches([rows[i] for i in planned], max_sequences, max_tokens) if planned else []
     batches = [[planned[i] for i in batch] for batch in packed]
     oversize = sum(1 for batch in batches if _padded_tokens(rows, batch) > max_tokens)
     if oversize:
         caveats.append(f"{oversize} row(s) larger than the {max_tokens:,}-token batch budget run in a batch of "
                        "their own")
-    peak_batch_bytes = max((batch_bytes(sizes, compute_bytes, device, rows, b) for b in batches),
+    peak_batch_bytes = max((batch_bytes(sizes, compute_bytes, device, rows, b, micro_sequences) for b in batches),
                            default=largest_row_bytes)
     passes = passes_for(rows, batches)
 
@@ -396,7 +423,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         kv_bytes_per_token=kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers,
         compute_dtype=compute_dtype, memory_budget_bytes=budget, weights_bytes=weights.bytes,
         runtime_overhead_bytes=runtime_overhead_bytes, peak_memory_bytes=fixed_bytes + peak_batch_bytes,
-        batch_size=max_sequences, batch_tokens=max_tokens, batches=batches, rows=len(rows), passes=passes,
+        batch_size=max_sequences, micro_batch_size=micro_sequences, batch_tokens=max_tokens, batches=batches, rows=len(rows), passes=passes,
         lower_bound_passes=lower_bound_passes([rows[i] for i in planned], max_sequences),
         read_bandwidth_bytes_per_s=bytes_per_s, bandwidth_basis=bandwidth.basis, bandwidth_how=bandwidth.how,
         load_seconds=load_seconds, seconds_per_pass=_median(timeline.pass_seconds), io_seconds_per_pass=io_seconds,
