@@ -45,8 +45,14 @@ _RUNTIME_PROBE = (
     "                     num_key_value_heads=2, vocab_size=256)\n"
     "with torch.inference_mode():\n"
     "    LlamaForCausalLM(config).eval()(input_ids=torch.ones((2, 64), dtype=torch.long), use_cache=True)\n"
-    "peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-    "print(peak if sys.platform == 'darwin' else peak * 1024)\n"  # macOS reports bytes, Linux KiB
+    # VmHWM belongs to this process's own address space; ru_maxrss would carry over the parent's peak across
+    # fork + exec (Linux keeps it), e.g. a parent that has just converted the default model.
+    "try:\n"
+    "    hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
+    "    print(int(hwm.split()[1]) * 1024)\n"
+    "except (OSError, IndexError):\n"
+    "    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+    "    print(peak if sys.platform == 'darwin' else peak * 1024)\n"  # macOS reports bytes, Linux KiB
 )
 _UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
 

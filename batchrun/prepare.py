@@ -137,7 +137,7 @@ def bandwidth_for(checkpoint: Path, options: JobOptions) -> Bandwidth:
     if cached is not None:
         return cached
     return Bandwidth(ASSUMED_BANDWIDTH, "assumed",
-                     "assumed 1.0 GB/s; run `batchrun disk --model ...` to measure this disk")
+                     "not measured on this disk yet; `batchrun disk --model ...` measures it")
 
 
 def plan_rows(prepared: PreparedModel, costs: Sequence[RowCost], options: JobOptions, device: str) -> Candidate:

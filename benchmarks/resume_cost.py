@@ -131,7 +131,9 @@ def commit_microbenchmark(directory: Path, batch: int, tokens: int, repeats: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--name", default="resume_cost", help="results file: benchmarks/results/NAME.json")
     args = parser.parse_args()
+    results = RESULTS.with_name(f"{args.name}.json")
     work = Path(tempfile.mkdtemp(prefix="batchrun-resume-cost-"))
     os.environ.setdefault("BATCHRUN_HOME", str(work / "home"))
     spec = write_spec(work / "essays.jsonl")
@@ -171,8 +173,8 @@ def main() -> None:
         "uninterrupted_run_s": uninterrupted_total, "killed_run_s_incl_process_start": killed_total,
         "resume_run_s": resume_total,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)
 
 
