@@ -217,3 +217,24 @@ def test_store_keeps_every_row_once(tmp_path, tiny_checkpoint):
     single = all(len(tokenizer.encode(c, add_special_tokens=False)) == 1 for c in ("positive", "negative"))
     rows_per_pass = 2 if single else 1
     assert status["passes"] == math.ceil(len(REVIEWS) / rows_per_pass)  # one pass per batch, no decode
+
+
+@pytest.mark.parametrize("streaming", ["never", "always"])
+def test_default_model_answers_equal_reference(tmp_path, default_checkpoint, streaming):
+    """The real default model (SmolLM2-135M-Instruct): choice probabilities and greedy answers vs plain transformers."""
+    model, tokenizer = reference_model(default_checkpoint)
+    rows = [{"id": f"c{i}", "prompt": f"Review: {text}\nIs it positive or negative?",
+             "choices": ["positive", "negative"]} for i, text in enumerate(REVIEWS[:3])]
+    rows += [{"id": f"g{i}", "prompt": f"Summarise in a few words: {text}", "max_new_tokens": 6}
+             for i, text in enumerate(REVIEWS[:2])]
+    spec = write_jsonl(tmp_path / "default.jsonl", rows)
+    _, out = run(spec, tmp_path, default_checkpoint, "default", streaming=streaming)
+    by_id = {r["id"]: r for r in out}
+    for i, text in enumerate(REVIEWS[:3]):
+        expected = reference_choice_probs(model, tokenizer, f"Review: {text}\nIs it positive or negative?",
+                                          ["positive", "negative"])
+        got = dict(by_id[f"c{i}"]["choice_probs"])
+        assert all(got[c] == pytest.approx(p, abs=1e-4) for c, p in expected.items())
+    for i, text in enumerate(REVIEWS[:2]):
+        answer, finish = reference_generation(model, tokenizer, f"Summarise in a few words: {text}", 6)
+        assert (by_id[f"g{i}"]["answer"], by_id[f"g{i}"]["finish_reason"]) == (answer, finish)
