@@ -8,9 +8,28 @@ hidden states and KV caches wait in host memory.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
+
+M_ARENA_MAX = -8  # glibc mallopt parameter
+
+
+def share_one_heap() -> None:
+    """Make micro-batch threads allocate from one malloc heap.
+
+    glibc gives each new thread its own arena and keeps what is freed there, so N micro-batch threads would
+    each keep their own high-water mark of activations, multiplying the pass's memory by N. One arena keeps
+    the retention of a single micro-batch, which is what the plan sizes. No-op where libc is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "mallopt"):
+            libc.mallopt(M_ARENA_MAX, 1)
+    except OSError:
+        pass
 
 
 class PassAborted(RuntimeError):
@@ -74,6 +93,7 @@ def run_threads(group: PassGroup, calls: list[Callable[[], object]], wrap) -> li
             errors.append(exc)
             group.turns.fail(exc)
 
+    share_one_heap()
     threads = [threading.Thread(target=work, args=(m,), name=f"batchrun-micro-{m}") for m in range(len(calls))]
     for thread in threads:
         thread.start()

@@ -55,6 +55,9 @@ KV_EXPANSION_COPIES_PER_GROUP = 2
 # turns, so only one micro-batch's activations are live while every sequence's KV cache and hidden state wait.
 HELD_HIDDEN_COPIES = 2  # a waiting micro-batch holds its hidden states and the residual they add to
 MICRO_BATCH_MEMORY_SHARE = 0.25  # of the free memory given to one micro-batch's activations; the rest buys sequences
+# Batches are sized to leave this share of the budget unused: allocator fragmentation and transient copies are not
+# in the arithmetic, and under a hard cap (cgroup) being a little short means an out-of-memory kill.
+MEMORY_HEADROOM_SHARE = 0.10
 # With no rows to size, memory is reported for one sequence of this many tokens (or the context, if shorter).
 DEFAULT_SIZING_TOKENS = 4096
 
@@ -372,8 +375,9 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
                         f"{format_bytes(fixed_bytes)} of weights and runtime; budget {format_bytes(budget)}")
 
     # Batches: the largest that fit beside the weights, packed by the rule the executor uses.
+    sizing_budget = int(budget * (1 - MEMORY_HEADROOM_SHARE))
     max_sequences, max_tokens, micro_sequences = batch_limits(sizes, compute_bytes, device, sizing_rows,
-                                                              budget - fixed_bytes, batch_size)
+                                                              sizing_budget - fixed_bytes, batch_size)
     packed = pack_batches([rows[i] for i in planned], max_sequences, max_tokens) if planned else []
     batches = [[planned[i] for i in batch] for batch in packed]
     oversize = sum(1 for batch in batches if _padded_tokens(rows, batch) > max_tokens)

@@ -81,10 +81,14 @@ def write_spec(path: Path) -> Path:
     return path
 
 
+MEMORY_GB: float | None = None  # --memory for every run; under a cap shared with this process, set it explicitly
+
+
 def options(model: Path):
     from batchrun.prepare import JobOptions
 
-    return JobOptions(model=str(model), streaming="always", batch_size=ROWS, max_new_tokens=NEW_TOKENS)
+    return JobOptions(model=str(model), streaming="always", batch_size=ROWS, max_new_tokens=NEW_TOKENS,
+                      memory_gb=MEMORY_GB)
 
 
 def run_clocked(spec: Path, model: Path, db: Path, output: Path) -> tuple[PassClock, object, float]:
@@ -103,6 +107,8 @@ def run_killed(spec: Path, model: Path, db: Path, output: Path) -> float:
     command = [sys.executable, "-m", "batchrun", "submit", str(spec), "--model", str(model), "--db", str(db),
                "--output", str(output), "--streaming", "always", "--batch-size", str(ROWS),
                "--max-new-tokens", str(NEW_TOKENS), "--quiet", "--force"]
+    if MEMORY_GB:
+        command += ["--memory", str(MEMORY_GB)]
     started = time.perf_counter()
     child = subprocess.run(command, env=env, capture_output=True, text=True)
     if child.returncode != -signal.SIGKILL:
@@ -132,7 +138,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--name", default="resume_cost", help="results file: benchmarks/results/NAME.json")
+    parser.add_argument("--memory", type=float, help="memory budget in GB for every run (under a memory cap)")
     args = parser.parse_args()
+    global MEMORY_GB
+    MEMORY_GB = args.memory
     results = RESULTS.with_name(f"{args.name}.json")
     work = Path(tempfile.mkdtemp(prefix="batchrun-resume-cost-"))
     os.environ.setdefault("BATCHRUN_HOME", str(work / "home"))

@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -125,19 +126,45 @@ def process_fields(run: harness.RunResult) -> dict:
 
 
 def run_batchrun(variant: Variant, sweep: sweeps.Sweep, setting: Setting, rows: int, stem: Path) -> dict:
+    """`batchrun submit` as planned; after an OOM kill under the cap, again with half the planned batch (fresh
+    database), as for accelerate: the largest batch that really lives under the cap."""
     spec = sweep.write_spec(stem.with_suffix(".jsonl"), rows)
-    arguments = [str(spec), "--model", str(setting.checkpoint), "--raw", "--quiet", "--force",
-                 "--bandwidth", f"{setting.bandwidth / 1e9:.4f}", "--db", str(stem.with_suffix(".db")),
-                 "--output", str(stem.with_suffix(".parquet"))]
+    arguments = [str(spec), "--model", str(setting.checkpoint), "--raw", "--bandwidth", f"{setting.bandwidth / 1e9:.4f}"]
     if variant.capped:
         arguments += ["--streaming", "always", "--memory", f"{setting.cap_bytes / 1e9:.3f}"]
     else:
         arguments += ["--streaming", "never"]
     if variant.key == "batchrun-b1":
         arguments += ["--batch-size", "1"]
+    attempts: list[dict] = []
+    batch_size = None
+    while True:
+        attempt = arguments + (["--batch-size", str(batch_size)] if batch_size else [])
+        tag = f".b{batch_size}" if batch_size else ""
+        fields = run_batchrun_once(attempt, setting, variant.capped, Path(f"{stem}{tag}"))
+        attempts.append({"batch_size": batch_size or "planned", "oom_killed": fields["oom_killed"],
+                         "wall_seconds": fields["wall_seconds"], "planned": planned_batch(attempt)})
+        if not fields["oom_killed"] or variant.key != "batchrun":
+            return fields | {"attempts": attempts}
+        batch_size = (batch_size or attempts[-1]["planned"]) // 2
+        if batch_size < 1:
+            return fields | {"attempts": attempts}
+        print(f"  killed for lack of memory under the cap; again with --batch-size {batch_size}", flush=True)
+
+
+def planned_batch(arguments: list[str]) -> int:
+    """The batch `batchrun plan` chooses for these options."""
+    plan = subprocess.run([sys.executable, "-m", "batchrun", "plan", *arguments, "--json"], capture_output=True,
+                          text=True, check=True)
+    return json.loads(plan.stdout)["candidates"][0]["batch_size"]
+
+
+def run_batchrun_once(arguments: list[str], setting: Setting, capped: bool, stem: Path) -> dict:
+    arguments = arguments + ["--quiet", "--force", "--db", str(stem.with_suffix(".db")),
+                             "--output", str(stem.with_suffix(".parquet"))]
     result_file = stem.with_suffix(".result.json")
     command = [sys.executable, "-m", "benchmarks.baselines.batchrun_runner", str(result_file), *arguments]
-    run = measured(command, setting, variant.capped)
+    run = measured(command, setting, capped)
     fields = {"command": "batchrun submit " + " ".join(arguments), **process_fields(run)}
     if run.returncode != 0:
         return fields | {"failed": failure(run)}
@@ -261,6 +288,12 @@ def table_rows(records: list[dict], targets: dict[str, dict]) -> list[dict]:
     for r in records:
         ours = targets.get(r["job"], {}).get("speedup_over", {})
         status = "FAILED" if "failed" in r else ("subset" if r["rows"] < r.get("job_rows", r["rows"]) else "")
+        killed = [a for a in r.get("attempts", []) if a["oom_killed"]]
+        if killed:
+            tried = ", ".join(str(a["planned"] if a["batch_size"] == "planned" else a["batch_size"]) for a in killed)
+            status += f"; OOM-killed under the cap at batch {tried}"
+        if r.get("reused_from"):
+            status += f"; from {r['reused_from']}.json"
         if r.get("all_full_length") is False:
             status += "; some answers stopped early"
         if (r.get("foreign_busy_cores") or 0) > QUIET_CORES:
@@ -302,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", default="classification,short-answer")
     parser.add_argument("--variants", default=",".join(v.key for v in VARIANTS))
     parser.add_argument("--name", default="throughput", help="results file stem under benchmarks/results")
+    parser.add_argument("--reuse", help="results name whose records stand in for the variants not run now")
     args = parser.parse_args(argv)
     wanted = args.variants.split(",")
     unknown = set(wanted) - {v.key for v in VARIANTS}
@@ -317,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     all_sweeps = {"classification": sweeps.classification(tokenizer, args.classify_rows),
                   "short-answer": sweeps.short_answer(tokenizer, args.short_rows)}
     records, targets = [], {}
+    earlier: dict[str, dict[str, dict]] = {}
+    if args.reuse:
+        for record in json.loads((harness.RESULTS_DIR / f"{args.reuse}.json").read_text())["records"]:
+            earlier.setdefault(record["job"], {})[record["variant"]] = record
     with harness.exclusive_machine(), tempfile.TemporaryDirectory(prefix="throughput-") as temporary:
         harness.wait_for_quiet(QUIET_CORES, timeout_s=300)
         harness.drop_page_cache()
@@ -333,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
             by_variant: dict[str, dict] = {}
             for variant in VARIANTS:
                 if variant.key not in wanted:
+                    if variant.key in earlier.get(job, {}):
+                        by_variant[variant.key] = earlier[job][variant.key] | {"reused_from": args.reuse}
+                        records.append(by_variant[variant.key])
                     continue
                 print(f"{job}: {variant.key}", flush=True)
                 record = run_variant(variant, sweep, setting)
