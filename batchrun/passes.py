@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,6 +18,7 @@ from typing import Callable
 M_ARENA_MAX = -8  # glibc mallopt parameter
 
 
+@functools.cache  # once per process: find_library may spawn ldconfig, far too slow for every pass
 def share_one_heap() -> None:
     """Make micro-batch threads allocate from one malloc heap.
 

@@ -9,6 +9,7 @@ they had computed it themselves: same positions, same keys, one computation inst
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Sequence
@@ -44,7 +45,12 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.
 
 def cache_argument(model) -> str:
     """transformers 5.2x renamed `past_key_values` to `cache`; accept either release."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return _cache_argument_of(type(model))
+
+
+@functools.cache  # per model class: inspecting the signature on every forward call of every pass is wasted work
+def _cache_argument_of(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def forward(model, ids, mask, positions, *, keep: int, cache=None, use_cache: bool = False):
