@@ -321,3 +321,21 @@ def _first(config: dict, keys: tuple[str, ...]):
         if config.get(key) is not None:
             return config[key]
     return None
+
+
+# Per-token KV sizes at a compute dtype, used by both the memory and the time arithmetic of the plan.
+
+
+def kv_bytes_per_token_per_layer(sizes: CheckpointSizes, compute_bytes: int) -> int:
+    """K and V of one token in one layer: 2 x kv_heads x head_dim x bytes (8 x 128 in bf16 = 4 KiB)."""
+    return 2 * sizes.num_kv_heads * sizes.head_dim * compute_bytes
+
+
+def attended_positions(sizes: CheckpointSizes, tokens: int) -> int:
+    """Positions summed over layers that a token at position `tokens` sees: sliding-window layers stop at the
+    window, so both their KV cache and their attention compute are capped there."""
+    return sum(min(tokens, window) if window else tokens for window in sizes.sliding_windows)
+
+
+def kv_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, tokens: int) -> int:
+    return kv_bytes_per_token_per_layer(sizes, compute_bytes) * attended_positions(sizes, tokens)

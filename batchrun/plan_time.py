@@ -1,0 +1,125 @@
+"""Time arithmetic of the plan, as named steps: FLOPs and memory traffic of each pass, its roofline, and the
+timeline of a job. No torch."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+from batchrun.batching import RowCost, batch_shape
+from batchrun.sizes import CheckpointSizes, attended_positions, kv_bytes_for_sequence
+
+# A decode pass streams every weight from RAM once, so below a few dozen sequences it runs at the speed of memory,
+# not of the matmul units. Appending a token to a KV cache copies it (read + write) and attention reads it...
+KV_COPIES_PER_DECODE = 3
+# ...and with grouped-query attention under a padding mask, transformers' SDPA path first expands K and V to every
+# query head (repeat_kv: read once more, write group times) and attention reads that expanded copy (group times).
+KV_EXPANSION_COPIES_PER_GROUP = 2
+
+
+def prefill_flops(sizes: CheckpointSizes, sequences: int, prefill_tokens: int, logit_positions: int) -> int:
+    tokens = sequences * prefill_tokens
+    matmuls = 2 * sizes.decoder_params * tokens  # multiply-add per weight per token
+    head = 2 * sizes.vocab_size * sizes.hidden_size * sequences * logit_positions  # logits only where kept
+    attention = 4 * sizes.num_attention_heads * sizes.head_dim * tokens * attended_positions(sizes, prefill_tokens)
+    return matmuls + head + attention
+
+
+def decode_flops(sizes: CheckpointSizes, live_sequences: int, context: int) -> int:
+    matmuls = 2 * (sizes.decoder_params + sizes.vocab_size * sizes.hidden_size) * live_sequences
+    attention = 4 * sizes.num_attention_heads * sizes.head_dim * live_sequences * attended_positions(sizes, context)
+    return matmuls + attention
+
+
+def kv_copies_per_decode(sizes: CheckpointSizes) -> int:
+    """Times a decode pass moves the batch's KV cache through RAM (see KV_COPIES_PER_DECODE)."""
+    group = sizes.num_attention_heads // max(sizes.num_kv_heads, 1)
+    return KV_COPIES_PER_DECODE + (KV_EXPANSION_COPIES_PER_GROUP * group if group > 1 else 0)
+
+
+def pass_memory_bytes(sizes: CheckpointSizes, compute_bytes: int, sequences: int, context: int,
+                      decode: bool) -> tuple[int, int]:
+    """(weight bytes, KV bytes) a pass moves through RAM: every decoder weight and the head once at the compute
+    dtype; a prefill writes its KV cache once, a decode pass moves the batch's cache kv_copies_per_decode times."""
+    weights = (sizes.decoder_params + sizes.vocab_size * sizes.hidden_size) * compute_bytes
+    kv = sequences * kv_bytes_for_sequence(sizes, compute_bytes, context)
+    return weights, kv * (kv_copies_per_decode(sizes) if decode else 1)
+
+
+def pass_compute_seconds(flops: int, memory: tuple[int, int], flops_per_s: float | None,
+                         memory_bytes_per_s: float | None) -> float | None:
+    """Roofline of one pass: matmuls take the longer of their FLOPs and streaming their weights from RAM; KV cache
+    traffic adds to that. The memory terms count only when the memory rate is known."""
+    if flops_per_s is None:
+        return None
+    if memory_bytes_per_s is None:
+        return flops / flops_per_s
+    weights, kv = memory
+    return max(flops / flops_per_s, weights / memory_bytes_per_s) + kv / memory_bytes_per_s
+
+
+def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost], batch: Sequence[int],
+                       flops_per_s: float | None, memory_bytes_per_s: float | None) -> list[float | None]:
+    """Compute seconds of each pass of a batch, in the order of batch_pass_flops."""
+    prefill = batch_shape(rows, batch)[2]
+    live = _live_sequences(rows, batch)
+    return [pass_compute_seconds(flops, pass_memory_bytes(sizes, compute_bytes, live[step], prefill + step, step > 0),
+                                 flops_per_s, memory_bytes_per_s)
+            for step, flops in enumerate(batch_pass_flops(sizes, rows, batch))]
+
+
+def _live_sequences(rows: Sequence[RowCost], batch: Sequence[int]) -> list[int]:
+    """Sequences still generating at each pass of a batch (rows drop out as they reach their new-token count)."""
+    sequences = batch_shape(rows, batch)[0]
+    finishing = Counter(rows[i].passes() for i in batch)
+    live = [sequences]
+    for step in range(2, max(finishing) + 1):
+        live.append(live[-1] - finishing[step - 1])
+    return live
+
+
+def batch_pass_flops(sizes: CheckpointSizes, rows: Sequence[RowCost], batch: Sequence[int]) -> list[int]:
+    """FLOPs of each pass of a batch: pass 1 prefills every prompt; each later pass decodes one token for the
+    sequences still generating (rows drop out as they reach their new-token count)."""
+    sequences, _, prefill, positions = batch_shape(rows, batch)
+    live = _live_sequences(rows, batch)
+    return [prefill_flops(sizes, sequences, prefill, positions)] + [
+        decode_flops(sizes, live[step], prefill + step) for step in range(1, len(live))]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    pass_seconds: list[float | None]  # in run order
+    compute_seconds: list[float | None]
+    batch_seconds: list[float | None]
+    compute_bound_passes: int
+
+    @property
+    def known(self) -> bool:
+        return None not in self.batch_seconds
+
+
+def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Sequence[Sequence[int]],
+                 io_seconds: float | None, compute_flops_per_s: float | None, compute_bytes: int = 4,
+                 memory_bytes_per_s: float | None = None) -> Timeline:
+    """Seconds of every pass of the job, in run order, and of every batch."""
+    pass_seconds, all_computes, batch_seconds = [], [], []
+    compute_bound = 0
+    for batch in batches:
+        computes = batch_pass_seconds(sizes, compute_bytes, rows, batch, compute_flops_per_s, memory_bytes_per_s)
+        bounds = [pass_bound(io_seconds, c) for c in computes]
+        compute_bound += sum(1 for c in computes if c is not None and io_seconds and c > io_seconds)
+        all_computes += computes
+        pass_seconds += bounds
+        batch_seconds.append(None if None in bounds else sum(bounds))
+    return Timeline(pass_seconds, all_computes, batch_seconds, compute_bound)
+
+
+def pass_bound(io_seconds: float | None, compute_seconds: float | None) -> float | None:
+    """max(read the layers, compute); reads alone when the compute rate is unknown. Unknown for a streamed pass
+    without a bandwidth, and for a resident one (io 0) without a compute rate."""
+    if io_seconds is None:
+        return None
+    if compute_seconds is None:
+        return io_seconds or None
+    return max(io_seconds, compute_seconds)
