@@ -3,9 +3,10 @@
 A pass carries B sequences split into micro-batches (one forward call each, taking turns at every
 layer: see passes.py). When the sequences of a pass start with the same tokens (a system prompt,
 instructions, a template head), the prefix is computed once, as an extra micro-batch of one
-sequence that goes first at every layer; before each other micro-batch enters layer i, the prefix's
-keys and values for layer i are copied into its cache. The suffixes then attend to the prefix as if
-they had computed it themselves: same positions, same keys, one computation instead of B.
+sequence that goes first at every layer; before each other micro-batch enters layer i, its cache
+receives the prefix's keys and values for layer i by reference. The suffixes then attend to the prefix
+as if they had computed it themselves: same positions, same keys, one computation and one copy of
+the prefix's KV instead of B.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 # Below this many shared tokens the saved compute does not pay for the extra micro-batch.
 MIN_SHARED_PREFIX = 16
@@ -78,10 +80,10 @@ def common_prefix_length(seqs: Sequence[Sequence[int]]) -> int:
 
 
 class SharedPrefix:
-    """The prefix's KV, computed by micro-batch 0 of the pass and copied into the others' caches."""
+    """The prefix's KV, computed by micro-batch 0 of the pass and shared with the others' caches."""
 
-    def __init__(self, model, prefix: list[int], dtype: torch.dtype, device):
-        self.model, self.prefix, self.dtype, self.device = model, prefix, dtype, device
+    def __init__(self, model, prefix: list[int], device):
+        self.model, self.prefix, self.device = model, prefix, device
         self.cache = DynamicCache(config=model.config)
         self.targets: dict[int, object] = {}  # micro-batch -> its placeholder cache
 
@@ -98,14 +100,10 @@ class SharedPrefix:
         return lambda: forward(self.model, ids, mask, positions, keep=1, cache=self.cache, use_cache=True)
 
     def placeholder_cache(self, micro: int, batch: int):
-        """A cache already `len(prefix)` long, so the model builds the suffix's masks and positions after it."""
-        text = self.model.config.get_text_config()
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        """A cache that already counts `len(prefix)` tokens, so the model builds the suffix's masks and positions
+        after them; its layers receive the prefix's keys and values by reference (see PrefixSharedLayer)."""
         cache = DynamicCache(config=self.model.config)
-        zeros = torch.zeros(batch, heads, len(self.prefix), head_dim, dtype=self.dtype, device=self.device)
-        for layer in range(text.num_hidden_layers):
-            cache.update(zeros.clone(), zeros.clone(), layer)
+        cache.layers = [PrefixSharedLayer(len(self.prefix)) for _ in range(len(cache.layers))]
         self.targets[micro] = cache
         return cache
 
@@ -113,12 +111,41 @@ class SharedPrefix:
         target = self.targets.get(micro)
         if target is None:
             return
-        source, into = self.cache.layers[layer], target.layers[layer]
-        if source.keys.shape[1:] != into.keys.shape[1:]:
-            raise RuntimeError(f"shared prefix: layer {layer} caches keys of shape {tuple(source.keys.shape)}, "
-                               f"expected {tuple(into.keys.shape)}; run without prefix sharing")
-        into.keys.copy_(source.keys.expand_as(into.keys))
-        into.values.copy_(source.values.expand_as(into.values))
+        source = self.cache.layers[layer]
+        target.layers[layer].attach(source.keys, source.values)
+
+
+class PrefixSharedLayer(DynamicLayer):
+    """One layer's cache for a micro-batch whose sequences share a prefix: the prefix's keys and values [1, H, P, D]
+    are held once for the whole pass, each sequence keeps only its own tokens [b, H, S, D]. Attention gets their
+    concatenation, a temporary of one layer and one micro-batch, so B sequences cost B suffixes, not B prompts."""
+
+    def __init__(self, prefix_length: int):
+        super().__init__()
+        self.prefix_length = prefix_length
+        self.prefix_keys: torch.Tensor | None = None
+        self.prefix_values: torch.Tensor | None = None
+
+    def attach(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        if keys.shape[0] != 1 or keys.shape[-2] != self.prefix_length:
+            raise RuntimeError(f"shared prefix: expected keys of 1 sequence x {self.prefix_length} tokens, got "
+                               f"{tuple(keys.shape)}; run without prefix sharing")
+        self.prefix_keys, self.prefix_values = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.prefix_keys is None:
+            raise RuntimeError("shared prefix: a layer ran before the prefix's keys and values reached it")
+        own_keys, own_values = super().update(key_states, value_states)  # [b, H, S, D]
+        batch = own_keys.shape[0]
+        keys = torch.cat([self.prefix_keys.expand(batch, -1, -1, -1), own_keys], dim=-2)
+        values = torch.cat([self.prefix_values.expand(batch, -1, -1, -1), own_values], dim=-2)
+        return keys, values  # [b, H, P + S, D]
+
+    def get_seq_length(self) -> int:
+        return self.prefix_length + super().get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
 
 
 def prefill(handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, micro_batch: int | None,
@@ -135,7 +162,7 @@ def prefill(handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, mi
         if shared < MIN_SHARED_PREFIX or not SharedPrefix.usable(model):
             shared = 0
     calls, states = [], []
-    prefix = SharedPrefix(model, list(seqs[0][:shared]), handle.dtype, device) if shared else None
+    prefix = SharedPrefix(model, list(seqs[0][:shared]), device) if shared else None
     if prefix is not None:
         calls.append(prefix.prefix_call())
     for members in groups:

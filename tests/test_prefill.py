@@ -78,6 +78,20 @@ def test_shared_prefix_is_computed_once(tiny_checkpoint):
         assert sum(seen) == shared + len(seqs) * suffix_width
 
 
+def test_shared_prefix_kv_is_held_once(tiny_checkpoint):
+    """Each sequence keeps only its own tokens' keys and values; the prefix's are one tensor for the whole pass."""
+    with StreamedModel(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32) as handle:
+        shared = MIN_SHARED_PREFIX + 8
+        seqs = sequences(handle.model.config.vocab_size, shared=shared, count=4)
+        _, states = prefill(handle, seqs, 0, keep=1, micro_batch=2, use_cache=True, share_prefix=True)
+        suffix_width = max(len(s) for s in seqs[:2]) - shared
+        first_layers = [state.cache.layers[0] for state in states]
+        assert first_layers[0].keys.shape[0] == 2 and first_layers[0].keys.shape[-2] == suffix_width
+        assert first_layers[0].prefix_keys.shape[0] == 1 and first_layers[0].prefix_keys.shape[-2] == shared
+        assert first_layers[0].prefix_keys.data_ptr() == first_layers[1].prefix_keys.data_ptr()
+        assert states[0].cache.get_seq_length() == shared + suffix_width
+
+
 def test_sliding_window_models_do_not_share_prefixes(tiny_checkpoint):
     with StreamedModel(tiny_checkpoint("gemma3"), device="cpu", dtype=torch.float32) as handle:
         assert not SharedPrefix.usable(handle.model)
