@@ -80,33 +80,40 @@ class LayerLoader:
     def _load(self, index: int, slot: int) -> LayerWeights:
         prefix = self.layer_prefixes[index]
         metas = self.meta_params[index]
-        direct, staged = self._split(index)
+        direct, widened, staged = self._split(index)
         tensors: dict[str, torch.Tensor] = {}
-        for recipe in direct:  # same dtype, CPU: read straight into the parameter's buffer
+        for recipe in direct + widened:  # CPU: read straight into the parameter's buffer
             name = recipe.target[len(prefix):]
             buf = self._buffer(slot, name, metas[name])
             info = recipe.sources[0]
-            read_into(self._fd(info.file), memoryview(buf.view(-1).view(torch.uint8).numpy()), info.offset, info.file)
+            raw = buf.view(-1).view(torch.uint8)[-info.nbytes:]  # the tail, so the widening can run front to back
+            read_into(self._fd(info.file), memoryview(raw.numpy()), info.offset, info.file)
             self._advise_dropped(info.file, info.offset, info.nbytes)
             self.bytes_read += info.nbytes
+            if recipe in widened:
+                widen_in_place(buf, SAFETENSORS_DTYPES[info.dtype])
             tensors[name] = buf
         ready = None
         if staged:
             ready = self._load_staged(staged, prefix, metas, slot, tensors)
         return LayerWeights(index=index, slot=slot, tensors=tensors, ready=ready)
 
-    def _split(self, index: int) -> tuple[list[Recipe], list[Recipe]]:
-        direct, staged = [], []
+    def _split(self, index: int) -> tuple[list[Recipe], list[Recipe], list[Recipe]]:
+        """(read as is, read then widened in place, read into the staging buffer then converted or copied)."""
+        direct, widened, staged = [], [], []
         prefix = self.layer_prefixes[index]
         for recipe in self.layer_recipes[index]:
             meta = self.meta_params[index].get(recipe.target[len(prefix):])
-            same_dtype = meta is not None and SAFETENSORS_DTYPES.get(recipe.sources[0].dtype) == meta.dtype
-            if (recipe.is_plain and same_dtype and self.device.type == "cpu"
-                    and tuple(meta.shape) == recipe.sources[0].shape):
+            source = SAFETENSORS_DTYPES.get(recipe.sources[0].dtype)
+            in_place = (recipe.is_plain and meta is not None and source is not None and self.device.type == "cpu"
+                        and tuple(meta.shape) == recipe.sources[0].shape)
+            if in_place and source == meta.dtype:
                 direct.append(recipe)
+            elif in_place and can_widen(source, meta.dtype):
+                widened.append(recipe)
             else:
                 staged.append(recipe)
-        return direct, staged
+        return direct, widened, staged
 
     def _load_staged(self, recipes: list[Recipe], prefix: str, metas: dict, slot: int,
                      tensors: dict[str, torch.Tensor]):
@@ -161,6 +168,37 @@ class LayerLoader:
         self._fds.clear()
         self._buffers.clear()
         self._staging = None
+
+
+# Below this many elements left, the widening finishes through a small temporary (its steps would only shrink).
+WIDEN_TAIL_ELEMENTS = 1 << 16
+
+
+def can_widen(source: torch.dtype, target: torch.dtype) -> bool:
+    """Floating types only, to a wider one of a whole multiple of the size (bf16/f16 -> f32)."""
+    wider, narrower = target.itemsize, source.itemsize
+    return (source.is_floating_point and target.is_floating_point and wider > narrower and wider % narrower == 0)
+
+
+def widen_in_place(buffer: torch.Tensor, source: torch.dtype) -> None:
+    """Cast the narrower values stored in the last bytes of `buffer` into the whole of it, front to back.
+
+    Saves the separate read buffer a cast needs (a layer at its checkpoint dtype). Writing element j only
+    overwrites source bytes of elements already read, as long as each step's output ends before the first
+    unread source byte; every step is a plain copy between disjoint ranges.
+    """
+    flat = buffer.view(-1)
+    count, wide, narrow = flat.numel(), flat.element_size(), source.itemsize
+    start = count * (wide - narrow)  # byte offset of the source values
+    values = flat.view(torch.uint8)[start:].view(source)
+    done = 0
+    while done < count:
+        end = min(count, (start + narrow * done) // wide)
+        if end - done < WIDEN_TAIL_ELEMENTS:
+            flat[done:].copy_(values[done:].clone())
+            return
+        flat[done:end].copy_(values[done:end])
+        done = end
 
 
 class _null_context:

@@ -15,21 +15,27 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-M_ARENA_MAX = -8  # glibc mallopt parameter
+M_ARENA_MAX = -8  # glibc mallopt parameters
+M_MMAP_THRESHOLD = -3
+# Blocks this large or larger get their own mapping, returned to the kernel when freed.
+MMAP_THRESHOLD_BYTES = 128 * 1024
 
 
 @functools.cache  # once per process: find_library may spawn ldconfig, far too slow for every pass
-def share_one_heap() -> None:
-    """Make micro-batch threads allocate from one malloc heap.
+def keep_heap_flat() -> None:
+    """Make freed activations go back to the kernel, so resident memory follows what is live.
 
-    glibc gives each new thread its own arena and keeps what is freed there, so N micro-batch threads would
-    each keep their own high-water mark of activations, multiplying the pass's memory by N. One arena keeps
-    the retention of a single micro-batch, which is what the plan sizes. No-op where libc is not glibc."""
+    glibc raises its mmap threshold to the largest block freed (up to 32 MB), after which activation-sized blocks
+    come from the heap, and a heap interleaved with a KV cache growing layer by layer cannot shrink: a 32-sequence
+    streamed prefill measured 1.96 GB peak RSS that way, 1.34 GB with the threshold fixed at 128 KiB. Micro-batch
+    threads would also each get an arena keeping its own high-water mark; one arena keeps the retention of a
+    single micro-batch, which is what the plan sizes. No-op where libc is not glibc."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
         if libc is not None and hasattr(libc, "mallopt"):
             libc.mallopt(M_ARENA_MAX, 1)
+            libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
     except OSError:
         pass
 
@@ -95,7 +101,7 @@ def run_threads(group: PassGroup, calls: list[Callable[[], object]], wrap) -> li
             errors.append(exc)
             group.turns.fail(exc)
 
-    share_one_heap()
+    keep_heap_flat()
     threads = [threading.Thread(target=work, args=(m,), name=f"batchrun-micro-{m}") for m in range(len(calls))]
     for thread in threads:
         thread.start()

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from batchrun.checkpoint import load_config, read_tensor_infos
 from batchrun.devices import resolve_dtype
+from batchrun.passes import keep_heap_flat
 from batchrun.stream import StreamedModel, find_decoder_stack, text_config
 from batchrun.tokenizer import load_tokenizer
 
@@ -106,6 +107,7 @@ def _copy_out_of_file_mappings(model: torch.nn.Module) -> None:
 
 def open_model(checkpoint: Path, *, mode: str, device: str, dtype=None, prefetching: bool = True,
                prefetch_depth: int = 1, trust_remote_code: bool = False):
+    keep_heap_flat()  # before the first weight is allocated, so no heap grows under the model
     if mode == "resident":
         return ResidentModel(checkpoint, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     return StreamedModel(checkpoint, device=device, dtype=dtype, prefetching=prefetching,

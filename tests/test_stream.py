@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from batchrun import StreamedModel
 from batchrun.checkpoint import CheckpointError
+from batchrun.loader import widen_in_place
 from tests.tiny_models import TINY_ARCHS, build_sharded_checkpoint
 
 TOLERANCE = 1e-5
@@ -86,6 +87,18 @@ def test_sharded_checkpoint_streams_exactly(tmp_path):
         expected = ref(ids).logits
     with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
         assert (streamed(ids).logits - expected).abs().max().item() <= TOLERANCE
+        layer_bytes = sum(p.numel() * 4 for p in streamed.layers[0].parameters())
+        assert streamed.loader.buffer_bytes() == streamed.slots.count * layer_bytes
+
+
+@pytest.mark.parametrize("count", [1, 5, 1000, 3 * 65536 + 7, 2_000_003])
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float16])
+def test_widening_in_place_equals_a_cast(count, source):
+    values = torch.randn(count, generator=torch.Generator().manual_seed(count)).to(source)
+    buffer = torch.full((count,), float("nan"))
+    buffer.view(torch.uint8)[-count * source.itemsize:].copy_(values.view(torch.uint8))
+    widen_in_place(buffer, source)
+    assert torch.equal(buffer, values.float())
 
 
 def test_building_costs_no_layer_memory_and_resident_parts_are_real(tiny_checkpoint):
@@ -123,7 +136,8 @@ def test_missing_path_is_refused_naming_it(tmp_path):
 
 
 def test_bf16_checkpoint_streams_into_float32(tmp_path, tiny_checkpoint):
-    """Storage dtype differs from compute dtype: the staged read path casts while copying."""
+    """Storage dtype differs from compute dtype: each tensor is read into its float32 buffer and widened there,
+    so the layer slots are the only layer memory (no read buffer at the checkpoint dtype beside them)."""
     ref = reference(tiny_checkpoint("llama")).to(torch.bfloat16)
     path = tmp_path / "bf16"
     ref.save_pretrained(path)
