@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 
+# Below this many shared tokens the saved compute does not pay for the extra micro-batch (executor and plan agree).
+MIN_SHARED_PREFIX = 16
+
+
 @dataclass(frozen=True)
 class RowCost:
     """What one row costs the model. Generation rows: new_tokens > 0, no choices. Choice rows: new_tokens = 0 and
@@ -105,3 +109,22 @@ def lower_bound_passes(rows: Sequence[RowCost], batch_sequences: int) -> int:
         return 0
     needs = [row.passes() for row in rows]
     return max(max(needs), math.ceil(sum(needs) / batch_sequences))
+
+
+def shared_prefix_tokens(prompts: Sequence[Sequence[int]], sharing_allowed: bool = True) -> int:
+    """Tokens every prompt starts with, which a pass computes once for all its sequences (0 below
+    MIN_SHARED_PREFIX, for a single prompt, or when the model's caches cannot share: sliding windows). At least one
+    token of each prompt stays its own, as the executor keeps it."""
+    if not sharing_allowed or len(prompts) < 2:
+        return 0
+    first, shortest = prompts[0], min(len(p) for p in prompts)
+    common = 0
+    while common < shortest and all(p[common] == first[common] for p in prompts):
+        common += 1
+    shared = min(common, shortest - 1)
+    return shared if shared >= MIN_SHARED_PREFIX else 0
+
+
+def without_prefix(row: RowCost, shared: int) -> RowCost:
+    """The part of a row its own sequences compute and keep when `shared` prompt tokens are computed once."""
+    return RowCost(row.prompt_tokens - shared, row.new_tokens, row.choice_tokens) if shared else row

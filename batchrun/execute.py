@@ -20,7 +20,7 @@ from batchrun.oom import killed_by_oom, memory_cgroup_dir, oom_kill_count
 from batchrun.output import default_output_path, write_parquet
 from batchrun.paths import default_db_path
 from batchrun.plan import Candidate
-from batchrun.prepare import JobOptions, PreparedJob, plan_rows, prepare_job, row_costs
+from batchrun.prepare import JobOptions, PreparedJob, plan_rows, prepare_job
 from batchrun.prompts import EncodedRow
 from batchrun.runtime import open_model
 from batchrun.score import Answer, GreedyBatch, eos_token_ids, generation_answer, score_choices
@@ -141,7 +141,7 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
     if rows:
         prefixes = {i: len(partial[i][0]) for i in partial}
         options = _after_previous_run(prepared.options, store.previous_run(job_id), summary.notes)
-        plan = plan_rows(prepared.model, row_costs(rows, prefixes), options, prepared.device)
+        plan = plan_rows(prepared.model, rows, options, prepared.device, prefixes)
         cgroup = memory_cgroup_dir()
         store.record_run_plan(job_id, batch_size=plan.batch_size, planned_peak_bytes=plan.peak_memory_bytes,
                               memory_cgroup=str(cgroup) if cgroup else None,

@@ -11,7 +11,9 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
 
-from batchrun.batching import RowCost, batch_shape, lower_bound_passes, pack_batches, passes_for
+from batchrun.batching import (
+    RowCost, batch_shape, lower_bound_passes, pack_batches, passes_for, without_prefix,
+)
 from batchrun.plan_format import format_bytes, format_duration, format_rate
 from batchrun.plan_time import Timeline, job_timeline, kv_copies_per_decode, pass_bound  # noqa: F401 (re-exported)
 from batchrun.sizes import (  # noqa: F401 (re-exported)
@@ -36,16 +38,18 @@ COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # `batchrun disk` reports, kernel readahead helping buffered reads; the published design's 0.85 would overstate pass
 # times by 20-30%). Without prefetch each layer's compute waits for its read (published: 0.70).
 IO_EFFICIENCY = {True: 1.0, False: 0.70}
+_STORAGE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}
 # Activations of one sequence at prefill, the peak of a batch (checked against RSS in benchmarks/plan_accuracy.py):
 HIDDEN_STATE_COPIES = 4  # residual stream, normed input, attention output, MLP output live together
 MLP_INTERMEDIATE_COPIES = 3  # act(gate), up, and their product live together until down_proj runs
 ATTENTION_SCORE_BYTES = 4  # an unfused attention materialises heads x S x S float32 scores...
 SCORES_MATERIALISED_ON = frozenset({"mps"})  # ...while torch's SDPA computes them in tiles on CUDA and on CPU
 LOGIT_BYTES = 4  # logits are upcast to float32
-# glibc malloc serves blocks under its (self-raising, up to 32 MB) mmap threshold from the heap and keeps them when
-# freed; interleaved with the KV cache that grows layer by layer, freed activations are not returned. Measured on
-# CPU prefills (SmolLM2, 1-16 sequences x 100-1200 tokens): resident growth = KV + live activations x (1 + 0.9..2.3).
-HEAP_RETAINED_ACTIVATION_COPIES = 2
+# glibc malloc keeps some freed activation memory even with passes.keep_heap_flat (blocks under 128 KiB stay in the
+# heap, interleaved with the growing KV cache). Measured: a 32-sequence streamed prefill of a 2.2 GB Llama (micro-
+# batches of 4) peaked at 1.26 GB RSS, 4% under this arithmetic with one retained copy; before the heap was kept flat
+# (SmolLM2, 1-16 sequences x 100-1200 tokens) growth was KV + live activations x (1 + 0.9..2.3).
+HEAP_RETAINED_ACTIVATION_COPIES = 1
 HEAP_RETAINS_ON = frozenset({"cpu"})  # accelerator allocators hold freed blocks for reuse: no growth beyond the peak
 # Micro-batches (passes.py): when a pass's activations do not fit all at once, its sequences enter each layer in
 # turns, so only one micro-batch's activations are live while every sequence's KV cache and hidden state wait.
@@ -118,6 +122,7 @@ class Candidate:
     estimated: bool
     blockers: list[str] = field(default_factory=list)
     caveats: list[str] = field(default_factory=list)
+    shared_prefix_tokens: int = 0  # prompt tokens every row starts with, computed once per batch
 
     @property
     def fits(self) -> bool:
@@ -180,13 +185,17 @@ def resident_weights(sizes: CheckpointSizes, compute_dtype: str) -> _Weights:
     return _Weights(total, f"all weights {format_bytes(total)} at {compute_dtype}")
 
 
-def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool) -> _Weights:
+def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool, device: str = "cpu") -> _Weights:
     compute_bytes = COMPUTE_BYTES[compute_dtype]
     slots = 2 if prefetch else 1  # the layer computing + the next one being read
     non_decoder = sizes.non_decoder_params * compute_bytes
     layer_slots = sizes.largest_layer_params * compute_bytes * slots
-    # Reading bf16 for float32 compute needs a raw buffer to read into before the cast; loads take turns, so one.
-    read_buffers = sizes.largest_layer_bytes if DTYPE_CODES[compute_dtype] != sizes.storage_dtype else 0
+    # On the host a tensor is read straight into its slot, a narrower one widened there (bf16 -> float32); a raw read
+    # buffer (loads take turns, so one) serves a narrowing cast and experts fused at load time. An accelerator's read
+    # buffer is pinned host memory, outside the device budget this plan sizes.
+    narrowing = COMPUTE_BYTES[compute_dtype] < _STORAGE_BYTES.get(sizes.storage_dtype, 0)
+    needs_read_buffer = device.split(":")[0] == "cpu" and (narrowing or bool(sizes.moe))
+    read_buffers = sizes.largest_layer_bytes if needs_read_buffer else 0
     what = (f"non-decoder tensors {format_bytes(non_decoder)} + {slots} layer slot(s) "
             f"{format_bytes(layer_slots)}" + (f" + read buffers {format_bytes(read_buffers)}" if read_buffers else ""))
     return _Weights(non_decoder + layer_slots + read_buffers, what)
@@ -239,11 +248,14 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
               memory_budget_bytes: int, streaming: str, prefetch: bool = True, bandwidth: Bandwidth,
               compute_flops_per_s: float | None, disk_free_bytes: int | None, checkpoint_is_local: bool,
               runtime_overhead_bytes: int, batch_size: int | None = None,
-              context_length: int | None = None, memory_bytes_per_s: float | None = None) -> Candidate:
+              context_length: int | None = None, memory_bytes_per_s: float | None = None,
+              shared_prefix_tokens: int = 0) -> Candidate:
     """How to run `rows` through the model within a memory budget, and how long it will take.
 
     memory_bytes_per_s: how fast a decode-shaped matmul streams weights from RAM (measure.memory_read_rate); without
-    it a pass is timed by its FLOPs alone, which undercounts decode passes several times over on a CPU."""
+    it a pass is timed by its FLOPs alone, which undercounts decode passes several times over on a CPU.
+    shared_prefix_tokens: prompt tokens all rows start with (batching.shared_prefix_tokens). A batch computes them
+    once and keeps their KV once, so its sequences are sized, packed and timed by their own tokens."""
     if compute_dtype not in COMPUTE_BYTES:
         raise ValueError(f"compute_dtype must be one of {sorted(COMPUTE_BYTES)}, got {compute_dtype!r}")
     if batch_size is not None and batch_size < 1:
@@ -268,7 +280,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     resident_sum = (f"{resident.what} + runtime {format_bytes(runtime_overhead_bytes)} + largest row "
                     f"{format_bytes(largest_row_bytes)} = {format_bytes(resident_need)}")
     mode, reason = _choose_mode(policy, resident_need <= budget, resident_sum, budget)
-    weights = resident if mode == "resident" else streamed_weights(sizes, compute_dtype, prefetch)
+    weights = resident if mode == "resident" else streamed_weights(sizes, compute_dtype, prefetch, device)
     fixed_bytes = weights.bytes + runtime_overhead_bytes
     if mode == "resident" and resident_need > budget:
         blockers.append(f"resident run does not fit: {resident_sum}, over the {format_bytes(budget)} budget; "
@@ -281,18 +293,24 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
                         f"tokens) needs {format_bytes(largest_row_bytes)} of KV cache and activations beside "
                         f"{format_bytes(fixed_bytes)} of weights and runtime; budget {format_bytes(budget)}")
 
-    # Batches: the largest that fit beside the weights, packed by the rule the executor uses.
+    # Batches: the largest that fit beside the weights, packed by the rule the executor uses. A shared prefix is
+    # held once per batch (its KV, its activations while it computes); each sequence is sized by its own tokens.
+    shared = shared_prefix_tokens
+    own_rows = [without_prefix(row, shared) for row in rows]
+    prefix_bytes = (kv_bytes_for_sequence(sizes, compute_bytes, shared)
+                    + activation_bytes_for_sequence(sizes, compute_bytes, device, shared, 0)) if shared else 0
     sizing_budget = int(budget * (1 - MEMORY_HEADROOM_SHARE))
-    max_sequences, max_tokens, micro_sequences = batch_limits(sizes, compute_bytes, device, sizing_rows,
-                                                              sizing_budget - fixed_bytes, batch_size)
-    packed = pack_batches([rows[i] for i in planned], max_sequences, max_tokens) if planned else []
+    max_sequences, max_tokens, micro_sequences = batch_limits(
+        sizes, compute_bytes, device, [without_prefix(row, shared) for row in sizing_rows],
+        sizing_budget - fixed_bytes - prefix_bytes, batch_size)
+    packed = pack_batches([own_rows[i] for i in planned], max_sequences, max_tokens) if planned else []
     batches = [[planned[i] for i in batch] for batch in packed]
-    oversize = sum(1 for batch in batches if _padded_tokens(rows, batch) > max_tokens)
+    oversize = sum(1 for batch in batches if _padded_tokens(own_rows, batch) > max_tokens)
     if oversize:
         caveats.append(f"{oversize} row(s) larger than the {max_tokens:,}-token batch budget run in a batch of "
                        "their own")
-    peak_batch_bytes = max((batch_bytes(sizes, compute_bytes, device, rows, b, micro_sequences) for b in batches),
-                           default=largest_row_bytes)
+    peak_batch_bytes = max((_batch_peak_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
+                                              prefix_bytes) for b in batches), default=largest_row_bytes)
     passes = passes_for(rows, batches)
 
     # Time: load what stays resident once, then each pass takes the slower of reading the layers and computing.
@@ -308,7 +326,8 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     if compute_flops_per_s is None:
         caveats.append("compute rate unknown: " + ("pass times count reads only" if mode == "streamed"
                                                    else "no ETA for a resident run"))
-    timeline = job_timeline(sizes, rows, batches, io_seconds, compute_flops_per_s, compute_bytes, memory_bytes_per_s)
+    timeline = job_timeline(sizes, rows, batches, io_seconds, compute_flops_per_s, compute_bytes, memory_bytes_per_s,
+                            shared)
     if mode == "streamed" and timeline.compute_bound_passes:
         caveats.append(f"{timeline.compute_bound_passes} of {passes} passes are compute-bound (long prefills): "
                        "faster reads would not speed those up")
@@ -343,7 +362,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         first_answer_seconds=first_answer,
         answers_per_hour=len(planned) / eta * 3600 if eta and planned else None,
         disk_needed_bytes=disk_needed, disk_free_bytes=disk_free_bytes, estimated=sizes.estimated,
-        blockers=blockers, caveats=caveats,
+        blockers=blockers, caveats=caveats, shared_prefix_tokens=shared,
     )
 
 
@@ -389,6 +408,15 @@ def _scores_materialised(device: str) -> bool:
 
 def _heap_factor(device: str) -> int:
     return 1 + HEAP_RETAINED_ACTIVATION_COPIES if device.split(":")[0] in HEAP_RETAINS_ON else 1
+
+
+def _batch_peak_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
+                      own_rows: Sequence[RowCost], batch: Sequence[int], micro_sequences: int | None,
+                      prefix_bytes: int) -> int:
+    """A batch of several sequences shares the prefix (own tokens + the prefix once); one sequence has it all."""
+    if prefix_bytes and batch_shape(rows, batch)[0] > 1:
+        return batch_bytes(sizes, compute_bytes, device, own_rows, batch, micro_sequences) + prefix_bytes
+    return batch_bytes(sizes, compute_bytes, device, rows, batch, micro_sequences)
 
 
 def _padded_tokens(rows: Sequence[RowCost], batch: Sequence[int]) -> int:

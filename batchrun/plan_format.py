@@ -99,7 +99,9 @@ def _candidate_table(report: Mapping) -> str:
                    f"{format_bytes(report['memory_budget_bytes'])} budget "
                    f"(KV cache {format_bytes(report['kv_bytes_per_token'])} per token)"),
         ("batches", f"{report['batch_count']} of up to {report['batch_size']} sequences / "
-                    f"{report['batch_tokens']:,} tokens"),
+                    f"{report['batch_tokens']:,} tokens" + (
+                        f" (+ a {report['shared_prefix_tokens']:,}-token prompt prefix computed once per batch)"
+                        if report.get("shared_prefix_tokens") else "")),
         ("passes", f"{report['passes']} (lower bound {report['lower_bound_passes']})"),
         ("read bandwidth", f"{format_rate(report['read_bandwidth_bytes_per_s'])} ({report['bandwidth_basis']}: "
                            f"{report['bandwidth_how']})"),

@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from batchrun.batching import RowCost, batch_shape
+from batchrun.batching import RowCost, batch_shape, without_prefix
 from batchrun.sizes import CheckpointSizes, attended_positions, kv_bytes_for_sequence
 
 # A decode pass streams every weight from RAM once, so below a few dozen sequences it runs at the speed of memory,
@@ -17,12 +17,20 @@ KV_COPIES_PER_DECODE = 3
 KV_EXPANSION_COPIES_PER_GROUP = 2
 
 
-def prefill_flops(sizes: CheckpointSizes, sequences: int, prefill_tokens: int, logit_positions: int) -> int:
+def prefill_flops(sizes: CheckpointSizes, sequences: int, prefill_tokens: int, logit_positions: int,
+                  context_before: int = 0) -> int:
+    """FLOPs of computing prefill_tokens per sequence after context_before tokens already cached."""
     tokens = sequences * prefill_tokens
     matmuls = 2 * sizes.decoder_params * tokens  # multiply-add per weight per token
     head = 2 * sizes.vocab_size * sizes.hidden_size * sequences * logit_positions  # logits only where kept
-    attention = 4 * sizes.num_attention_heads * sizes.head_dim * tokens * attended_positions(sizes, prefill_tokens)
+    attention = (4 * sizes.num_attention_heads * sizes.head_dim * tokens
+                 * attended_positions(sizes, context_before + prefill_tokens))
     return matmuls + head + attention
+
+
+def shared_prefix_flops(sizes: CheckpointSizes, shared_prefix: int) -> int:
+    """The prefix a pass computes once for all its sequences: one sequence, no logits kept."""
+    return prefill_flops(sizes, 1, shared_prefix, 0) if shared_prefix else 0
 
 
 def decode_flops(sizes: CheckpointSizes, live_sequences: int, context: int) -> int:
@@ -59,13 +67,16 @@ def pass_compute_seconds(flops: int, memory: tuple[int, int], flops_per_s: float
 
 
 def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost], batch: Sequence[int],
-                       flops_per_s: float | None, memory_bytes_per_s: float | None) -> list[float | None]:
-    """Compute seconds of each pass of a batch, in the order of batch_pass_flops."""
+                       flops_per_s: float | None, memory_bytes_per_s: float | None,
+                       shared_prefix: int = 0) -> list[float | None]:
+    """Compute seconds of each pass of a batch, in the order of batch_pass_flops. With a shared prefix, `rows` are
+    the rows without it (batching.without_prefix); attention still reads the prefix for every sequence."""
     prefill = batch_shape(rows, batch)[2]
     live = _live_sequences(rows, batch)
-    return [pass_compute_seconds(flops, pass_memory_bytes(sizes, compute_bytes, live[step], prefill + step, step > 0),
+    return [pass_compute_seconds(flops, pass_memory_bytes(sizes, compute_bytes, live[step],
+                                                          shared_prefix + prefill + step, step > 0),
                                  flops_per_s, memory_bytes_per_s)
-            for step, flops in enumerate(batch_pass_flops(sizes, rows, batch))]
+            for step, flops in enumerate(batch_pass_flops(sizes, rows, batch, shared_prefix))]
 
 
 def _live_sequences(rows: Sequence[RowCost], batch: Sequence[int]) -> list[int]:
@@ -78,13 +89,14 @@ def _live_sequences(rows: Sequence[RowCost], batch: Sequence[int]) -> list[int]:
     return live
 
 
-def batch_pass_flops(sizes: CheckpointSizes, rows: Sequence[RowCost], batch: Sequence[int]) -> list[int]:
-    """FLOPs of each pass of a batch: pass 1 prefills every prompt; each later pass decodes one token for the
-    sequences still generating (rows drop out as they reach their new-token count)."""
+def batch_pass_flops(sizes: CheckpointSizes, rows: Sequence[RowCost], batch: Sequence[int],
+                     shared_prefix: int = 0) -> list[int]:
+    """FLOPs of each pass of a batch: pass 1 prefills every prompt (a shared prefix once); each later pass decodes
+    one token for the sequences still generating (rows drop out as they reach their new-token count)."""
     sequences, _, prefill, positions = batch_shape(rows, batch)
     live = _live_sequences(rows, batch)
-    return [prefill_flops(sizes, sequences, prefill, positions)] + [
-        decode_flops(sizes, live[step], prefill + step) for step in range(1, len(live))]
+    first = prefill_flops(sizes, sequences, prefill, positions, shared_prefix) + shared_prefix_flops(sizes, shared_prefix)
+    return [first] + [decode_flops(sizes, live[step], shared_prefix + prefill + step) for step in range(1, len(live))]
 
 
 @dataclass(frozen=True)
@@ -101,12 +113,16 @@ class Timeline:
 
 def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Sequence[Sequence[int]],
                  io_seconds: float | None, compute_flops_per_s: float | None, compute_bytes: int = 4,
-                 memory_bytes_per_s: float | None = None) -> Timeline:
-    """Seconds of every pass of the job, in run order, and of every batch."""
+                 memory_bytes_per_s: float | None = None, shared_prefix: int = 0) -> Timeline:
+    """Seconds of every pass of the job, in run order, and of every batch. A batch of several sequences computes
+    `shared_prefix` prompt tokens once (prefill.SharedPrefix); one sequence alone computes its whole prompt."""
+    own_rows = [without_prefix(row, shared_prefix) for row in rows]
     pass_seconds, all_computes, batch_seconds = [], [], []
     compute_bound = 0
     for batch in batches:
-        computes = batch_pass_seconds(sizes, compute_bytes, rows, batch, compute_flops_per_s, memory_bytes_per_s)
+        shared = shared_prefix if batch_shape(rows, batch)[0] > 1 else 0
+        computes = batch_pass_seconds(sizes, compute_bytes, own_rows if shared else rows, batch,
+                                      compute_flops_per_s, memory_bytes_per_s, shared)
         bounds = [pass_bound(io_seconds, c) for c in computes]
         compute_bound += sum(1 for c in computes if c is not None and io_seconds and c > io_seconds)
         all_computes += computes

@@ -19,8 +19,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-# Below this many shared tokens the saved compute does not pay for the extra micro-batch.
-MIN_SHARED_PREFIX = 16
+from batchrun.batching import MIN_SHARED_PREFIX
+
 
 
 @dataclass

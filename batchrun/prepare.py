@@ -13,6 +13,7 @@ from typing import Sequence
 
 from batchrun import measure
 from batchrun.checkpoint import CheckpointError, CheckpointSizes, checkpoint_sizes, read_tensor_infos, resolve_checkpoint
+from batchrun.batching import shared_prefix_tokens
 from batchrun.plan import Bandwidth, Candidate, RowCost, make_plan, parse_streaming
 from batchrun.prompts import EncodedRow, encode_requests
 from batchrun.spec import JobSpec, read_spec
@@ -140,7 +141,13 @@ def bandwidth_for(checkpoint: Path, options: JobOptions) -> Bandwidth:
                      "not measured on this disk yet; `batchrun disk --model ...` measures it")
 
 
-def plan_rows(prepared: PreparedModel, costs: Sequence[RowCost], options: JobOptions, device: str) -> Candidate:
+def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobOptions, device: str,
+              generated: dict[int, int] | None = None) -> Candidate:
+    """Plan `rows` (runnable ones); `generated`: row index -> tokens a previous run already generated."""
+    costs = row_costs(rows, generated)
+    # Sliding-window caches would count the padding between prefix and suffix: such models do not share.
+    shared = shared_prefix_tokens([row.prompt_ids for row in rows],
+                                  sharing_allowed=not any(prepared.sizes.sliding_windows))
     compute_dtype = compute_dtype_for(options, device)
     budget = int(options.memory_gb * 1e9) if options.memory_gb else measure.available_memory_bytes(device)
     return make_plan(
@@ -151,7 +158,7 @@ def plan_rows(prepared: PreparedModel, costs: Sequence[RowCost], options: JobOpt
         memory_bytes_per_s=measure.memory_read_rate(compute_dtype, device),
         disk_free_bytes=measure.disk_free_bytes(prepared.checkpoint), checkpoint_is_local=True,
         runtime_overhead_bytes=measure.runtime_overhead_bytes(), batch_size=options.batch_size,
-        context_length=prepared.context_length)
+        context_length=prepared.context_length, shared_prefix_tokens=shared)
 
 
 def detect_device(options: JobOptions) -> str:
@@ -198,7 +205,7 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
             report["prompt_tokens_max"] = max((len(r.prompt_ids) for r in rows), default=0)
             report["new_tokens_max"] = max((r.request.max_new_tokens for r in rows if not r.is_choice), default=0)
             report["too_long_rows"] = [{"location": r.request.location, "reason": r.error} for r in rows if r.error]
-        candidate = plan_rows(prepared, row_costs(runnable), options, device).to_json()
+        candidate = plan_rows(prepared, runnable, options, device).to_json()
         candidate["model"] = model or "default (SmolLM2-135M-Instruct)"
         report["candidates"].append(candidate)
     return report

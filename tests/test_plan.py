@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchrun.batching import shared_prefix_tokens, without_prefix
 from batchrun.checkpoint import sizes_from_config
+from batchrun.plan_time import batch_pass_flops
 from batchrun.plan import (
     HEAP_RETAINED_ACTIVATION_COPIES, Bandwidth, RowCost, activation_bytes_for_sequence, compare_modes,
     format_duration, kv_bytes_for_sequence, kv_copies_per_decode, lower_bound_passes, make_plan, pack_batches,
@@ -91,14 +93,42 @@ def test_cpu_activations_count_what_the_heap_keeps_of_freed_layers():
     assert cpu - logits == (1 + HEAP_RETAINED_ACTIVATION_COPIES) * (cuda - logits)
 
 
-def test_float32_compute_of_bf16_weights_adds_one_raw_read_buffer():
-    weights = streamed_weights(LLAMA_70B, "float32", prefetch=True)
-    # two float32 layer slots (computing + prefetched), one bf16 buffer the loads take turns reading into
-    expected = (LLAMA_70B.non_decoder_params * 4 + 2 * LLAMA_70B.largest_layer_params * 4
-                + LLAMA_70B.largest_layer_bytes)
-    assert weights.bytes == expected
+def test_layer_memory_is_the_slots_plus_a_read_buffer_only_where_one_is_used():
+    slots = LLAMA_70B.non_decoder_params * 4 + 2 * LLAMA_70B.largest_layer_params * 4
+    # on the host, bf16 tensors are read into their float32 slots and widened there (loader.widen_in_place)
+    assert streamed_weights(LLAMA_70B, "float32", prefetch=True, device="cpu").bytes == slots
+    # an accelerator's pinned read buffer is host memory, outside the device budget
+    assert streamed_weights(LLAMA_70B, "float32", prefetch=True, device="cuda").bytes == slots
+    # a narrowing cast on the host needs a raw buffer to read into
+    fp32_checkpoint = sizes_from_config(json.loads((CONFIGS / "llama-3-70b.json").read_text()), "F32")
+    assert streamed_weights(fp32_checkpoint, "bfloat16", prefetch=True).bytes == (
+        fp32_checkpoint.non_decoder_params * 2 + 2 * fp32_checkpoint.largest_layer_params * 2
+        + fp32_checkpoint.largest_layer_bytes)
     same_dtype = streamed_weights(LLAMA_70B, "bfloat16", prefetch=False)
     assert same_dtype.bytes == LLAMA_70B.non_decoder_params * 2 + LLAMA_70B.largest_layer_params * 2
+
+
+def test_a_shared_prompt_prefix_is_sized_and_timed_once_per_batch():
+    """64 rows = a 600-token instruction + 100 tokens of their own: with the prefix shared, a batch holds more
+    sequences (their own KV only), and the prefill computes 600 + 64 x 100 tokens, not 64 x 700."""
+    rows = [RowCost(700, 8)] * 64
+    kwargs = dict(rows=rows, device="cpu", streaming="always", memory_budget_bytes=24 * GiB)
+    plain = plan(**kwargs)
+    shared = plan(**kwargs, shared_prefix_tokens=600)
+    assert shared.shared_prefix_tokens == 600 and plain.shared_prefix_tokens == 0
+    assert shared.batch_size > plain.batch_size
+    assert shared.passes <= plain.passes
+    first_pass = batch_pass_flops(LLAMA_70B, [without_prefix(r, 600) for r in rows], list(range(64)), 600)[0]
+    assert first_pass < batch_pass_flops(LLAMA_70B, rows, list(range(64)))[0] / 5
+
+
+def test_shared_prefix_tokens_follow_the_executor_rules():
+    head = list(range(100, 140))
+    assert shared_prefix_tokens([head + [1, 2], head + [3]]) == 40
+    assert shared_prefix_tokens([head, head]) == 39  # every prompt keeps one token of its own
+    assert shared_prefix_tokens([head[:10] + [1], head[:10] + [2]]) == 0  # below MIN_SHARED_PREFIX
+    assert shared_prefix_tokens([head + [1]]) == 0  # nothing to share with
+    assert shared_prefix_tokens([head + [1], head + [2]], sharing_allowed=False) == 0  # sliding windows
 
 
 def test_published_70b_calibration_at_4k_context():
