@@ -192,7 +192,8 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     eos = eos_token_ids(model.config, getattr(model.model, "generation_config", None), tokenizer)
     pass_times = summary.pass_seconds
-    micro_batch = prepared.options.micro_batch or getattr(plan, "micro_batch_size", None)
+    micro_batch = prepared.options.micro_batch or plan.micro_batch_size
+    decode_micro_batch = plan.decode_micro_batch_size
     try:
         for batch in batches:
             ids = {r.request.index: r.request.id for r in batch}
@@ -206,7 +207,7 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
                 bar.update(len(answers))
             else:
                 _run_generation(model, batch, tokenizer, eos, pad_id, store, job_id, partial, ids, bar, pass_times,
-                                micro_batch)
+                                (micro_batch, decode_micro_batch))
             _show_rate(bar, pass_times, batch)
     finally:
         bar.close()
@@ -216,9 +217,11 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
 
 
 def _run_generation(model, batch, tokenizer, eos, pad_id, store, job_id, partial, ids, bar, pass_times,
-                    micro_batch) -> None:
+                    micro_batches: tuple[int | None, int | None]) -> None:
     prefixes = {r.request.index: partial[r.request.index] for r in batch if r.request.index in partial}
-    greedy = GreedyBatch(model, batch, tokenizer, eos, pad_id, prefixes=prefixes, micro_batch=micro_batch)
+    prefill_micro, decode_micro = micro_batches
+    greedy = GreedyBatch(model, batch, tokenizer, eos, pad_id, prefixes=prefixes, micro_batch=prefill_micro,
+                         decode_micro_batch=decode_micro)
     if greedy.already_finished:
         store.commit_batch(job_id, [to_row_result(generation_answer(s), ids[s.row.request.index])
                                     for s in greedy.already_finished], passes=0)

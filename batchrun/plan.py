@@ -123,6 +123,7 @@ class Candidate:
     blockers: list[str] = field(default_factory=list)
     caveats: list[str] = field(default_factory=list)
     shared_prefix_tokens: int = 0  # prompt tokens every row starts with, computed once per batch
+    decode_micro_batch_size: int | None = None  # sequences per forward call in decode passes; None: all at once
 
     @property
     def fits(self) -> bool:
@@ -240,6 +241,26 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     return max_sequences, max_tokens, micro_sequences
 
 
+def decode_group_size(sizes: CheckpointSizes, compute_bytes: int, device: str, own_rows: Sequence[RowCost],
+                      planned: Sequence[int], shared: int, micro_sequences: int | None,
+                      max_sequences: int) -> int | None:
+    """Sequences per forward call in a decode pass, within the prefill micro-batch's activation budget.
+
+    A decode forward costs a read of the layer's weights from memory however few sequences it carries, so decode
+    micro-batches are made as large as memory allows. Its transient is one layer's keys and values expanded to every
+    query head (transformers' SDPA path under a padding mask) at the longest context, plus one token's activations
+    and logits."""
+    if micro_sequences is None or not planned:
+        return None
+    rows = [own_rows[i] for i in planned]
+    typical = statistics.median_low(row.prefill_length() for row in rows)
+    budget = micro_sequences * activation_bytes_for_sequence(sizes, compute_bytes, device, typical, 1)
+    longest_context = shared + max(row.sequence_length() for row in rows)
+    per_sequence = (2 * sizes.num_attention_heads * sizes.head_dim * longest_context * compute_bytes
+                    + activation_bytes_for_sequence(sizes, compute_bytes, device, 1, 1))
+    return int(min(max_sequences, max(micro_sequences, budget // per_sequence)))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The plan
 
@@ -326,8 +347,10 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     if compute_flops_per_s is None:
         caveats.append("compute rate unknown: " + ("pass times count reads only" if mode == "streamed"
                                                    else "no ETA for a resident run"))
+    decode_micro = decode_group_size(sizes, compute_bytes, device, own_rows, planned, shared, micro_sequences,
+                                     max_sequences)
     timeline = job_timeline(sizes, rows, batches, io_seconds, compute_flops_per_s, compute_bytes, memory_bytes_per_s,
-                            shared)
+                            shared, (micro_sequences, decode_micro))
     if mode == "streamed" and timeline.compute_bound_passes:
         caveats.append(f"{timeline.compute_bound_passes} of {passes} passes are compute-bound (long prefills): "
                        "faster reads would not speed those up")
@@ -363,6 +386,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         answers_per_hour=len(planned) / eta * 3600 if eta and planned else None,
         disk_needed_bytes=disk_needed, disk_free_bytes=disk_free_bytes, estimated=sizes.estimated,
         blockers=blockers, caveats=caveats, shared_prefix_tokens=shared,
+        decode_micro_batch_size=decode_micro,
     )
 
 

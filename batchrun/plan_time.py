@@ -2,6 +2,7 @@
 timeline of a job. No torch."""
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
@@ -68,15 +69,21 @@ def pass_compute_seconds(flops: int, memory: tuple[int, int], flops_per_s: float
 
 def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost], batch: Sequence[int],
                        flops_per_s: float | None, memory_bytes_per_s: float | None,
-                       shared_prefix: int = 0) -> list[float | None]:
+                       shared_prefix: int = 0, micro_batches: tuple[int | None, int | None] = (None, None),
+                       ) -> list[float | None]:
     """Compute seconds of each pass of a batch, in the order of batch_pass_flops. With a shared prefix, `rows` are
-    the rows without it (batching.without_prefix); attention still reads the prefix for every sequence."""
+    the rows without it (batching.without_prefix); attention still reads the prefix for every sequence.
+    micro_batches: sequences per forward call in the prefill and in decode passes (None: all); every call reads
+    the layer's weights from memory once more."""
     prefill = batch_shape(rows, batch)[2]
     live = _live_sequences(rows, batch)
-    return [pass_compute_seconds(flops, pass_memory_bytes(sizes, compute_bytes, live[step],
-                                                          shared_prefix + prefill + step, step > 0),
-                                 flops_per_s, memory_bytes_per_s)
-            for step, flops in enumerate(batch_pass_flops(sizes, rows, batch, shared_prefix))]
+    seconds = []
+    for step, flops in enumerate(batch_pass_flops(sizes, rows, batch, shared_prefix)):
+        weights, kv = pass_memory_bytes(sizes, compute_bytes, live[step], shared_prefix + prefill + step, step > 0)
+        group = micro_batches[0 if step == 0 else 1]
+        calls = math.ceil(live[step] / group) if group else 1
+        seconds.append(pass_compute_seconds(flops, (weights * calls, kv), flops_per_s, memory_bytes_per_s))
+    return seconds
 
 
 def _live_sequences(rows: Sequence[RowCost], batch: Sequence[int]) -> list[int]:
@@ -113,7 +120,8 @@ class Timeline:
 
 def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Sequence[Sequence[int]],
                  io_seconds: float | None, compute_flops_per_s: float | None, compute_bytes: int = 4,
-                 memory_bytes_per_s: float | None = None, shared_prefix: int = 0) -> Timeline:
+                 memory_bytes_per_s: float | None = None, shared_prefix: int = 0,
+                 micro_batches: tuple[int | None, int | None] = (None, None)) -> Timeline:
     """Seconds of every pass of the job, in run order, and of every batch. A batch of several sequences computes
     `shared_prefix` prompt tokens once (prefill.SharedPrefix); one sequence alone computes its whole prompt."""
     own_rows = [without_prefix(row, shared_prefix) for row in rows]
@@ -122,7 +130,7 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
     for batch in batches:
         shared = shared_prefix if batch_shape(rows, batch)[0] > 1 else 0
         computes = batch_pass_seconds(sizes, compute_bytes, own_rows if shared else rows, batch,
-                                      compute_flops_per_s, memory_bytes_per_s, shared)
+                                      compute_flops_per_s, memory_bytes_per_s, shared, micro_batches)
         bounds = [pass_bound(io_seconds, c) for c in computes]
         compute_bound += sum(1 for c in computes if c is not None and io_seconds and c > io_seconds)
         all_computes += computes

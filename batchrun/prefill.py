@@ -203,6 +203,51 @@ def decode(handle, states: list[MicroState], next_tokens: dict[int, int]) -> dic
     return result
 
 
+def merge_for_decode(states: list[MicroState], group_size: int | None) -> list[MicroState]:
+    """Regroup the prefill's micro-batches into fewer, larger ones for decoding.
+
+    A decode micro-batch feeds one token per sequence: its activations are tiny, but each forward call streams the
+    layer's weights from RAM once, so on a CPU ten micro-batches make a decode pass ten times the memory traffic.
+    Consecutive micro-batches are merged up to `group_size` sequences (None: all): their own keys and values are
+    left-padded to a common length and stacked, their attention masks padded with zeros at the same columns, so the
+    padding is never attended. Caches of other kinds (sliding windows) are left as they are.
+    """
+    if len(states) < 2 or not all(_mergeable(state.cache) for state in states):
+        return states
+    limit = group_size or sum(len(state.members) for state in states)
+    groups: list[list[MicroState]] = []
+    for state in states:
+        if groups and sum(len(s.members) for s in groups[-1]) + len(state.members) <= limit:
+            groups[-1].append(state)
+        else:
+            groups.append([state])
+    return [_merge(group) if len(group) > 1 else group[0] for group in groups]
+
+
+def _mergeable(cache) -> bool:
+    return cache is not None and all(type(layer) in (DynamicLayer, PrefixSharedLayer) and layer.is_initialized
+                                     for layer in cache.layers)
+
+
+def _merge(group: list[MicroState]) -> MicroState:
+    width = max(state.mask.shape[1] for state in group)
+    pads = [width - state.mask.shape[1] for state in group]
+    merged = group[0].cache
+    for index, layer in enumerate(merged.layers):
+        parts = [state.cache.layers[index] for state in group]
+        # [b, H, S, D] each -> [sum b, H, S_max, D], padding on the left like the masks
+        layer.keys = torch.cat([torch.nn.functional.pad(p.keys, (0, 0, pad, 0)) for p, pad in zip(parts, pads)])
+        layer.values = torch.cat([torch.nn.functional.pad(p.values, (0, 0, pad, 0)) for p, pad in zip(parts, pads)])
+        for part in parts[1:]:  # free as we go: one layer's worth of extra memory at a time
+            part.keys = part.values = None
+    # The mask's columns are [shared prefix | own tokens]: the padding goes where the keys got it, before own tokens.
+    shared = getattr(merged.layers[0], "prefix_length", 0)
+    mask = torch.cat([torch.cat([state.mask[:, :shared], state.mask.new_zeros(len(state.members), pad),
+                                 state.mask[:, shared:]], dim=1) for state, pad in zip(group, pads)])
+    positions = torch.cat([state.positions[:, -1:] for state in group])
+    return MicroState([i for state in group for i in state.members], merged, mask, positions)
+
+
 def drop_finished(states: list[MicroState], finished: set[int]) -> list[MicroState]:
     """Finished sequences leave the pass: shrink each micro-batch's cache, mask and positions."""
     kept_states = []

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from batchrun.prefill import decode, drop_finished, prefill
+from batchrun.prefill import decode, drop_finished, merge_for_decode, prefill
 from batchrun.prompts import EncodedRow
 
 
@@ -103,9 +103,11 @@ class GreedyBatch:
 
     def __init__(self, handle, rows: Sequence[EncodedRow], tokenizer, eos_ids: set[int], pad_id: int,
                  prefixes: dict[int, tuple[list[int], float]] | None = None, *, micro_batch: int | None = None,
-                 share_prefix: bool = True):
+                 decode_micro_batch: int | None = None, share_prefix: bool = True):
         self.handle, self.tokenizer, self.eos_ids, self.pad_id = handle, tokenizer, eos_ids, pad_id
         self.micro_batch, self.share_prefix = micro_batch, share_prefix
+        # Decoding regroups the prefill's micro-batches (prefill.merge_for_decode); None: all in one.
+        self.decode_micro_batch = decode_micro_batch
         prefixes = prefixes or {}
         self.live: list[Sequence_] = []
         for row in rows:
@@ -134,6 +136,7 @@ class GreedyBatch:
                                            use_cache=True, share_prefix=self.share_prefix)
             logprobs = {i: lp[-1] for i, lp in enumerate(per_seq)}
             self._index = {i: seq for i, seq in enumerate(self.live)}
+            self.states = merge_for_decode(self.states, self.decode_micro_batch)
         else:
             logprobs = decode(self.handle, self.states, {i: s.generated[-1] for i, s in self._index.items()})
         self.passes += 1

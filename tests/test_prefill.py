@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchrun.prefill import MIN_SHARED_PREFIX, SharedPrefix, decode, prefill
+from batchrun.prefill import MIN_SHARED_PREFIX, SharedPrefix, decode, drop_finished, merge_for_decode, prefill
 from batchrun.runtime import ResidentModel
 from batchrun.stream import StreamedModel
 
@@ -50,6 +50,30 @@ def test_prefill_equals_plain_forward(tiny_checkpoint, arch, kind, micro_batch, 
             assert (stepped[i] - expected).abs().max().item() <= 1e-4
     finally:
         handle.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("group", [None, 3])
+def test_decoding_in_merged_micro_batches_equals_plain_forward(tiny_checkpoint, arch, share, group):
+    """Micro-batches of different padded widths merge for decoding; the padding they gain is never attended."""
+    with StreamedModel(tiny_checkpoint(arch), device="cpu", dtype=torch.float32) as handle:
+        seqs = sequences(handle.model.config.vocab_size, count=5)
+        got, states = prefill(handle, seqs, pad_id=0, keep=1, micro_batch=1, use_cache=True, share_prefix=share)
+        merged = merge_for_decode(states, group)
+        assert len(merged) == (1 if group is None else 2)
+        assert sorted(i for state in merged for i in state.members) == list(range(len(seqs)))
+        tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
+        for step in range(3):
+            if step == 2:  # a finished sequence leaves a merged micro-batch too
+                merged = drop_finished(merged, {0})
+                del tokens[0]
+            stepped = decode(handle, merged, tokens)
+            for i in tokens:
+                seqs[i] = seqs[i] + [tokens[i]]
+                expected = plain_logprobs(handle, seqs[i], 1)[-1]
+                assert (stepped[i] - expected).abs().max().item() <= 1e-4
+            tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}
 
 
 def test_micro_batched_streamed_pass_reads_each_layer_once(tiny_checkpoint):
