@@ -242,23 +242,22 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
 
 
 def decode_group_size(sizes: CheckpointSizes, compute_bytes: int, device: str, own_rows: Sequence[RowCost],
-                      planned: Sequence[int], shared: int, micro_sequences: int | None,
-                      max_sequences: int) -> int | None:
-    """Sequences per forward call in a decode pass, within the prefill micro-batch's activation budget.
+                      planned: Sequence[int], shared: int, micro_sequences: int | None, max_sequences: int,
+                      free_bytes: int) -> int | None:
+    """Sequences per forward call in a decode pass: as many as fit beside the batch's whole KV cache.
 
-    A decode forward costs a read of the layer's weights from memory however few sequences it carries, so decode
-    micro-batches are made as large as memory allows. Its transient is one layer's keys and values expanded to every
-    query head (transformers' SDPA path under a padding mask) at the longest context, plus one token's activations
-    and logits."""
+    A decode forward reads the layer's weights from memory however few sequences it carries, so decode micro-batches
+    are made as large as memory allows. The prefill's activations and held hidden states are gone by then; what a
+    decode call adds is one layer's keys and values expanded to every query head (transformers' SDPA path under a
+    padding mask) at the longest context, plus one token's activations and logits, per sequence."""
     if micro_sequences is None or not planned:
         return None
     rows = [own_rows[i] for i in planned]
-    typical = statistics.median_low(row.prefill_length() for row in rows)
-    budget = micro_sequences * activation_bytes_for_sequence(sizes, compute_bytes, device, typical, 1)
-    longest_context = shared + max(row.sequence_length() for row in rows)
-    per_sequence = (2 * sizes.num_attention_heads * sizes.head_dim * longest_context * compute_bytes
+    longest_own = max(row.sequence_length() for row in rows)
+    kv_cache = max_sequences * kv_bytes_for_sequence(sizes, compute_bytes, longest_own)
+    per_sequence = (2 * sizes.num_attention_heads * sizes.head_dim * (shared + longest_own) * compute_bytes
                     + activation_bytes_for_sequence(sizes, compute_bytes, device, 1, 1))
-    return int(min(max_sequences, max(micro_sequences, budget // per_sequence)))
+    return int(min(max_sequences, max(micro_sequences, (free_bytes - kv_cache) // per_sequence)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -348,7 +347,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         caveats.append("compute rate unknown: " + ("pass times count reads only" if mode == "streamed"
                                                    else "no ETA for a resident run"))
     decode_micro = decode_group_size(sizes, compute_bytes, device, own_rows, planned, shared, micro_sequences,
-                                     max_sequences)
+                                     max_sequences, sizing_budget - fixed_bytes - prefix_bytes)
     timeline = job_timeline(sizes, rows, batches, io_seconds, compute_flops_per_s, compute_bytes, memory_bytes_per_s,
                             shared, (micro_sequences, decode_micro))
     if mode == "streamed" and timeline.compute_bound_passes:
