@@ -207,6 +207,23 @@ def test_batch_chosen_for_a_budget_buys_sequences_with_micro_batches():
     assert candidate.peak_memory_bytes <= budget and candidate.fits
 
 
+def test_decode_passes_regroup_micro_batches_within_the_memory_left_beside_the_kv_cache():
+    """A decode call reads the layer's weights once however few sequences it carries: decode groups are as large
+    as the memory beside the whole KV cache allows, never smaller than the prefill's micro-batch."""
+    budget, overhead = 40 * GiB, 1 * GiB
+    candidate = plan(rows=[RowCost(4000, 96)] * 28, device="cuda", streaming="always",
+                     memory_budget_bytes=budget, runtime_overhead_bytes=overhead)
+    free = int(budget * 0.9) - candidate.weights_bytes - overhead
+    kv_cache = candidate.batch_size * kv_bytes_for_sequence(LLAMA_70B, 2, 4096)
+    expanded_kv = 2 * 64 * 128 * 4096 * 2  # one layer's K and V repeated to all 64 query heads
+    per_sequence = expanded_kv + activation_bytes_for_sequence(LLAMA_70B, 2, "cuda", 1, 1)
+    expected = min(candidate.batch_size, max(candidate.micro_batch_size, (free - kv_cache) // per_sequence))
+    assert candidate.decode_micro_batch_size == expected
+    assert candidate.micro_batch_size < candidate.decode_micro_batch_size <= candidate.batch_size
+    # when every sequence fits in one forward call, so does every decode
+    assert plan(rows=[RowCost(300, 8)] * 4, streaming="always").decode_micro_batch_size is None
+
+
 def test_user_batch_size_caps_the_batch():
     candidate = plan(rows=[RowCost(100, 4)] * 20, streaming="always", batch_size=3)
     assert candidate.batch_size == 3 and max(len(b) for b in candidate.batches) == 3
