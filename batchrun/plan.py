@@ -51,6 +51,10 @@ LOGIT_BYTES = 4  # logits are upcast to float32
 # (SmolLM2, 1-16 sequences x 100-1200 tokens) growth was KV + live activations x (1 + 0.9..2.3).
 HEAP_RETAINED_ACTIVATION_COPIES = 1
 HEAP_RETAINS_ON = frozenset({"cpu"})  # accelerator allocators hold freed blocks for reuse: no growth beyond the peak
+# passes.keep_heap_flat returns every freed activation block to the kernel, so the next one is fresh pages to fault
+# and zero. Measured with and without it: a 2.2 GB Llama prefill (32 sequences, resident) 28.6 -> 35.5 s, SmolLM2
+# streamed decode passes 0.44 -> 0.53 s, a resident choice pass 2.21 -> 2.56 s: about a fifth slower.
+HOST_FRESH_PAGE_SLOWDOWN = 1.2
 # Micro-batches (passes.py): when a pass's activations do not fit all at once, its sequences enter each layer in
 # turns, so only one micro-batch's activations are live while every sequence's KV cache and hidden state wait.
 HELD_HIDDEN_COPIES = 2  # a waiting micro-batch holds its hidden states and the residual they add to
@@ -241,6 +245,15 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     return max_sequences, max_tokens, micro_sequences
 
 
+def effective_rates(device: str, flops_per_s: float | None,
+                    memory_bytes_per_s: float | None) -> tuple[float | None, float | None]:
+    """The measured rates as a pass achieves them: on the host, the flat heap's fresh pages slow every pass."""
+    if device.split(":")[0] != "cpu":
+        return flops_per_s, memory_bytes_per_s
+    slowed = [rate / HOST_FRESH_PAGE_SLOWDOWN if rate else rate for rate in (flops_per_s, memory_bytes_per_s)]
+    return slowed[0], slowed[1]
+
+
 def decode_group_size(sizes: CheckpointSizes, compute_bytes: int, device: str, own_rows: Sequence[RowCost],
                       planned: Sequence[int], shared: int, micro_sequences: int | None, max_sequences: int,
                       free_bytes: int) -> int | None:
@@ -348,7 +361,8 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
                                                    else "no ETA for a resident run"))
     decode_micro = decode_group_size(sizes, compute_bytes, device, own_rows, planned, shared, micro_sequences,
                                      max_sequences, sizing_budget - fixed_bytes - prefix_bytes)
-    timeline = job_timeline(sizes, rows, batches, io_seconds, compute_flops_per_s, compute_bytes, memory_bytes_per_s,
+    flops_rate, memory_rate = effective_rates(device, compute_flops_per_s, memory_bytes_per_s)
+    timeline = job_timeline(sizes, rows, batches, io_seconds, flops_rate, compute_bytes, memory_rate,
                             shared, (micro_sequences, decode_micro))
     if mode == "streamed" and timeline.compute_bound_passes:
         caveats.append(f"{timeline.compute_bound_passes} of {passes} passes are compute-bound (long prefills): "
@@ -375,7 +389,8 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         kv_bytes_per_token=kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers,
         compute_dtype=compute_dtype, memory_budget_bytes=budget, weights_bytes=weights.bytes,
         runtime_overhead_bytes=runtime_overhead_bytes, peak_memory_bytes=fixed_bytes + peak_batch_bytes,
-        batch_size=max_sequences, micro_batch_size=micro_sequences, batch_tokens=max_tokens, batches=batches, rows=len(rows), passes=passes,
+        batch_size=max_sequences, micro_batch_size=micro_sequences, batch_tokens=max_tokens, batches=batches,
+        rows=len(rows), passes=passes,
         lower_bound_passes=lower_bound_passes([rows[i] for i in planned], max_sequences),
         read_bandwidth_bytes_per_s=bytes_per_s, bandwidth_basis=bandwidth.basis, bandwidth_how=bandwidth.how,
         load_seconds=load_seconds, seconds_per_pass=_median(timeline.pass_seconds), io_seconds_per_pass=io_seconds,

@@ -102,7 +102,8 @@ def batch_pass_flops(sizes: CheckpointSizes, rows: Sequence[RowCost], batch: Seq
     one token for the sequences still generating (rows drop out as they reach their new-token count)."""
     sequences, _, prefill, positions = batch_shape(rows, batch)
     live = _live_sequences(rows, batch)
-    first = prefill_flops(sizes, sequences, prefill, positions, shared_prefix) + shared_prefix_flops(sizes, shared_prefix)
+    first = (prefill_flops(sizes, sequences, prefill, positions, shared_prefix)
+             + shared_prefix_flops(sizes, shared_prefix))
     return [first] + [decode_flops(sizes, live[step], shared_prefix + prefill + step) for step in range(1, len(live))]
 
 

@@ -149,15 +149,19 @@ def _plan_in_process(spec: Path, arguments: list[str]) -> dict:
 
 def predicted_pass_kinds(spec: Path, arguments: list[str]) -> tuple[float | None, float | None]:
     """Median predicted seconds of the first pass of each batch (prefill) and of the later ones (decode)."""
-    from batchrun.plan import COMPUTE_BYTES, job_timeline
+    from batchrun.plan import COMPUTE_BYTES, effective_rates, job_timeline
     from batchrun.prepare import plan_rows, prepare_job, row_costs
 
     options = _options_from_arguments(arguments)
     prepared = prepare_job(spec, options)
-    costs = row_costs([r for r in prepared.rows if not r.error])
-    candidate = plan_rows(prepared.model, costs, options, prepared.device)
+    runnable = [r for r in prepared.rows if not r.error]
+    costs = row_costs(runnable)
+    candidate = plan_rows(prepared.model, runnable, options, prepared.device)
+    flops_rate, memory_rate = effective_rates(prepared.device, _rate(prepared), candidate.memory_bytes_per_s)
     timeline = job_timeline(prepared.model.sizes, costs, candidate.batches, candidate.io_seconds_per_pass,
-                            _rate(prepared), COMPUTE_BYTES[prepared.compute_dtype], candidate.memory_bytes_per_s)
+                            flops_rate, COMPUTE_BYTES[prepared.compute_dtype], memory_rate,
+                            candidate.shared_prefix_tokens,
+                            (candidate.micro_batch_size, candidate.decode_micro_batch_size))
     prefill, decode, position = [], [], 0
     for batch in candidate.batches:
         passes = max(costs[i].passes() for i in batch)
