@@ -22,7 +22,6 @@ from transformers.cache_utils import DynamicLayer
 from batchrun.batching import MIN_SHARED_PREFIX
 
 
-
 @dataclass
 class MicroState:
     """One micro-batch between passes: its KV cache, attention mask and positions [b, ...]."""

@@ -13,8 +13,8 @@ from batchrun.batching import shared_prefix_tokens, without_prefix
 from batchrun.checkpoint import sizes_from_config
 from batchrun.plan_time import batch_pass_flops
 from batchrun.plan import (
-    HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, Bandwidth, RowCost, activation_bytes_for_sequence, compare_modes,
-    format_duration, kv_bytes_for_sequence, kv_copies_per_decode, lower_bound_passes, make_plan, pack_batches,
+    HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, Bandwidth, RowCost, activation_bytes_for_sequence,
+    compare_modes, format_duration, kv_bytes_for_sequence, kv_copies_per_decode, lower_bound_passes, make_plan, pack_batches,
     parse_streaming, passes_for, streamed_weights,
 )
 from batchrun.plan_format import format_bytes, format_comparison, format_plan_table
