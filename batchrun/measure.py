@@ -144,18 +144,23 @@ def measure_compute_rate(dtype: str, device: str = "cpu") -> float:
     torch_dtype = getattr(torch, dtype)
     left = torch.randn(rows, inner, dtype=torch_dtype, device=device)
     right = torch.randn(inner, cols, dtype=torch_dtype, device=device)
-    wait = _synchronizer(torch, device)
-    left @ right  # the first call pays for kernel selection and thread start-up
+    rate = 2 * rows * inner * cols / _median_seconds(lambda: left @ right, _synchronizer(torch, device))
+    _store("compute", _compute_key(dtype, device, torch.get_num_threads()), {"flops_per_s": rate})
+    return rate
+
+
+def _median_seconds(work, wait) -> float:
+    """Median wall time of `work` over COMPUTE_REPEATS runs, after one untimed run (first touch, kernel selection,
+    thread start-up); `wait` makes an accelerator finish before the clock stops."""
+    work()
     wait()
     seconds = []
     for _ in range(COMPUTE_REPEATS):
         start = time.perf_counter()
-        left @ right
+        work()
         wait()
         seconds.append(time.perf_counter() - start)
-    rate = 2 * rows * inner * cols / max(statistics.median(seconds), 1e-9)
-    _store("compute", _compute_key(dtype, device, torch.get_num_threads()), {"flops_per_s": rate})
-    return rate
+    return max(statistics.median(seconds), 1e-9)
 
 
 def _synchronizer(torch, device: str):
@@ -185,19 +190,13 @@ def measure_memory_read_rate(dtype: str, device: str = "cpu") -> float:
     torch_dtype = getattr(torch, dtype)
     tokens = torch.ones(rows, inner, dtype=torch_dtype, device=device)
     weights = [torch.full((inner, cols), 0.01, dtype=torch_dtype, device=device) for _ in range(DECODE_MATRICES)]
-    wait = _synchronizer(torch, device)
-    for weight in weights:  # first touch and kernel selection
-        tokens @ weight
-    wait()
-    seconds = []
-    for _ in range(COMPUTE_REPEATS):
-        start = time.perf_counter()
+
+    def decode_step():
         for weight in weights:
             tokens @ weight
-        wait()
-        seconds.append(time.perf_counter() - start)
+
     streamed = sum(weight.numel() * weight.element_size() for weight in weights)
-    rate = streamed / max(statistics.median(seconds), 1e-9)
+    rate = streamed / _median_seconds(decode_step, _synchronizer(torch, device))
     _store("memory", _compute_key(dtype, device, torch.get_num_threads()), {"bytes_per_s": rate})
     return rate
 

@@ -101,7 +101,6 @@ def run_threads(group: PassGroup, calls: list[Callable[[], object]], wrap) -> li
             errors.append(exc)
             group.turns.fail(exc)
 
-    keep_heap_flat()
     threads = [threading.Thread(target=work, args=(m,), name=f"batchrun-micro-{m}") for m in range(len(calls))]
     for thread in threads:
         thread.start()

@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 from batchrun.batching import (
     RowCost, batch_shape, lower_bound_passes, pack_batches, passes_for, without_prefix,
 )
+from batchrun.checkpoint_files import DTYPE_BITS
 from batchrun.plan_format import format_bytes, format_duration, format_rate
 from batchrun.plan_time import Timeline, job_timeline, kv_copies_per_decode, pass_bound  # noqa: F401 (re-exported)
 from batchrun.sizes import (  # noqa: F401 (re-exported)
@@ -38,7 +39,6 @@ COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # `batchrun disk` reports, kernel readahead helping buffered reads; the published design's 0.85 would overstate pass
 # times by 20-30%). Without prefetch each layer's compute waits for its read (published: 0.70).
 IO_EFFICIENCY = {True: 1.0, False: 0.70}
-_STORAGE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}
 # Activations of one sequence at prefill, the peak of a batch (checked against RSS in benchmarks/plan_accuracy.py):
 HIDDEN_STATE_COPIES = 4  # residual stream, normed input, attention output, MLP output live together
 MLP_INTERMEDIATE_COPIES = 3  # act(gate), up, and their product live together until down_proj runs
@@ -198,7 +198,7 @@ def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool,
     # On the host a tensor is read straight into its slot, a narrower one widened there (bf16 -> float32); a raw read
     # buffer (loads take turns, so one) serves a narrowing cast and experts fused at load time. An accelerator's read
     # buffer is pinned host memory, outside the device budget this plan sizes.
-    narrowing = COMPUTE_BYTES[compute_dtype] < _STORAGE_BYTES.get(sizes.storage_dtype, 0)
+    narrowing = COMPUTE_BYTES[compute_dtype] * 8 < DTYPE_BITS.get(sizes.storage_dtype, 0)
     needs_read_buffer = device.split(":")[0] == "cpu" and (narrowing or bool(sizes.moe))
     read_buffers = sizes.largest_layer_bytes if needs_read_buffer else 0
     what = (f"non-decoder tensors {format_bytes(non_decoder)} + {slots} layer slot(s) "

@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from batchrun.batching import MIN_SHARED_PREFIX
+from batchrun.batching import shared_prefix_tokens
 
 
 @dataclass
@@ -66,16 +66,6 @@ def forward(model, ids, mask, positions, *, keep: int, cache=None, use_cache: bo
 def micro_slices(count: int, size: int | None) -> list[list[int]]:
     size = max(1, size or count)
     return [list(range(start, min(start + size, count))) for start in range(0, count, size)]
-
-
-def common_prefix_length(seqs: Sequence[Sequence[int]]) -> int:
-    first = seqs[0]
-    length = min(len(s) for s in seqs)
-    for position in range(length):
-        token = first[position]
-        if any(s[position] != token for s in seqs):
-            return position
-    return length
 
 
 class SharedPrefix:
@@ -155,11 +145,8 @@ def prefill(handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, mi
     """
     model, device = handle.model, handle.device
     groups = micro_slices(len(seqs), micro_batch)
-    shared = 0
-    if share_prefix and len(seqs) > 1:
-        shared = min(common_prefix_length(seqs), min(len(s) for s in seqs) - keep)
-        if shared < MIN_SHARED_PREFIX or not SharedPrefix.usable(model):
-            shared = 0
+    sharing = share_prefix and len(seqs) > 1 and SharedPrefix.usable(model)
+    shared = shared_prefix_tokens(seqs, sharing, own_tokens=keep)
     calls, states = [], []
     prefix = SharedPrefix(model, list(seqs[0][:shared]), device) if shared else None
     if prefix is not None:

@@ -22,6 +22,7 @@ class ResidentModel:
         self.checkpoint = Path(checkpoint)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        keep_heap_flat()  # before the first weight is allocated, so no heap grows under the model
         _read_sequentially({info.file for info in infos.values()})
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=self.dtype,
                                                           trust_remote_code=trust_remote_code).to(self.device)
@@ -107,7 +108,6 @@ def _copy_out_of_file_mappings(model: torch.nn.Module) -> None:
 
 def open_model(checkpoint: Path, *, mode: str, device: str, dtype=None, prefetching: bool = True,
                prefetch_depth: int = 1, trust_remote_code: bool = False):
-    keep_heap_flat()  # before the first weight is allocated, so no heap grows under the model
     if mode == "resident":
         return ResidentModel(checkpoint, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     return StreamedModel(checkpoint, device=device, dtype=dtype, prefetching=prefetching,

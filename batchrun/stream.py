@@ -21,7 +21,7 @@ from batchrun import faults
 from batchrun.checkpoint import CheckpointError, load_config, read_tensor_infos, resolve_checkpoint
 from batchrun.devices import default_device, resolve_dtype
 from batchrun.loader import LayerLoader, LayerWeights
-from batchrun.passes import LayerTurns, PassGroup, run_threads
+from batchrun.passes import LayerTurns, PassGroup, keep_heap_flat, run_threads
 from batchrun.tokenizer import load_tokenizer
 from batchrun.weights import Recipe, build_recipes, read_into, realize, tensor_from_bytes
 
@@ -76,6 +76,7 @@ class StreamedModel:
         load_config(self.checkpoint, trust_remote_code=trust_remote_code)  # refuses remote code unless asked
         self.device = torch.device(device or default_device())
         self.dtype = resolve_dtype(dtype, self.device)
+        keep_heap_flat()  # before the first weight is allocated, so no heap grows under the model
         self.config = AutoConfig.from_pretrained(self.checkpoint, trust_remote_code=trust_remote_code)
         self.num_layers = text_config(self.config).num_hidden_layers
         self.max_seq_len = max_seq_len or getattr(text_config(self.config), "max_position_embeddings", None)

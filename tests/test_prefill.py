@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchrun.prefill import MIN_SHARED_PREFIX, SharedPrefix, decode, drop_finished, merge_for_decode, prefill
+from batchrun.batching import MIN_SHARED_PREFIX
+from batchrun.prefill import SharedPrefix, decode, drop_finished, merge_for_decode, prefill
 from batchrun.runtime import ResidentModel
 from batchrun.stream import StreamedModel
 
@@ -94,7 +95,8 @@ def test_shared_prefix_is_computed_once(tiny_checkpoint):
     with StreamedModel(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32) as handle:
         seqs = sequences(handle.model.config.vocab_size, shared=MIN_SHARED_PREFIX + 8, count=4)
         seen = []
-        hook = handle.layers[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0] * args[0].shape[1]))
+        hook = handle.layers[0].register_forward_pre_hook(
+            lambda m, args: seen.append(args[0].shape[0] * args[0].shape[1]))
         prefill(handle, seqs, 0, keep=1, micro_batch=None, use_cache=True, share_prefix=True)
         hook.remove()
         shared = MIN_SHARED_PREFIX + 8
