@@ -16,7 +16,8 @@ from batchrun.batching import (
 )
 from batchrun.checkpoint_files import DTYPE_BITS
 from batchrun.plan_format import format_bytes, format_duration, format_rate
-from batchrun.plan_time import Timeline, job_timeline, kv_copies_per_decode, pass_bound  # noqa: F401 (re-exported)
+from batchrun.plan_time import (  # noqa: F401 (re-exported)
+    Timeline, host_streaming_bytes, job_timeline, kv_copies_per_decode, pass_bound)
 from batchrun.sizes import (  # noqa: F401 (re-exported)
     DTYPE_CODES, CheckpointSizes, attended_positions, kv_bytes_for_sequence, kv_bytes_per_token_per_layer,
 )
@@ -34,10 +35,10 @@ STREAMING_WORDS = {
     "no": "never", "off": "never", "false": "never", "0": "never",
 }
 COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Share of the measured cold read bandwidth a streamed pass achieves. With a prefetch thread the disk never idles
-# during an I/O-bound pass, so nothing is lost (measured here: decode passes read at 1.1-1.25x the O_DIRECT figure
-# `batchrun disk` reports, kernel readahead helping buffered reads; the published design's 0.85 would overstate pass
-# times by 20-30%). Without prefetch each layer's compute waits for its read (published: 0.70).
+# Share of the measured cold read bandwidth a streamed pass achieves. `batchrun disk` measures reads made the way the
+# streamer makes them, and with a prefetch thread the disk never idles during an I/O-bound pass, so nothing is lost
+# (the published design's 0.85 would overstate pass times). Without prefetch each layer's compute waits for its read
+# (published: 0.70).
 IO_EFFICIENCY = {True: 1.0, False: 0.70}
 # Activations of one sequence at prefill, the peak of a batch (checked against RSS in benchmarks/plan_accuracy.py):
 HIDDEN_STATE_COPIES = 4  # residual stream, normed input, attention output, MLP output live together
@@ -254,6 +255,14 @@ def effective_rates(device: str, flops_per_s: float | None,
     return slowed[0], slowed[1]
 
 
+def streaming_traffic(sizes: CheckpointSizes, compute_bytes: int, device: str, mode: str) -> int:
+    """The host's RAM traffic of streaming the layers once per pass (plan_time.host_streaming_bytes), which a host
+    pass's compute shares; an accelerator computes beside it."""
+    if mode != "streamed" or device.split(":")[0] != "cpu":
+        return 0
+    return host_streaming_bytes(sizes, compute_bytes)
+
+
 def decode_group_size(sizes: CheckpointSizes, compute_bytes: int, device: str, own_rows: Sequence[RowCost],
                       planned: Sequence[int], shared: int, micro_sequences: int | None, max_sequences: int,
                       free_bytes: int) -> int | None:
@@ -363,7 +372,8 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
                                      max_sequences, sizing_budget - fixed_bytes - prefix_bytes)
     flops_rate, memory_rate = effective_rates(device, compute_flops_per_s, memory_bytes_per_s)
     timeline = job_timeline(sizes, rows, batches, io_seconds, flops_rate, compute_bytes, memory_rate,
-                            shared, (micro_sequences, decode_micro))
+                            shared, (micro_sequences, decode_micro), streaming_traffic(sizes, compute_bytes, device,
+                                                                                     mode))
     if mode == "streamed" and timeline.compute_bound_passes:
         caveats.append(f"{timeline.compute_bound_passes} of {passes} passes are compute-bound (long prefills): "
                        "faster reads would not speed those up")

@@ -16,6 +16,12 @@ KV_COPIES_PER_DECODE = 3
 # ...and with grouped-query attention under a padding mask, transformers' SDPA path first expands K and V to every
 # query head (repeat_kv: read once more, write group times) and attention reads that expanded copy (group times).
 KV_EXPANSION_COPIES_PER_GROUP = 2
+# A host streaming a layer moves it through RAM besides the disk read: the kernel copies it out of the page cache
+# (read + write), and a checkpoint narrower than the compute dtype is widened in its slot (read + a wider write).
+# That traffic shares the memory bus with the pass's own compute. Measured on the 3 GB bf16 Llama streamed in float32
+# (2 cores, 32 sequences decoding): widening 1.1 s and copying 0.7 s of reader time per pass, decode passes 3.0 s
+# where reads took 1.6 s and the matmuls alone would take 1.9 s.
+PAGE_CACHE_COPY_TRAFFIC = 2
 
 
 def prefill_flops(sizes: CheckpointSizes, sequences: int, prefill_tokens: int, logit_positions: int,
@@ -55,6 +61,13 @@ def pass_memory_bytes(sizes: CheckpointSizes, compute_bytes: int, sequences: int
     return weights, kv * (kv_copies_per_decode(sizes) if decode else 1)
 
 
+def host_streaming_bytes(sizes: CheckpointSizes, compute_bytes: int) -> int:
+    """Bytes a host moves through RAM to stream the decoder layers once, beyond the disk read and the matmuls."""
+    copied = sizes.decoder_bytes * PAGE_CACHE_COPY_TRAFFIC
+    widened = sizes.decoder_params * compute_bytes
+    return copied + (sizes.decoder_bytes + widened if widened > sizes.decoder_bytes else 0)
+
+
 def pass_compute_seconds(flops: int, memory: tuple[int, int], flops_per_s: float | None,
                          memory_bytes_per_s: float | None) -> float | None:
     """Roofline of one pass: matmuls take the longer of their FLOPs and streaming their weights from RAM; KV cache
@@ -70,11 +83,12 @@ def pass_compute_seconds(flops: int, memory: tuple[int, int], flops_per_s: float
 def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost], batch: Sequence[int],
                        flops_per_s: float | None, memory_bytes_per_s: float | None,
                        shared_prefix: int = 0, micro_batches: tuple[int | None, int | None] = (None, None),
-                       ) -> list[float | None]:
+                       streaming_bytes: int = 0) -> list[float | None]:
     """Compute seconds of each pass of a batch, in the order of batch_pass_flops. With a shared prefix, `rows` are
     the rows without it (batching.without_prefix); attention still reads the prefix for every sequence.
     micro_batches: sequences per forward call in the prefill and in decode passes (None: all); every call reads
-    the layer's weights from memory once more."""
+    the layer's weights from memory once more. streaming_bytes: the host's own traffic of streaming the layers
+    (host_streaming_bytes), 0 when resident or when an accelerator computes."""
     prefill = batch_shape(rows, batch)[2]
     live = _live_sequences(rows, batch)
     seconds = []
@@ -82,7 +96,8 @@ def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequenc
         weights, kv = pass_memory_bytes(sizes, compute_bytes, live[step], shared_prefix + prefill + step, step > 0)
         group = micro_batches[0 if step == 0 else 1]
         calls = math.ceil(live[step] / group) if group else 1
-        seconds.append(pass_compute_seconds(flops, (weights * calls, kv), flops_per_s, memory_bytes_per_s))
+        seconds.append(pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s,
+                                            memory_bytes_per_s))
     return seconds
 
 
@@ -122,7 +137,7 @@ class Timeline:
 def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Sequence[Sequence[int]],
                  io_seconds: float | None, compute_flops_per_s: float | None, compute_bytes: int = 4,
                  memory_bytes_per_s: float | None = None, shared_prefix: int = 0,
-                 micro_batches: tuple[int | None, int | None] = (None, None)) -> Timeline:
+                 micro_batches: tuple[int | None, int | None] = (None, None), streaming_bytes: int = 0) -> Timeline:
     """Seconds of every pass of the job, in run order, and of every batch. A batch of several sequences computes
     `shared_prefix` prompt tokens once (prefill.SharedPrefix); one sequence alone computes its whole prompt."""
     own_rows = [without_prefix(row, shared_prefix) for row in rows]
@@ -131,7 +146,8 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
     for batch in batches:
         shared = shared_prefix if batch_shape(rows, batch)[0] > 1 else 0
         computes = batch_pass_seconds(sizes, compute_bytes, own_rows if shared else rows, batch,
-                                      compute_flops_per_s, memory_bytes_per_s, shared, micro_batches)
+                                      compute_flops_per_s, memory_bytes_per_s, shared, micro_batches,
+                                      streaming_bytes)
         bounds = [pass_bound(io_seconds, c) for c in computes]
         compute_bound += sum(1 for c in computes if c is not None and io_seconds and c > io_seconds)
         all_computes += computes

@@ -6,7 +6,7 @@ Benchmarks are scripts run by hand on a quiet machine, not tests. Typical use:
     from benchmarks import harness
 
     checkpoint = harness.large_checkpoint()                    # built once, cached
-    bandwidth = harness.cold_read_bandwidth(checkpoint)        # bytes/s, O_DIRECT
+    bandwidth = harness.cold_read_bandwidth(checkpoint)        # bytes/s, cold
     with harness.exclusive_machine():                          # no other benchmark runs meanwhile
         harness.drop_page_cache()
         run = harness.run_measured([sys.executable, "-m", "batchrun", ...], memory_cap_bytes=800 << 20)
@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -114,12 +115,14 @@ def drop_page_cache() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("1\n")
 
 
-def cold_read_bandwidth(checkpoint: Path, max_bytes: int = 1 << 30) -> float:
-    """Cold sequential read rate (bytes/s) of the checkpoint's largest shard, O_DIRECT; the figure `batchrun disk`
-    measures and caches. Pass it to `batchrun plan --bandwidth` (in GB/s) so predictions use it."""
+def cold_read_bandwidth(checkpoint: Path, max_bytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Cold sequential read rate (bytes/s) of the checkpoint's shards, median of `repeats` (this machine's disk
+    swings by +-30% from one read to the next); the figure `batchrun disk` measures and caches. Pass it to
+    `batchrun plan --bandwidth` (in GB/s) so predictions use it."""
     from batchrun.measure import measure_read_bandwidth
 
-    return measure_read_bandwidth(Path(checkpoint), max_bytes=max_bytes).bytes_per_s
+    return statistics.median(measure_read_bandwidth(Path(checkpoint), max_bytes=max_bytes).bytes_per_s
+                             for _ in range(repeats))
 
 
 def compute_rate(dtype: str = "float32") -> float:

@@ -149,7 +149,7 @@ def _plan_in_process(spec: Path, arguments: list[str]) -> dict:
 
 def predicted_pass_kinds(spec: Path, arguments: list[str]) -> tuple[float | None, float | None]:
     """Median predicted seconds of the first pass of each batch (prefill) and of the later ones (decode)."""
-    from batchrun.plan import COMPUTE_BYTES, effective_rates, job_timeline
+    from batchrun.plan import COMPUTE_BYTES, effective_rates, job_timeline, streaming_traffic
     from batchrun.prepare import plan_rows, prepare_job, row_costs
 
     options = _options_from_arguments(arguments)
@@ -161,7 +161,9 @@ def predicted_pass_kinds(spec: Path, arguments: list[str]) -> tuple[float | None
     timeline = job_timeline(prepared.model.sizes, costs, candidate.batches, candidate.io_seconds_per_pass,
                             flops_rate, COMPUTE_BYTES[prepared.compute_dtype], memory_rate,
                             candidate.shared_prefix_tokens,
-                            (candidate.micro_batch_size, candidate.decode_micro_batch_size))
+                            (candidate.micro_batch_size, candidate.decode_micro_batch_size),
+                            streaming_traffic(prepared.model.sizes, COMPUTE_BYTES[prepared.compute_dtype],
+                                              prepared.device, candidate.mode))
     prefill, decode, position = [], [], 0
     for batch in candidate.batches:
         passes = max(costs[i].passes() for i in batch)

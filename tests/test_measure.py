@@ -31,26 +31,28 @@ def write_file(path, size: int):
     return path
 
 
-def test_bandwidth_of_a_checkpoint_is_measured_on_its_largest_shard_and_cached_per_filesystem(tmp_path):
+def test_bandwidth_of_a_checkpoint_is_measured_across_its_shards_and_cached_per_filesystem(tmp_path):
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
-    write_file(checkpoint / "model-00001-of-00002.safetensors", measure.MIN_CACHED_SAMPLE_BYTES)
-    write_file(checkpoint / "model-00002-of-00002.safetensors", 1 << 20)
+    write_file(checkpoint / "model-00001-of-00002.safetensors", measure.MIN_CACHED_SAMPLE_BYTES // 2)
+    write_file(checkpoint / "model-00002-of-00002.safetensors", measure.MIN_CACHED_SAMPLE_BYTES // 2)
     assert measure.cached_bandwidth(checkpoint) is None
     result = measure.measure_read_bandwidth(checkpoint)
     assert result.basis == "measured" and result.bytes_per_s > 0
-    assert "model-00001-of-00002.safetensors" in result.how and "64.0 MiB" in result.how
-    assert result.how.startswith(("O_DIRECT", "sequential reads after posix_fadvise"))
+    assert "64.0 MiB" in result.how and f"2 files from {checkpoint}" in result.how
+    assert result.how.startswith("sequential reads after posix_fadvise(DONTNEED)")
     entry = cached_measurements()["bandwidth"][str(os.stat(checkpoint).st_dev)]
     assert entry["bytes_per_s"] == result.bytes_per_s and entry["bytes_read"] == measure.MIN_CACHED_SAMPLE_BYTES
     cached = measure.cached_bandwidth(checkpoint / "model-00002-of-00002.safetensors")  # same filesystem
     assert cached.bytes_per_s == result.bytes_per_s and cached.basis == "measured"
 
 
-def test_read_stops_at_max_bytes(tmp_path):
+def test_read_stops_at_max_bytes_even_inside_a_chunk(tmp_path):
     file = write_file(tmp_path / "big.safetensors", 4 * measure.READ_CHUNK_BYTES)
     result = measure.measure_read_bandwidth(file, max_bytes=2 * measure.READ_CHUNK_BYTES)
     assert "32.0 MiB" in result.how
+    result = measure.measure_read_bandwidth(file, max_bytes=measure.READ_CHUNK_BYTES + (1 << 20))
+    assert "17.0 MiB" in result.how
 
 
 def test_a_small_sample_is_reported_but_not_cached_for_the_filesystem(tmp_path):
@@ -59,13 +61,29 @@ def test_a_small_sample_is_reported_but_not_cached_for_the_filesystem(tmp_path):
     assert measure.cached_bandwidth(tmp_path) is None
 
 
-def test_without_o_direct_the_page_cache_is_dropped_first(tmp_path, monkeypatch):
-    def refuse(*args):
-        raise OSError(22, "Invalid argument")  # what tmpfs answers to O_DIRECT
-
-    monkeypatch.setattr(measure, "_timed_direct_read", refuse)
-    result = measure.measure_read_bandwidth(write_file(tmp_path / "x.bin", 2 << 20))
-    assert result.how.startswith("sequential reads after posix_fadvise(DONTNEED)") and result.bytes_per_s > 0
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise is Linux/BSD only")
+def test_every_file_is_dropped_from_the_page_cache_before_the_clock_starts_and_each_chunk_after(tmp_path,
+                                                                                                 monkeypatch):
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    write_file(checkpoint / "a.safetensors", 2 * measure.READ_CHUNK_BYTES)
+    write_file(checkpoint / "b.safetensors", measure.READ_CHUNK_BYTES)
+    events = []
+    real_fadvise, real_preadv = os.posix_fadvise, os.preadv
+    monkeypatch.setattr(measure.os, "posix_fadvise",
+                        lambda fd, offset, length, advice: events.append(("drop", fd, offset, length))
+                        or real_fadvise(fd, offset, length, advice))
+    monkeypatch.setattr(measure.os, "preadv",
+                        lambda fd, buffers, offset: events.append(("read", fd, offset)) or real_preadv(fd, buffers,
+                                                                                                       offset))
+    measure.measure_read_bandwidth(checkpoint)
+    first_read = next(i for i, e in enumerate(events) if e[0] == "read")
+    assert [e[2:] for e in events[:first_read]] == [(0, 0), (0, 0)]  # both whole files, before any read
+    chunk = measure.READ_CHUNK_BYTES
+    reads_and_drops = [e[0] if e[0] == "read" else (e[2], e[3]) for e in events[first_read:]]
+    # a: two chunks, each dropped once read, then its end; b: one chunk, dropped, then its end
+    assert reads_and_drops == ["read", (0, chunk), "read", (chunk, chunk), "read",
+                               "read", (0, chunk), "read"]
 
 
 def test_compute_rate_is_measured_once_and_then_read_from_the_cache(monkeypatch):

@@ -15,7 +15,7 @@ from batchrun.plan_time import batch_pass_flops
 from batchrun.plan import (
     HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, Bandwidth, RowCost, activation_bytes_for_sequence,
     compare_modes, format_duration, kv_bytes_for_sequence, kv_copies_per_decode, lower_bound_passes, make_plan, pack_batches,
-    parse_streaming, passes_for, streamed_weights,
+    host_streaming_bytes, parse_streaming, passes_for, streamed_weights,
 )
 from batchrun.plan_format import format_bytes, format_comparison, format_plan_table
 
@@ -26,7 +26,7 @@ GEMMA_1B = sizes_from_config(json.loads((CONFIGS / "gemma-3-1b.json").read_text(
 TINY = sizes_from_config({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
                           "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4,
                           "vocab_size": 256, "max_position_embeddings": 2048, "tie_word_embeddings": True}, "F32")
-MEASURED = Bandwidth(1.0e9, "measured", "O_DIRECT reads of 1 GiB")
+MEASURED = Bandwidth(1.0e9, "measured", "sequential reads after posix_fadvise(DONTNEED) of 1 GiB")
 
 
 def plan(sizes=LLAMA_70B, rows=(RowCost(300, 8),), **overrides):
@@ -358,6 +358,28 @@ def test_decode_passes_take_as_long_as_streaming_the_weights_and_kv_cache_from_m
     # the prefill (1200 tokens) stays FLOP-bound: its weights stream once for all of them
     assert bound.eta_seconds - flops_only.eta_seconds == pytest.approx(
         sum(decode) - 7 * flops_only.seconds_per_pass, rel=0.01)
+
+
+def test_a_host_streaming_pass_also_moves_the_layers_through_ram_once_copied_and_once_widened():
+    """The kernel copies each layer out of the page cache and a bf16 checkpoint computed in float32 is widened in
+    its slot: RAM traffic the host's decode passes share; an accelerator computes beside it, a resident run has none."""
+    decoder = LLAMA_70B.decoder_bytes  # bf16
+    assert host_streaming_bytes(LLAMA_70B, 4) == 2 * decoder + decoder + 2 * decoder  # copy; read bf16, write f32
+    assert host_streaming_bytes(LLAMA_70B, 2) == 2 * decoder  # computed at its stored dtype: the copy only
+    options = dict(rows=[RowCost(300, 8)] * 4, streaming="always", bandwidth=Bandwidth(1e15, "declared", "fast"),
+                   memory_budget_bytes=400 * GiB, compute_flops_per_s=4e11, memory_bytes_per_s=1e10,
+                   compute_dtype="float32")
+    host, accelerator = plan(**options), plan(**options, device="cuda")
+    slowed_rate = 1e10 / HOST_FRESH_PAGE_SLOWDOWN
+    weights = (LLAMA_70B.decoder_params + LLAMA_70B.vocab_size * LLAMA_70B.hidden_size) * 4
+    kv_at = [4 * kv_bytes_for_sequence(LLAMA_70B, 4, 300 + step) for step in range(1, 8)]
+    decode = sorted((weights + kv_copies_per_decode(LLAMA_70B) * kv + host_streaming_bytes(LLAMA_70B, 4))
+                    / slowed_rate for kv in kv_at)
+    assert host.seconds_per_pass == pytest.approx((decode[3] + decode[4]) / 2)  # median of 1 prefill + 7 decodes
+    assert accelerator.seconds_per_pass < host.seconds_per_pass - host_streaming_bytes(LLAMA_70B, 4) / 1e10
+    resident = plan(**options | dict(streaming="never"))
+    assert resident.mode == "resident"
+    assert resident.seconds_per_pass < host.seconds_per_pass - host_streaming_bytes(LLAMA_70B, 4) / slowed_rate * 0.99
 
 
 def test_grouped_query_attention_moves_the_kv_cache_once_more_per_query_head_group():
