@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ class LayerLoader:
         self._staging: torch.Tensor | None = None
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._widen_pool: ThreadPoolExecutor | None = None
         self.bytes_read = 0
 
     # -- buffers -------------------------------------------------------------------------------
@@ -63,6 +65,11 @@ class LayerLoader:
             self._staging = None  # free the old one before allocating the larger
             self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         return self._staging
+
+    def _widener(self) -> ThreadPoolExecutor:
+        if self._widen_pool is None:
+            self._widen_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-widen")
+        return self._widen_pool
 
     def _fd(self, path) -> int:
         key = str(path)
@@ -82,6 +89,7 @@ class LayerLoader:
         metas = self.meta_params[index]
         direct, widened, staged = self._split(index)
         tensors: dict[str, torch.Tensor] = {}
+        widenings = []
         for recipe in direct + widened:  # CPU: read straight into the parameter's buffer
             name = recipe.target[len(prefix):]
             buf = self._buffer(slot, name, metas[name])
@@ -91,8 +99,12 @@ class LayerLoader:
             self._advise_dropped(info.file, info.offset, info.nbytes)
             self.bytes_read += info.nbytes
             if recipe in widened:
-                widen_in_place(buf, SAFETENSORS_DTYPES[info.dtype])
+                # Widened on its own thread while the next tensor is read: done in turn, a widening left the disk
+                # idle for ~40% of a one-sequence pass (3 GB bf16 model: reads 1.6 s, widening 1.1 s).
+                widenings.append(self._widener().submit(widen_in_place, buf, SAFETENSORS_DTYPES[info.dtype]))
             tensors[name] = buf
+        for widening in widenings:
+            widening.result()  # the layer is ready only once every tensor is widened; a failure fails the load
         ready = None
         if staged:
             ready = self._load_staged(staged, prefix, metas, slot, tensors)
@@ -163,6 +175,9 @@ class LayerLoader:
         return sum(b.numel() * b.element_size() for b in self._buffers.values()) + staging
 
     def close(self) -> None:
+        if self._widen_pool is not None:
+            self._widen_pool.shutdown(wait=True)
+            self._widen_pool = None
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

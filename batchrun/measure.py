@@ -67,10 +67,10 @@ def measure_read_bandwidth(path: Path, max_bytes: int = 1 << 30) -> Bandwidth:
     O_DIRECT at one request at a time measured a third slower than those reads on the same disk (1.02 vs 1.58 GB/s,
     medians of 4), so it would understate what a pass can read. Cached per filesystem."""
     files = _weight_files(Path(path))
-    seconds, read = _timed_reads_after_dropping_cache(files, max_bytes)
+    seconds, read, files_read = _timed_reads_after_dropping_cache(files, max_bytes)
     if read == 0:
         raise ValueError(f"{path}: empty file(s), nothing to measure")
-    where = str(files[0]) if len(files) == 1 else f"{len(files)} files from {files[0].parent}"
+    where = str(files[0]) if files_read == 1 else f"{files_read} files from {files[0].parent}"
     how = f"sequential reads after posix_fadvise(DONTNEED) of {format_bytes(read)} ({where})"
     if not hasattr(os, "posix_fadvise"):
         how += " (this platform cannot drop cached pages: the rate may include them)"
@@ -107,16 +107,20 @@ def _drop_cached(descriptor: int, offset: int = 0, length: int = 0) -> None:
         os.posix_fadvise(descriptor, offset, length, os.POSIX_FADV_DONTNEED)
 
 
-def _timed_reads_after_dropping_cache(files: list[Path], max_bytes: int) -> tuple[float, int]:
+def _timed_reads_after_dropping_cache(files: list[Path], max_bytes: int) -> tuple[float, int, int]:
+    """(seconds, bytes read, files read from)."""
     buffer = memoryview(bytearray(READ_CHUNK_BYTES))
     descriptors = [os.open(file, os.O_RDONLY) for file in files]
     try:
         for descriptor in descriptors:  # before the clock starts: nothing read is already in memory
             _drop_cached(descriptor)
-        done = 0
+        done = files_read = 0
         start = time.perf_counter()
         for descriptor in descriptors:
+            if done >= max_bytes:
+                break
             offset = 0
+            files_read += 1
             while done < max_bytes:
                 count = os.preadv(descriptor, [buffer[:min(READ_CHUNK_BYTES, max_bytes - done)]], offset)
                 if count == 0:  # end of this file
@@ -124,7 +128,7 @@ def _timed_reads_after_dropping_cache(files: list[Path], max_bytes: int) -> tupl
                 _drop_cached(descriptor, offset, count)
                 offset += count
                 done += count
-        return time.perf_counter() - start, done
+        return time.perf_counter() - start, done, files_read
     finally:
         for descriptor in descriptors:
             os.close(descriptor)

@@ -55,6 +55,14 @@ def test_read_stops_at_max_bytes_even_inside_a_chunk(tmp_path):
     assert "17.0 MiB" in result.how
 
 
+def test_only_the_shards_actually_read_are_named(tmp_path):
+    for name in ("a", "b", "c"):
+        write_file(tmp_path / f"{name}.safetensors", 2 << 20)
+    assert "2 files from" in measure.measure_read_bandwidth(tmp_path, max_bytes=3 << 20).how
+    assert "3 files from" in measure.measure_read_bandwidth(tmp_path, max_bytes=6 << 20).how
+    assert str(tmp_path / "a.safetensors") in measure.measure_read_bandwidth(tmp_path, max_bytes=1 << 20).how
+
+
 def test_a_small_sample_is_reported_but_not_cached_for_the_filesystem(tmp_path):
     result = measure.measure_read_bandwidth(write_file(tmp_path / "tiny.bin", 1 << 20))
     assert result.bytes_per_s > 0 and "too small to cache" in result.how
