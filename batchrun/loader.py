@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -89,20 +89,24 @@ class LayerLoader:
         metas = self.meta_params[index]
         direct, widened, staged = self._split(index)
         tensors: dict[str, torch.Tensor] = {}
-        widenings = []
-        for recipe in direct + widened:  # CPU: read straight into the parameter's buffer
-            name = recipe.target[len(prefix):]
-            buf = self._buffer(slot, name, metas[name])
-            info = recipe.sources[0]
-            raw = buf.view(-1).view(torch.uint8)[-info.nbytes:]  # the tail, so the widening can run front to back
-            read_into(self._fd(info.file), memoryview(raw.numpy()), info.offset, info.file)
-            self._advise_dropped(info.file, info.offset, info.nbytes)
-            self.bytes_read += info.nbytes
-            if recipe in widened:
-                # Widened on its own thread while the next tensor is read: done in turn, a widening left the disk
-                # idle for ~40% of a one-sequence pass (3 GB bf16 model: reads 1.6 s, widening 1.1 s).
-                widenings.append(self._widener().submit(widen_in_place, buf, SAFETENSORS_DTYPES[info.dtype]))
-            tensors[name] = buf
+        widenings: list[Future] = []
+        try:
+            for recipe in direct + widened:  # CPU: read straight into the parameter's buffer
+                name = recipe.target[len(prefix):]
+                buf = self._buffer(slot, name, metas[name])
+                info = recipe.sources[0]
+                raw = buf.view(-1).view(torch.uint8)[-info.nbytes:]  # the tail, so widening can run front to back
+                read_into(self._fd(info.file), memoryview(raw.numpy()), info.offset, info.file)
+                self._advise_dropped(info.file, info.offset, info.nbytes)
+                self.bytes_read += info.nbytes
+                if recipe in widened:
+                    # Widened on its own thread while the next tensor is read: done in turn, a widening left the
+                    # disk idle for ~40% of a one-sequence pass (3 GB bf16 model: reads 1.6 s, widening 1.1 s).
+                    widenings.append(self._widener().submit(_widen_on_thread, buf, SAFETENSORS_DTYPES[info.dtype]))
+                tensors[name] = buf
+        except BaseException:
+            wait(widenings)  # a failed load gives its slot back: nothing may still be writing into it
+            raise
         for widening in widenings:
             widening.result()  # the layer is ready only once every tensor is widened; a failure fails the load
         ready = None
@@ -187,6 +191,13 @@ class LayerLoader:
 
 # Below this many elements left, the widening finishes through a small temporary (its steps would only shrink).
 WIDEN_TAIL_ELEMENTS = 1 << 16
+
+
+def _widen_on_thread(buffer: torch.Tensor, source: torch.dtype) -> None:
+    # Inference mode is per thread: a slot allocated by a load on the forward thread is an inference tensor, which
+    # only inference mode may update in place.
+    with torch.inference_mode():
+        widen_in_place(buffer, source)
 
 
 def can_widen(source: torch.dtype, target: torch.dtype) -> bool:

@@ -147,3 +147,42 @@ def test_bf16_checkpoint_streams_into_float32(tmp_path, tiny_checkpoint):
         expected = expected_model(ids).logits
     with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
         assert (streamed(ids).logits - expected).abs().max().item() <= TOLERANCE
+
+
+def test_a_failed_read_surfaces_only_after_the_layers_widenings_stop_writing_into_its_slot(tmp_path, tiny_checkpoint,
+                                                                                           monkeypatch):
+    """Widenings run beside the reads; a load that fails gives its slot back, so none may still be writing there."""
+    import threading
+    import time
+
+    from batchrun import loader
+
+    path = tmp_path / "bf16"
+    reference(tiny_checkpoint("llama")).to(torch.bfloat16).save_pretrained(path)
+    running, reads = [], []
+    real_read, real_widen = loader.read_into, loader.widen_in_place
+
+    def slow_widen(buffer, source):
+        running.append(threading.get_ident())
+        time.sleep(0.2)
+        real_widen(buffer, source)
+        running.pop()
+
+    def read_then_fail(*args):
+        reads.append(args)
+        if len(reads) == 3:
+            raise CheckpointError("disk gone")
+        real_read(*args)
+
+    monkeypatch.setattr(loader, "widen_in_place", slow_widen)
+    monkeypatch.setattr(loader, "read_into", read_then_fail)
+    with StreamedModel(path, device="cpu", dtype=torch.float32, prefetching=False) as streamed:
+        with pytest.raises(CheckpointError, match="disk gone"):
+            streamed(sample_ids(streamed.config.vocab_size))
+        assert running == []  # both widenings submitted before the failure had finished
+    with StreamedModel(path, device="cpu", dtype=torch.float32, prefetching=False) as streamed:  # loads in the
+        monkeypatch.setattr(loader, "read_into", real_read)  # forward's thread, its slots inference tensors
+        expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ids = sample_ids(streamed.config.vocab_size)
+        with torch.inference_mode():
+            assert (streamed(ids).logits - expected(ids).logits).abs().max().item() <= TOLERANCE
