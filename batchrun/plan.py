@@ -129,6 +129,7 @@ class Candidate:
     caveats: list[str] = field(default_factory=list)
     shared_prefix_tokens: int = 0  # prompt tokens every row starts with, computed once per batch
     decode_micro_batch_size: int | None = None  # sequences per forward call in decode passes; None: all at once
+    pass_seconds: list[float | None] = field(default_factory=list)  # every pass in run order
 
     @property
     def fits(self) -> bool:
@@ -140,7 +141,7 @@ class Candidate:
 
     def to_json(self) -> dict:
         report = asdict(self)
-        del report["batches"]  # row indices: the executor repacks with the same rule
+        del report["batches"], report["pass_seconds"]  # per batch and per pass: the medians above summarise them
         report.update(batch_count=len(self.batches), fits=self.fits, eta_human=self.eta_human)
         return report
 
@@ -200,7 +201,7 @@ def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool,
     # buffer (loads take turns, so one) serves a narrowing cast and experts fused at load time. An accelerator's read
     # buffer is pinned host memory, outside the device budget this plan sizes.
     narrowing = COMPUTE_BYTES[compute_dtype] * 8 < DTYPE_BITS.get(sizes.storage_dtype, 0)
-    needs_read_buffer = device.split(":")[0] == "cpu" and (narrowing or bool(sizes.moe))
+    needs_read_buffer = _on_host(device) and (narrowing or bool(sizes.moe))
     read_buffers = sizes.largest_layer_bytes if needs_read_buffer else 0
     what = (f"non-decoder tensors {format_bytes(non_decoder)} + {slots} layer slot(s) "
             f"{format_bytes(layer_slots)}" + (f" + read buffers {format_bytes(read_buffers)}" if read_buffers else ""))
@@ -246,10 +247,14 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     return max_sequences, max_tokens, micro_sequences
 
 
+def _on_host(device: str) -> bool:
+    return device.split(":")[0] == "cpu"
+
+
 def effective_rates(device: str, flops_per_s: float | None,
                     memory_bytes_per_s: float | None) -> tuple[float | None, float | None]:
     """The measured rates as a pass achieves them: on the host, the flat heap's fresh pages slow every pass."""
-    if device.split(":")[0] != "cpu":
+    if not _on_host(device):
         return flops_per_s, memory_bytes_per_s
     slowed = [rate / HOST_FRESH_PAGE_SLOWDOWN if rate else rate for rate in (flops_per_s, memory_bytes_per_s)]
     return slowed[0], slowed[1]
@@ -258,7 +263,7 @@ def effective_rates(device: str, flops_per_s: float | None,
 def streaming_traffic(sizes: CheckpointSizes, compute_bytes: int, device: str, mode: str) -> int:
     """The host's RAM traffic of streaming the layers once per pass (plan_time.host_streaming_bytes), which a host
     pass's compute shares; an accelerator computes beside it."""
-    if mode != "streamed" or device.split(":")[0] != "cpu":
+    if mode != "streamed" or not _on_host(device):
         return 0
     return host_streaming_bytes(sizes, compute_bytes)
 
@@ -410,7 +415,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         answers_per_hour=len(planned) / eta * 3600 if eta and planned else None,
         disk_needed_bytes=disk_needed, disk_free_bytes=disk_free_bytes, estimated=sizes.estimated,
         blockers=blockers, caveats=caveats, shared_prefix_tokens=shared,
-        decode_micro_batch_size=decode_micro,
+        decode_micro_batch_size=decode_micro, pass_seconds=timeline.pass_seconds,
     )
 
 

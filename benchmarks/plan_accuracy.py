@@ -149,7 +149,6 @@ def _plan_in_process(spec: Path, arguments: list[str]) -> dict:
 
 def predicted_pass_kinds(spec: Path, arguments: list[str]) -> tuple[float | None, float | None]:
     """Median predicted seconds of the first pass of each batch (prefill) and of the later ones (decode)."""
-    from batchrun.plan import COMPUTE_BYTES, effective_rates, job_timeline, streaming_traffic
     from batchrun.prepare import plan_rows, prepare_job, row_costs
 
     options = _options_from_arguments(arguments)
@@ -157,26 +156,14 @@ def predicted_pass_kinds(spec: Path, arguments: list[str]) -> tuple[float | None
     runnable = [r for r in prepared.rows if not r.error]
     costs = row_costs(runnable)
     candidate = plan_rows(prepared.model, runnable, options, prepared.device)
-    flops_rate, memory_rate = effective_rates(prepared.device, _rate(prepared), candidate.memory_bytes_per_s)
-    timeline = job_timeline(prepared.model.sizes, costs, candidate.batches, candidate.io_seconds_per_pass,
-                            flops_rate, COMPUTE_BYTES[prepared.compute_dtype], memory_rate,
-                            candidate.shared_prefix_tokens,
-                            (candidate.micro_batch_size, candidate.decode_micro_batch_size),
-                            streaming_traffic(prepared.model.sizes, COMPUTE_BYTES[prepared.compute_dtype],
-                                              prepared.device, candidate.mode))
+    predicted = candidate.pass_seconds
     prefill, decode, position = [], [], 0
     for batch in candidate.batches:
         passes = max(costs[i].passes() for i in batch)
-        prefill.append(timeline.pass_seconds[position])
-        decode += timeline.pass_seconds[position + 1:position + passes]
+        prefill.append(predicted[position])
+        decode += predicted[position + 1:position + passes]
         position += passes
     return (statistics.median(prefill) if prefill else None, statistics.median(decode) if decode else None)
-
-
-def _rate(prepared) -> float:
-    from batchrun import measure
-
-    return measure.compute_rate(prepared.compute_dtype, prepared.device)
 
 
 def _options_from_arguments(arguments: list[str]):
