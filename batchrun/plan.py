@@ -46,15 +46,18 @@ MLP_INTERMEDIATE_COPIES = 3  # act(gate), up, and their product live together un
 ATTENTION_SCORE_BYTES = 4  # an unfused attention materialises heads x S x S float32 scores...
 SCORES_MATERIALISED_ON = frozenset({"mps"})  # ...while torch's SDPA computes them in tiles on CUDA and on CPU
 LOGIT_BYTES = 4  # logits are upcast to float32
-# glibc malloc keeps some freed activation memory even with passes.keep_heap_flat (blocks under 128 KiB stay in the
-# heap, interleaved with the growing KV cache). Measured: a 32-sequence streamed prefill of a 2.2 GB Llama (micro-
+# glibc malloc keeps some freed activation memory even with passes.keep_heap_flat (what a layer turn frees stays in
+# the heap until the turn ends and the heap is trimmed). Measured (under the previous rule, blocks of 128 KiB or more
+# in their own mappings; the per-turn trim measured 1.31-1.35 GB against 1.27 GB on the 3 GB model below): a 32-sequence streamed prefill of a 2.2 GB Llama (micro-
 # batches of 4) peaked at 1.26 GB RSS, 4% under this arithmetic with one retained copy; before the heap was kept flat
 # (SmolLM2, 1-16 sequences x 100-1200 tokens) growth was KV + live activations x (1 + 0.9..2.3).
 HEAP_RETAINED_ACTIVATION_COPIES = 1
 HEAP_RETAINS_ON = frozenset({"cpu"})  # accelerator allocators hold freed blocks for reuse: no growth beyond the peak
 # passes.keep_heap_flat returns every freed activation block to the kernel, so the next one is fresh pages to fault
 # and zero. Measured with and without it: a 2.2 GB Llama prefill (32 sequences, resident) 28.6 -> 35.5 s, SmolLM2
-# streamed decode passes 0.44 -> 0.53 s, a resident choice pass 2.21 -> 2.56 s: about a fifth slower.
+# streamed decode passes 0.44 -> 0.53 s, a resident choice pass 2.21 -> 2.56 s: about a fifth slower. Measured
+# before keep_heap_flat served activations from a heap trimmed per layer turn, which faults fewer pages (3 GB Llama
+# streamed prefill: 4% faster, median of 4 pairs); not re-measured against the unflattened heap, so kept.
 HOST_FRESH_PAGE_SLOWDOWN = 1.2
 # Micro-batches (passes.py): when a pass's activations do not fit all at once, its sequences enter each layer in
 # turns, so only one micro-batch's activations are live while every sequence's KV cache and hidden state wait.

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from batchrun.checkpoint import load_config, read_tensor_infos
 from batchrun.devices import resolve_dtype
-from batchrun.passes import keep_heap_flat
+from batchrun.passes import keep_heap_flat, return_freed_memory
 from batchrun.stream import StreamedModel, find_decoder_stack, text_config
 from batchrun.tokenizer import load_tokenizer
 
@@ -39,6 +39,8 @@ class ResidentModel:
         self._before_layer = None
         self._hooks = [self.model.register_forward_pre_hook(self._count_pass)]
         self._hooks += [layer.register_forward_pre_hook(self._make_layer_hook(i)) for i, layer in enumerate(self.layers)]
+        if self.device.type == "cpu":  # see passes.keep_heap_flat
+            self._hooks += [layer.register_forward_hook(_return_freed_memory) for layer in self.layers]
 
     def _count_pass(self, module, args):
         if not self._in_pass:
@@ -83,6 +85,10 @@ class ResidentModel:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def _return_freed_memory(module, args, output) -> None:
+    return_freed_memory()
 
 
 def _read_sequentially(files, chunk: int = 16 << 20) -> None:

@@ -21,7 +21,7 @@ from batchrun import faults
 from batchrun.checkpoint import CheckpointError, load_config, read_tensor_infos, resolve_checkpoint
 from batchrun.devices import default_device, resolve_dtype
 from batchrun.loader import LayerLoader, LayerWeights
-from batchrun.passes import LayerTurns, PassGroup, keep_heap_flat, run_threads
+from batchrun.passes import LayerTurns, PassGroup, keep_heap_flat, return_freed_memory, run_threads
 from batchrun.tokenizer import load_tokenizer
 from batchrun.weights import Recipe, build_recipes, read_into, realize, tensor_from_bytes
 
@@ -223,6 +223,8 @@ class StreamedModel:
             if group is None or group.last_micro:
                 self._release(index)
                 faults.reached("layer")
+            if self.device.type == "cpu":
+                return_freed_memory()  # before the next turn: its activations are the next resident ones
             if group is not None:
                 group.turns.advance(index, group.micro)
         return hook

@@ -1,0 +1,46 @@
+"""Resident memory follows what is live: a layer turn's freed activations go back to the kernel (glibc only)."""
+from __future__ import annotations
+
+import ctypes.util
+import subprocess
+import sys
+
+import pytest
+
+from batchrun.passes import _glibc
+
+SCRIPT = """
+import sys, torch
+from batchrun.passes import keep_heap_flat, return_freed_memory
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+keep_heap_flat()
+trim = sys.argv[1] == "trim"
+kv_cache = []
+start = rss()
+for layer in range(24):
+    activations = [torch.ones(2_000_000) for _ in range(4)]  # 8 MB each: from the heap, under the threshold
+    kv_cache.append(torch.ones(100_000))  # 400 KB that stays, allocated among them like a KV slice
+    del activations
+    if trim:
+        return_freed_memory()
+live = sum(t.numel() * t.element_size() for t in kv_cache)
+print(rss() - start - live)
+"""
+
+
+def _extra_resident_bytes(mode: str) -> int:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(_glibc() is None or not ctypes.util.find_library("c"), reason="glibc's malloc only")
+def test_memory_freed_by_a_layer_turn_does_not_stay_resident():
+    kept = _extra_resident_bytes("keep")  # without the trim the freed activations stay resident
+    trimmed = _extra_resident_bytes("trim")
+    assert kept > 24e6, "the heap did not keep the freed activations: the check below proves nothing"
+    assert trimmed < 8e6
