@@ -237,16 +237,24 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
         max_sequences = max(int(wanted), 1)
         return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
 
-    micro_budget = free_bytes * MICRO_BATCH_MEMORY_SHARE
-    micro_sequences = max(int(micro_budget // (typical_length * activation_per_token + per_sequence)), 1)
-    micro_bytes = micro_sequences * (typical_length * activation_per_token + per_sequence)
+    micro_per_sequence = typical_length * activation_per_token + per_sequence
+    micro_sequences = max(int(free_bytes * MICRO_BATCH_MEMORY_SHARE // micro_per_sequence), 1)
     held_per_token = kv_per_token + sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
-    max_sequences = (free_bytes - micro_bytes) // (typical_length * held_per_token)
-    max_sequences = max(int(min(max_sequences, wanted)), 1)
+    max_sequences = (free_bytes - micro_sequences * micro_per_sequence) // (typical_length * held_per_token)
+    if max_sequences > wanted:
+        # The job needs fewer sequences than memory holds: the rest buys larger micro-batches, whose matmuls run
+        # faster (float32 on 2 cores, one layer over 3,100 tokens: 186 GFLOP/s in micro-batches of 485 tokens,
+        # 214 of 1,067, 233 in one).
+        # Held memory is reserved at the longest row, so the token budget still packs every row into one batch.
+        max_sequences = wanted
+        longest = max(row.sequence_length() for row in rows)
+        micro_sequences = max(micro_sequences, int((free_bytes - wanted * longest * held_per_token)
+                                                   // micro_per_sequence))
+    max_sequences = max(int(max_sequences), 1)
     if max_sequences <= micro_sequences:  # no room to gain: the old single-forward bound
         max_sequences = max(int(min(all_live, wanted)), 1)
         return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
-    max_tokens = max(int((free_bytes - micro_bytes) // held_per_token), 1)
+    max_tokens = max(int((free_bytes - micro_sequences * micro_per_sequence) // held_per_token), 1)
     return max_sequences, max_tokens, micro_sequences
 
 

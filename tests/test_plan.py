@@ -207,6 +207,23 @@ def test_batch_chosen_for_a_budget_buys_sequences_with_micro_batches():
     assert candidate.peak_memory_bytes <= budget and candidate.fits
 
 
+def test_memory_the_job_does_not_need_for_sequences_buys_larger_micro_batches():
+    """13 rows where memory holds 15 sequences: all 13 in one batch, the rest of memory to each micro-batch's
+    activations (larger matmuls), still within the budget."""
+    budget, overhead = 40 * GiB, 1 * GiB
+    candidate = plan(rows=[RowCost(4000, 96)] * 13, device="cuda", streaming="always",
+                     memory_budget_bytes=budget, runtime_overhead_bytes=overhead)
+    weights = LLAMA_70B.non_decoder_params * 2 + 2 * LLAMA_70B.largest_layer_params * 2
+    free = int(budget * 0.9) - weights - overhead
+    kv, activations = 327_680, 8192 * 2 * 4 + 28672 * 2 * 3
+    held = kv + 8192 * 2 * 2
+    micro = int((free - 13 * 4096 * held) // (4096 * activations + 128256 * 4))
+    assert (candidate.batch_size, candidate.micro_batch_size) == (13, micro)
+    assert 7 < micro < 13  # larger than the 28-row job's share, still micro-batched
+    assert candidate.passes == candidate.lower_bound_passes == 96
+    assert candidate.peak_memory_bytes <= budget and candidate.fits
+
+
 def test_decode_passes_regroup_micro_batches_within_the_memory_left_beside_the_kv_cache():
     """A decode call reads the layer's weights once however few sequences it carries: decode groups are as large
     as the memory beside the whole KV cache allows, never smaller than the prefill's micro-batch."""
