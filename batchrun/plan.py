@@ -46,12 +46,12 @@ MLP_INTERMEDIATE_COPIES = 3  # act(gate), up, and their product live together un
 ATTENTION_SCORE_BYTES = 4  # an unfused attention materialises heads x S x S float32 scores...
 SCORES_MATERIALISED_ON = frozenset({"mps"})  # ...while torch's SDPA computes them in tiles on CUDA and on CPU
 LOGIT_BYTES = 4  # logits are upcast to float32
-# glibc malloc keeps some freed activation memory even with passes.keep_heap_flat (what a layer turn frees stays in
-# the heap until the turn ends and the heap is trimmed). Measured (under the previous rule, blocks of 128 KiB or more
-# in their own mappings; the per-turn trim measured 1.31-1.35 GB against 1.27 GB on the 3 GB model below): a 32-sequence streamed prefill of a 2.2 GB Llama (micro-
-# batches of 4) peaked at 1.26 GB RSS, 4% under this arithmetic with one retained copy; before the heap was kept flat
-# (SmolLM2, 1-16 sequences x 100-1200 tokens) growth was KV + live activations x (1 + 0.9..2.3).
-HEAP_RETAINED_ACTIVATION_COPIES = 1
+# glibc malloc keeps some freed activation memory even with passes.keep_heap_flat: what a layer turn frees stays in
+# the heap until the turn ends and the heap is trimmed, and fragments it meanwhile. Measured with the per-turn trim
+# (3 GB Llama under a 1.55 GB cap, 32 sequences of ~100 own tokens): peak RSS 1.33 GB with micro-batches of 5,
+# 1.365 GB with 9, 1.40 GB with 11: 120 KB per extra token where the live activations are 100 KB. (Before the trim,
+# every freed block of 128 KiB or more unmapped, one whole copy was retained.)
+HEAP_RETAINED_ACTIVATION_COPIES = 0.25
 HEAP_RETAINS_ON = frozenset({"cpu"})  # accelerator allocators hold freed blocks for reuse: no growth beyond the peak
 # passes.keep_heap_flat returns every freed activation block to the kernel, so the next one is fresh pages to fault
 # and zero. Measured with and without it: a 2.2 GB Llama prefill (32 sequences, resident) 28.6 -> 35.5 s, SmolLM2
@@ -157,7 +157,7 @@ def linear_activation_bytes_per_token(sizes: CheckpointSizes, compute_bytes: int
     """Live activations of one token in the layer computing, plus what the host allocator keeps of earlier layers'."""
     hidden_states = sizes.hidden_size * compute_bytes * HIDDEN_STATE_COPIES
     mlp_intermediate = sizes.intermediate_size * compute_bytes * MLP_INTERMEDIATE_COPIES
-    return (hidden_states + mlp_intermediate) * _heap_factor(device)
+    return round((hidden_states + mlp_intermediate) * _heap_factor(device))
 
 
 def activation_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, device: str,
@@ -165,8 +165,8 @@ def activation_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, de
     per_token = prefill_tokens * linear_activation_bytes_per_token(sizes, compute_bytes, device)
     attention_scores = 0
     if _scores_materialised(device):  # one layer's scores at a time
-        attention_scores = (sizes.num_attention_heads * prefill_tokens * prefill_tokens * ATTENTION_SCORE_BYTES
-                            * _heap_factor(device))
+        attention_scores = round(sizes.num_attention_heads * prefill_tokens * prefill_tokens
+                                 * ATTENTION_SCORE_BYTES * _heap_factor(device))
     logits = logit_positions * sizes.vocab_size * LOGIT_BYTES  # only the positions the executor keeps
     return per_token + attention_scores + logits
 
@@ -470,7 +470,7 @@ def _scores_materialised(device: str) -> bool:
     return device.split(":")[0] in SCORES_MATERIALISED_ON
 
 
-def _heap_factor(device: str) -> int:
+def _heap_factor(device: str) -> float:
     return 1 + HEAP_RETAINED_ACTIVATION_COPIES if device.split(":")[0] in HEAP_RETAINS_ON else 1
 
 
