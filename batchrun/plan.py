@@ -49,9 +49,11 @@ LOGIT_BYTES = 4  # logits are upcast to float32
 # glibc malloc keeps some freed activation memory even with passes.keep_heap_flat: what a layer turn frees stays in
 # the heap until the turn ends and the heap is trimmed, and fragments it meanwhile. Measured with the per-turn trim
 # (3 GB Llama under a 1.55 GB cap, 32 sequences of ~100 own tokens): peak RSS 1.33 GB with micro-batches of 5,
-# 1.365 GB with 9, 1.40 GB with 11: 120 KB per extra token where the live activations are 100 KB. (Before the trim,
-# every freed block of 128 KiB or more unmapped, one whole copy was retained.)
-HEAP_RETAINED_ACTIVATION_COPIES = 0.25
+# 1.365 GB with 9, 1.40 GB with 11: 120 KB per extra token where the live activations are 100 KB; a whole batch in
+# one forward call keeps more (SmolLM2, 16 sequences streamed: 974 MB measured, 855 MB predicted at a quarter). Half
+# a copy, on the safe side of both. (Before the trim, with every block of 128 KiB or more unmapped when freed, one
+# whole copy was measured.)
+HEAP_RETAINED_ACTIVATION_COPIES = 0.5
 HEAP_RETAINS_ON = frozenset({"cpu"})  # accelerator allocators hold freed blocks for reuse: no growth beyond the peak
 # passes.keep_heap_flat returns every freed activation block to the kernel, so the next one is fresh pages to fault
 # and zero. Measured with and without it: a 2.2 GB Llama prefill (32 sequences, resident) 28.6 -> 35.5 s, SmolLM2
@@ -233,7 +235,9 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
 
     per_token = kv_per_token + activation_per_token
     all_live = free_bytes // (typical_length * per_token + per_sequence)
-    if all_live >= wanted:  # every sequence's activations fit at once: one forward call per pass
+    longest = max(row.sequence_length() for row in rows)
+    if all_live >= wanted and wanted * (longest * per_token + per_sequence) <= free_bytes:
+        # every sequence's activations fit at once, even all padded to the longest: one forward call per pass
         max_sequences = max(int(wanted), 1)
         return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
 
@@ -245,11 +249,11 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
         # The job needs fewer sequences than memory holds: the rest buys larger micro-batches, whose matmuls run
         # faster (float32 on 2 cores, one layer over 3,100 tokens: 186 GFLOP/s in micro-batches of 485 tokens,
         # 214 of 1,067, 233 in one).
-        # Held memory is reserved at the longest row, so the token budget still packs every row into one batch.
+        # Every row is held at the longest row's length, so the token budget packs them all into one batch; the
+        # micro-batch gets what that leaves (at least one sequence, fewer than all).
         max_sequences = wanted
-        longest = max(row.sequence_length() for row in rows)
-        micro_sequences = max(micro_sequences, int((free_bytes - wanted * longest * held_per_token)
-                                                   // micro_per_sequence))
+        leftover = free_bytes - wanted * longest * held_per_token
+        micro_sequences = max(1, min(int(wanted) - 1, int(leftover // micro_per_sequence)))
     max_sequences = max(int(max_sequences), 1)
     if max_sequences <= micro_sequences:  # no room to gain: the old single-forward bound
         max_sequences = max(int(min(all_live, wanted)), 1)

@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from benchmarks import harness
@@ -81,6 +81,16 @@ class Setting:
     compute_rate: float  # FLOP/s, float32
     subset: int
     work: Path
+
+
+def measure_rates(checkpoint: Path, setting: Setting) -> Setting:
+    """The setting with the cold read bandwidth (median of 3) and float32 matmul rate measured now."""
+    from batchrun import measure
+
+    harness.wait_for_quiet(QUIET_CORES, timeout_s=300)
+    harness.drop_page_cache()
+    bandwidth = harness.cold_read_bandwidth(checkpoint)
+    return replace(setting, bandwidth=bandwidth, compute_rate=measure.measure_compute_rate("float32", "cpu"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -280,7 +290,8 @@ def evaluate(sweep: sweeps.Sweep, records: dict[str, dict]) -> dict:
 COLUMNS = {"job": "job", "label": "variant", "rows": "rows measured", "batch_size": "batch", "wall_seconds": "wall s",
            "answer_seconds": "answer s", "answers_per_hour": "answers/h", "speedup": "batchrun x", "passes": "passes",
            "bytes_read_gb": "GB read", "disk_read_gb": "disk GB (/proc)", "median_pass_seconds": "median s/pass",
-           "bound_seconds": "bound s", "ratio_to_bound": "answer s / bound", "peak_rss_mb": "peak RSS MB",
+           "bound_seconds": "bound s", "ratio_to_bound": "answer s / bound", "read_gb_per_s": "GB/s",
+           "compute_gflop_per_s": "GFLOP/s", "peak_rss_mb": "peak RSS MB",
            "agrees_with_batchrun": "same answers as batchrun",
            "status": "note"}
 
@@ -303,8 +314,15 @@ def table_rows(records: list[dict], targets: dict[str, dict]) -> list[dict]:
         rows.append({**r, "speedup": ours.get(r["variant"]), "status": status.strip("; "),
                      "bytes_read_gb": r["bytes_read"] / 1e9 if "bytes_read" in r else None,
                      "disk_read_gb": r["disk_read_bytes"] / 1e9 if "disk_read_bytes" in r else None,
-                     "peak_rss_mb": r["peak_rss_bytes"] / 1e6 if r.get("peak_rss_bytes") else None})
+                     "peak_rss_mb": r["peak_rss_bytes"] / 1e6 if r.get("peak_rss_bytes") else None,
+                     "read_gb_per_s": r["read_bandwidth_bytes_per_s"] / 1e9 if "read_bandwidth_bytes_per_s" in r else None,
+                     "compute_gflop_per_s": r["compute_flops_per_s"] / 1e9 if "compute_flops_per_s" in r else None})
     return rows
+
+
+def _range(values, scale: float, spec: str) -> str:
+    values = [v / scale for v in values]
+    return f"{min(values):{spec}}-{max(values):{spec}}"
 
 
 def targets_markdown(targets: dict[str, dict]) -> str:
@@ -345,7 +363,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variant(s): {', '.join(sorted(unknown))}")
     os.environ.setdefault("BATCHRUN_HOME", str(harness.bench_cache_dir() / "home"))
     Path(os.environ["BATCHRUN_HOME"]).mkdir(parents=True, exist_ok=True)
-    from batchrun import measure
     from transformers import AutoTokenizer
 
     checkpoint = harness.large_checkpoint(target_bytes=int(args.checkpoint_bytes), dtype="bfloat16")
@@ -358,13 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         for record in json.loads((harness.RESULTS_DIR / f"{args.reuse}.json").read_text())["records"]:
             earlier.setdefault(record["job"], {})[record["variant"]] = record
     with harness.exclusive_machine(), tempfile.TemporaryDirectory(prefix="throughput-") as temporary:
-        harness.wait_for_quiet(QUIET_CORES, timeout_s=300)
-        harness.drop_page_cache()
-        bandwidth = harness.cold_read_bandwidth(checkpoint)
-        compute_rate = measure.measure_compute_rate("float32", "cpu")
         cap = int(args.cap_gb * 1e9) if args.cap_gb else int(harness.checkpoint_bytes(checkpoint) * CAP_SHARE)
-        setting = Setting(checkpoint, ModelShape.of(checkpoint), cap, bandwidth, compute_rate, args.subset,
-                          Path(temporary))
+        setting = measure_rates(checkpoint, Setting(checkpoint, ModelShape.of(checkpoint), cap, 0.0, 0.0,
+                                                    args.subset, Path(temporary)))
+        bandwidth, compute_rate = setting.bandwidth, setting.compute_rate
         print(f"{checkpoint.name}: {setting.shape.checkpoint_bytes / 1e9:.2f} GB, cap {setting.cap_bytes / 1e9:.2f} GB; "
               f"cold read {bandwidth / 1e9:.2f} GB/s; float32 compute {compute_rate / 1e9:.0f} GFLOP/s", flush=True)
         for job in args.jobs.split(","):
@@ -378,18 +392,28 @@ def main(argv: list[str] | None = None) -> int:
                         records.append(by_variant[variant.key])
                     continue
                 print(f"{job}: {variant.key}", flush=True)
-                record = run_variant(variant, sweep, setting)
+                # This machine's disk and CPU swing 30-40% within minutes: each run's bound uses the rates measured
+                # just before it, not the ones from the start of the whole benchmark.
+                now = measure_rates(checkpoint, setting)
+                record = run_variant(variant, sweep, now)
                 record["job_rows"] = len(sweep.prompts)
-                add_figures(record, prompts, sweep, setting)
+                record["read_bandwidth_bytes_per_s"], record["compute_flops_per_s"] = now.bandwidth, now.compute_rate
+                add_figures(record, prompts, sweep, now)
                 by_variant[variant.key] = record
                 records.append(record)
                 print(f"  -> {json.dumps({k: record.get(k) for k in ('answer_seconds', 'answers_per_hour', 'passes', 'failed')})}",
                       flush=True)
             targets[job] = evaluate(sweep, by_variant)
     table = harness.format_table(table_rows(records, targets), COLUMNS)
+    measured_now = [r for r in records if "compute_flops_per_s" in r and not r.get("reused_from")]
+    bandwidths = [r["read_bandwidth_bytes_per_s"] for r in measured_now]
+    rates = [r["compute_flops_per_s"] for r in measured_now]
+    spread = (f"; before each run {_range(bandwidths, 1e9, '.2f')} GB/s and {_range(rates, 1e9, '.0f')} GFLOP/s"
+              if measured_now else "")
     markdown = (f"Checkpoint {checkpoint.name} ({setting.shape.checkpoint_bytes / 1e9:.2f} GB bf16), memory cap "
                 f"{setting.cap_bytes / 1e9:.2f} GB, cold read {bandwidth / 1e9:.2f} GB/s, float32 compute "
-                f"{compute_rate / 1e9:.0f} GFLOP/s, 2 cores.\n\n{table}\n\nTargets:\n{targets_markdown(targets)}\n")
+                f"{compute_rate / 1e9:.0f} GFLOP/s at the start{spread}, 2 cores. Each run's bound uses the rates "
+                f"measured just before it (columns GB/s, GFLOP/s).\n\n{table}\n\nTargets:\n{targets_markdown(targets)}\n")
     print("\n" + markdown)
     harness.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (harness.RESULTS_DIR / f"{args.name}.md").write_text(markdown)

@@ -225,6 +225,21 @@ def test_memory_the_job_does_not_need_for_sequences_buys_larger_micro_batches():
     assert candidate.peak_memory_bytes <= budget and candidate.fits
 
 
+def test_rows_that_fit_at_their_median_length_but_not_padded_to_the_longest_still_share_one_batch():
+    """Three short rows and one long one: all four fit live at the median length, not padded to the longest. One
+    batch with micro-batches (one pass, the lower bound), not two batches."""
+    rows = [RowCost(100, 1)] * 3 + [RowCost(1000, 1)]
+    weights = plan(rows=rows, device="cuda", streaming="always").weights_bytes
+    per_token = 327_680 + 8192 * 2 * 4 + 28672 * 2 * 3  # KV + hidden states x4 + MLP intermediate x3 (cuda)
+    free = 4 * 700 * per_token  # room for 4 x 101 tokens live, not for 4 x 1001 (but to hold 4 x 1001 KV)
+    budget = math.ceil((free + weights + GiB) / 0.9)
+    candidate = plan(rows=rows, device="cuda", streaming="always", memory_budget_bytes=budget,
+                     runtime_overhead_bytes=GiB)
+    assert candidate.passes == candidate.lower_bound_passes == 1
+    assert candidate.micro_batch_size is not None and candidate.micro_batch_size < 4
+    assert candidate.peak_memory_bytes <= budget and candidate.fits
+
+
 def test_decode_passes_regroup_micro_batches_within_the_memory_left_beside_the_kv_cache():
     """A decode call reads the layer's weights once however few sequences it carries: decode groups are as large
     as the memory beside the whole KV cache allows, never smaller than the prefill's micro-batch."""
