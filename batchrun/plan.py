@@ -221,8 +221,9 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     Bound: every token costs at most its KV (no window cap), its linear activations and one row of attention scores
     at the longest prefill; every sequence adds its kept logits. Sequences are sized so typical (median-length)
     rows fill the budget; the token budget then keeps longer rows from overflowing it. When the job's sequences do
-    not all fit with their activations live at once, the pass is split into micro-batches: activations are bought
-    for one micro-batch (a share of the budget), KV and held hidden states for every sequence of the pass."""
+    not all fit with their activations live at once (padded to the longest row), the pass is split into
+    micro-batches: activations are bought for one micro-batch (a share of the budget, or what holding a smaller
+    job's every row leaves), KV and held hidden states for every sequence of the pass."""
     longest_prefill = max(row.prefill_length() for row in rows)
     kv_per_token = kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers
     activation_per_token = (linear_activation_bytes_per_token(sizes, compute_bytes, device)
@@ -246,11 +247,11 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     held_per_token = kv_per_token + sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
     max_sequences = (free_bytes - micro_sequences * micro_per_sequence) // (typical_length * held_per_token)
     if max_sequences > wanted:
-        # The job needs fewer sequences than memory holds: the rest buys larger micro-batches, whose matmuls run
-        # faster (float32 on 2 cores, one layer over 3,100 tokens: 186 GFLOP/s in micro-batches of 485 tokens,
-        # 214 of 1,067, 233 in one).
-        # Every row is held at the longest row's length, so the token budget packs them all into one batch; the
-        # micro-batch gets what that leaves (at least one sequence, fewer than all).
+        # The job needs fewer sequences than memory holds. Every row is held at the longest row's length, so the
+        # token budget packs them all into one batch, and the micro-batch gets what that leaves (at least one
+        # sequence, fewer than all): usually more than the fixed share, and larger micro-batches run faster
+        # (float32 on 2 cores, one layer over 3,100 tokens: 186 GFLOP/s in micro-batches of 485 tokens, 214 of
+        # 1,067, 233 in one).
         max_sequences = wanted
         leftover = free_bytes - wanted * longest * held_per_token
         micro_sequences = max(1, min(int(wanted) - 1, int(leftover // micro_per_sequence)))
