@@ -83,13 +83,13 @@ class Setting:
     work: Path
 
 
-def measure_rates(checkpoint: Path, setting: Setting) -> Setting:
+def measure_rates(setting: Setting) -> Setting:
     """The setting with the cold read bandwidth (median of 3) and float32 matmul rate measured now."""
     from batchrun import measure
 
     harness.wait_for_quiet(QUIET_CORES, timeout_s=300)
     harness.drop_page_cache()
-    bandwidth = harness.cold_read_bandwidth(checkpoint)
+    bandwidth = harness.cold_read_bandwidth(setting.checkpoint)
     return replace(setting, bandwidth=bandwidth, compute_rate=measure.measure_compute_rate("float32", "cpu"))
 
 
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             earlier.setdefault(record["job"], {})[record["variant"]] = record
     with harness.exclusive_machine(), tempfile.TemporaryDirectory(prefix="throughput-") as temporary:
         cap = int(args.cap_gb * 1e9) if args.cap_gb else int(harness.checkpoint_bytes(checkpoint) * CAP_SHARE)
-        setting = measure_rates(checkpoint, Setting(checkpoint, ModelShape.of(checkpoint), cap, 0.0, 0.0,
+        setting = measure_rates(Setting(checkpoint, ModelShape.of(checkpoint), cap, 0.0, 0.0,
                                                     args.subset, Path(temporary)))
         bandwidth, compute_rate = setting.bandwidth, setting.compute_rate
         print(f"{checkpoint.name}: {setting.shape.checkpoint_bytes / 1e9:.2f} GB, cap {setting.cap_bytes / 1e9:.2f} GB; "
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{job}: {variant.key}", flush=True)
                 # This machine's disk and CPU swing 30-40% within minutes: each run's bound uses the rates measured
                 # just before it, not the ones from the start of the whole benchmark.
-                now = measure_rates(checkpoint, setting)
+                now = measure_rates(setting)
                 record = run_variant(variant, sweep, now)
                 record["job_rows"] = len(sweep.prompts)
                 record["read_bandwidth_bytes_per_s"], record["compute_flops_per_s"] = now.bandwidth, now.compute_rate
