@@ -249,12 +249,13 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     if max_sequences > wanted:
         # The job needs fewer sequences than memory holds. Every row is held at the longest row's length, so the
         # token budget packs them all into one batch, and the micro-batch gets what that leaves (at least one
-        # sequence, fewer than all): usually more than the fixed share, and larger micro-batches run faster
-        # (float32 on 2 cores, one layer over 3,100 tokens: 186 GFLOP/s in micro-batches of 485 tokens, 214 of
-        # 1,067, 233 in one).
+        # sequence, fewer than all), each of its sequences at the longest row's activations like the batch's peak:
+        # usually more than the fixed share, and larger micro-batches run faster (float32 on 2 cores, one layer
+        # over 3,100 tokens: 186 GFLOP/s in micro-batches of 485 tokens, 214 of 1,067, 233 in one).
         max_sequences = wanted
         leftover = free_bytes - wanted * longest * held_per_token
-        micro_sequences = max(1, min(int(wanted) - 1, int(leftover // micro_per_sequence)))
+        micro_sequences = max(1, min(int(wanted) - 1,
+                                     int(leftover // (longest * activation_per_token + per_sequence))))
     max_sequences = max(int(max_sequences), 1)
     if max_sequences <= micro_sequences:  # no room to gain: the old single-forward bound
         max_sequences = max(int(min(all_live, wanted)), 1)

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from batchrun.batching import shared_prefix_tokens, without_prefix
@@ -268,6 +268,7 @@ def test_user_batch_size_caps_the_batch():
 @given(st.sampled_from([LLAMA_70B, GEMMA_1B, TINY]), st.sampled_from(["cpu", "cuda"]),
        st.lists(st.tuples(st.integers(1, 6000), st.integers(1, 64)), min_size=1, max_size=30),
        st.integers(8, 64))
+@example(LLAMA_70B, "cpu", [(1, 1)] * 6 + [(992, 2)], 12)  # short rows beside a long one, micro-batched
 def test_a_plan_that_fits_never_exceeds_its_budget(sizes, device, specs, budget_gib):
     candidate = plan(sizes, [RowCost(p, n) for p, n in specs], device=device, memory_budget_bytes=budget_gib * GiB)
     if candidate.fits:
