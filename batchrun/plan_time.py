@@ -11,11 +11,10 @@ from batchrun.batching import RowCost, batch_shape, without_prefix
 from batchrun.sizes import CheckpointSizes, attended_positions, kv_bytes_for_sequence
 
 # A decode pass streams every weight from RAM once, so below a few dozen sequences it runs at the speed of memory,
-# not of the matmul units. Appending a token to a KV cache copies it (read + write) and attention reads it...
-KV_COPIES_PER_DECODE = 3
-# ...and with grouped-query attention under a padding mask, transformers' SDPA path first expands K and V to every
-# query head (repeat_kv: read once more, write group times) and attention reads that expanded copy (group times).
-KV_EXPANSION_COPIES_PER_GROUP = 2
+# not of the matmul units. The KV cache moves once more: attention reads it. Appending the token writes in place
+# (prefill.RoomyLayer), and transformers' SDPA decodes grouped-query heads packed (pack_gqa), without expanding K and
+# V to every query head.
+KV_COPIES_PER_DECODE = 1
 # A host streaming a layer moves it through RAM besides the disk read: the kernel copies it out of the page cache
 # (read + write), and a checkpoint narrower than the compute dtype is widened in its slot (read + a wider write).
 # That traffic shares the memory bus with the pass's own compute. Measured on the 3 GB bf16 Llama streamed in float32
@@ -48,8 +47,7 @@ def decode_flops(sizes: CheckpointSizes, live_sequences: int, context: int) -> i
 
 def kv_copies_per_decode(sizes: CheckpointSizes) -> int:
     """Times a decode pass moves the batch's KV cache through RAM (see KV_COPIES_PER_DECODE)."""
-    group = sizes.num_attention_heads // max(sizes.num_kv_heads, 1)
-    return KV_COPIES_PER_DECODE + (KV_EXPANSION_COPIES_PER_GROUP * group if group > 1 else 0)
+    return KV_COPIES_PER_DECODE
 
 
 def pass_memory_bytes(sizes: CheckpointSizes, compute_bytes: int, sequences: int, context: int,

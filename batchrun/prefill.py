@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from batchrun import prefix_attention
 from batchrun.batching import shared_prefix_tokens
 
 
@@ -92,7 +93,8 @@ class SharedPrefix:
         """A cache that already counts `len(prefix)` tokens, so the model builds the suffix's masks and positions
         after them; its layers receive the prefix's keys and values by reference (see PrefixSharedLayer)."""
         cache = DynamicCache(config=self.model.config)
-        cache.layers = [PrefixSharedLayer(len(self.prefix)) for _ in range(len(cache.layers))]
+        split = prefix_attention.supported(self.model)
+        cache.layers = [PrefixSharedLayer(len(self.prefix), split_decode=split) for _ in range(len(cache.layers))]
         self.targets[micro] = cache
         return cache
 
@@ -104,14 +106,67 @@ class SharedPrefix:
         target.layers[layer].attach(source.keys, source.values)
 
 
-class PrefixSharedLayer(DynamicLayer):
+class RoomyLayer(DynamicLayer):
+    """A full-attention layer's cache that decodes in place: the first decode step moves its keys and values into
+    buffers with room for the tokens still to come (`spare`), and each step then writes one token into them.
+
+    transformers' DynamicLayer concatenates, copying the whole cache of the layer at every step; measured on a
+    32-sequence decode pass of a 3 GB Llama (126 own tokens a sequence, 33 layers): 0.17 s of a 3.0 s pass. The
+    layer's `keys`/`values` stay [b, H, S, D] views of the buffers, so everything else that reads or replaces them
+    (batch selection, merging micro-batches) works as on a DynamicLayer; a replaced tensor gets new room on the next
+    step."""
+
+    spare = 0  # tokens the buffers keep room for beyond the next one (decode sets it)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized or key_states.shape[-2] != 1 or self.keys.dim() != 4:
+            return super().update(key_states, value_states)  # a prefill: one concatenation onto nothing
+        length = self.keys.shape[-2]
+        if not self._has_room(length + 1):
+            self._room = tuple(_with_room(t, length + 1 + self.spare) for t in (self.keys, self.values))
+        key_room, value_room = self._room
+        key_room[:, :, length:length + 1] = key_states
+        value_room[:, :, length:length + 1] = value_states
+        self.keys, self.values = key_room[:, :, :length + 1], value_room[:, :, :length + 1]
+        return self.keys, self.values
+
+    def _has_room(self, needed: int) -> bool:
+        room = getattr(self, "_room", None)
+        return (room is not None and room[0].shape[-2] >= needed and room[0].data_ptr() == self.keys.data_ptr()
+                and room[0].shape[:2] == self.keys.shape[:2] and room[1].data_ptr() == self.values.data_ptr())
+
+
+def _with_room(tensor: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[b, H, S, D] -> a [b, H, tokens, D] buffer whose first S positions hold `tensor`."""
+    room = tensor.new_empty(*tensor.shape[:2], tokens, tensor.shape[-1])
+    room[:, :, :tensor.shape[-2]] = tensor
+    return room
+
+
+def roomy_cache(model):
+    """A DynamicCache whose full-attention layers decode in place (RoomyLayer); sliding windows are left as they are."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [RoomyLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+def make_room(states: list["MicroState"], tokens: int) -> None:
+    """The caches of these micro-batches keep room for `tokens` more decode steps beyond the next one."""
+    for state in states:
+        for layer in getattr(state.cache, "layers", []):
+            if isinstance(layer, RoomyLayer):
+                layer.spare = max(0, tokens)
+
+
+class PrefixSharedLayer(RoomyLayer):
     """One layer's cache for a micro-batch whose sequences share a prefix: the prefix's keys and values [1, H, P, D]
     are held once for the whole pass, each sequence keeps only its own tokens [b, H, S, D]. Attention gets their
     concatenation, a temporary of one layer and one micro-batch, so B sequences cost B suffixes, not B prompts."""
 
-    def __init__(self, prefix_length: int):
+    def __init__(self, prefix_length: int, split_decode: bool = False):
         super().__init__()
         self.prefix_length = prefix_length
+        self.split_decode = split_decode  # decode steps attend to the prefix in place (prefix_attention)
         self.prefix_keys: torch.Tensor | None = None
         self.prefix_values: torch.Tensor | None = None
 
@@ -125,6 +180,9 @@ class PrefixSharedLayer(DynamicLayer):
         if self.prefix_keys is None:
             raise RuntimeError("shared prefix: a layer ran before the prefix's keys and values reached it")
         own_keys, own_values = super().update(key_states, value_states)  # [b, H, S, D]
+        if self.split_decode and key_states.shape[-2] == 1:
+            prefix_attention.mark_next_call(self.prefix_keys, self.prefix_values, own_keys)
+            return own_keys, own_values
         batch = own_keys.shape[0]
         keys = torch.cat([self.prefix_keys.expand(batch, -1, -1, -1), own_keys], dim=-2)
         values = torch.cat([self.prefix_values.expand(batch, -1, -1, -1), own_values], dim=-2)
@@ -153,7 +211,7 @@ def prefill(handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, mi
         calls.append(prefix.prefix_call())
     for members in groups:
         ids, mask, positions = left_pad([seqs[i][shared:] for i in members], pad_id, device)
-        cache = None
+        cache = roomy_cache(model) if use_cache and prefix is None else None
         if prefix is not None:
             cache = prefix.placeholder_cache(len(calls), len(members))
             mask = torch.cat([torch.ones(len(members), shared, dtype=mask.dtype, device=device), mask], dim=1)
@@ -171,8 +229,11 @@ def prefill(handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, mi
     return logprobs, states
 
 
-def decode(handle, states: list[MicroState], next_tokens: dict[int, int]) -> dict[int, torch.Tensor]:
-    """One decode pass: each micro-batch feeds its sequences' last tokens. Returns index -> log-probs [V]."""
+def decode(handle, states: list[MicroState], next_tokens: dict[int, int], tokens_after: int = 0
+           ) -> dict[int, torch.Tensor]:
+    """One decode pass: each micro-batch feeds its sequences' last tokens. Returns index -> log-probs [V].
+    `tokens_after`: at most how many more decode passes follow, the room the caches keep for them."""
+    make_room(states, tokens_after)
     calls = []
     for state in states:
         ones = torch.ones((len(state.members), 1), dtype=state.mask.dtype, device=handle.device)
@@ -211,7 +272,7 @@ def merge_for_decode(states: list[MicroState], group_size: int | None) -> list[M
 
 
 def _mergeable(cache) -> bool:
-    return cache is not None and all(type(layer) in (DynamicLayer, PrefixSharedLayer) and layer.is_initialized
+    return cache is not None and all(type(layer) in (DynamicLayer, RoomyLayer, PrefixSharedLayer) and layer.is_initialized
                                      for layer in cache.layers)
 
 

@@ -138,7 +138,10 @@ class GreedyBatch:
             self._index = {i: seq for i, seq in enumerate(self.live)}
             self.states = merge_for_decode(self.states, self.decode_micro_batch)
         else:
-            logprobs = decode(self.handle, self.states, {i: s.generated[-1] for i, s in self._index.items()})
+            # after this pass, at most the longest remaining answer less one more passes: the room caches keep
+            after = max(s.row.request.max_new_tokens - len(s.generated) for s in self._index.values()) - 1
+            logprobs = decode(self.handle, self.states, {i: s.generated[-1] for i, s in self._index.items()},
+                              tokens_after=after)
         self.passes += 1
         finished = []
         for i, lp in logprobs.items():

@@ -418,15 +418,6 @@ def test_a_host_streaming_pass_also_moves_the_layers_through_ram_once_copied_and
     assert resident.seconds_per_pass < host.seconds_per_pass - host_streaming_bytes(LLAMA_70B, 4) / slowed_rate * 0.99
 
 
-def test_grouped_query_attention_moves_the_kv_cache_once_more_per_query_head_group():
-    """Under a padding mask transformers expands K and V to every query head before attention (repeat_kv)."""
-    assert kv_copies_per_decode(LLAMA_70B) == 3 + 2 * 8  # 64 query heads share 8 KV heads
-    assert kv_copies_per_decode(TINY) == 3 + 2 * 2
-    no_groups = sizes_from_config({**json.loads((CONFIGS / "llama-3-70b.json").read_text()),
-                                   "num_key_value_heads": 64}, "BF16")
-    assert kv_copies_per_decode(no_groups) == 3
-
-
 def test_resident_eta_counts_loading_once_and_compute_per_pass():
     candidate = plan(TINY, rows=[RowCost(100, 3)], compute_dtype="float32", compute_flops_per_s=1e9)
     assert candidate.io_seconds_per_pass == 0

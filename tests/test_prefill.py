@@ -138,3 +138,24 @@ def test_a_failing_micro_batch_fails_the_pass_and_releases_layers(tiny_checkpoin
         assert all(p.is_meta for p in handle.layers.parameters())
         # and the model still works afterwards
         assert handle.run_pass([good, good])[0].logits.shape[0] == 1
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_decode_steps_write_into_the_room_kept_for_them(tiny_checkpoint, share):
+    """After the first decode step moves a layer's keys into a buffer with room for the steps announced, later steps
+    append in place (no copy of the cache per step), and the log-probs stay those of plain transformers."""
+    with StreamedModel(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32) as handle:
+        seqs = sequences(handle.model.config.vocab_size, shared=MIN_SHARED_PREFIX + 4, count=3)
+        got, states = prefill(handle, seqs, 0, keep=1, micro_batch=None, use_cache=True, share_prefix=share)
+        tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
+        addresses = []
+        for after in (2, 1, 0):
+            stepped = decode(handle, states, tokens, tokens_after=after)
+            addresses.append(states[0].cache.layers[0].keys.data_ptr())
+            for i in tokens:
+                seqs[i] = seqs[i] + [tokens[i]]
+                assert (stepped[i] - plain_logprobs(handle, seqs[i], 1)[-1]).abs().max().item() <= 1e-4
+            tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}
+        assert addresses[0] == addresses[1] == addresses[2]
+        layer = states[0].cache.layers[0]
+        assert layer._room[0].shape[-2] == layer.keys.shape[-2]  # exactly the room announced, none left over

@@ -1,0 +1,97 @@
+"""Decoding against a shared prefix without copying it: attention over [prefix | own tokens] in two parts.
+
+A decode step of a micro-batch whose sequences share a prompt prefix (prefill.PrefixSharedLayer) would
+otherwise concatenate the prefix's keys and values [1, H, P, D], expanded to every sequence, with each
+sequence's own [b, H, S, D] at every layer of every pass: b copies of the prefix written and read again
+per layer. Measured on a 32-sequence decode pass of a 3 GB Llama (158-token prefix, 33 layers): 0.36 s of
+a 3.0 s pass. Here the scores against the prefix come from one batched matmul that reads the prefix once,
+the scores against the own tokens from another; the softmax runs over both together, as attention over
+the concatenation would.
+
+transformers owns the attention: this wraps its registered "sdpa" function and takes over only a call the
+cache layer has marked (on the calling thread) just before it; every other call goes to transformers' own
+function untouched, so models outside a batchrun pass are unaffected.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+_pending = threading.local()  # the prefix [keys, values] of the attention call about to run on this thread
+
+
+def supported(model) -> bool:
+    """Only models attending through transformers' sdpa function: the wrapper is what reads the mark."""
+    config = getattr(model.config, "get_text_config", lambda: model.config)()
+    return getattr(config, "_attn_implementation", None) == "sdpa"
+
+
+def mark_next_call(prefix_keys: torch.Tensor, prefix_values: torch.Tensor, own_keys: torch.Tensor) -> None:
+    """The next attention call on this thread gets `own_keys`, the own tokens' keys only: attend to this prefix
+    first. The call is recognised by that very tensor, so a mark left behind (a call that never came) is ignored."""
+    install()
+    _pending.prefix = (prefix_keys, prefix_values, own_keys)
+
+
+@functools.cache  # once per process
+def install() -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    @functools.wraps(original)
+    def sdpa_with_shared_prefix(module, query, key, value, attention_mask, *args, **kwargs):
+        prefix = getattr(_pending, "prefix", None)
+        _pending.prefix = None
+        if prefix is None or prefix[2] is not key:
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+        prefix_keys, prefix_values, _ = prefix
+        if not _plain_call(query, args, kwargs):
+            # Anything beyond plain scaled attention (biases, soft caps, sinks): concatenate and let sdpa do it.
+            batch = key.shape[0]
+            key = torch.cat([prefix_keys.expand(batch, -1, -1, -1), key], dim=-2)
+            value = torch.cat([prefix_values.expand(batch, -1, -1, -1), value], dim=-2)
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+        scaling = kwargs.get("scaling")
+        return attend_with_prefix(query, key, value, prefix_keys, prefix_values, attention_mask,
+                                  scaling if scaling is not None else query.shape[-1] ** -0.5), None
+
+    ALL_ATTENTION_FUNCTIONS.register("sdpa", sdpa_with_shared_prefix)
+
+
+def _plain_call(query: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    extras = {k for k, v in kwargs.items() if v is not None and k not in _PLAIN_KWARGS}
+    return query.shape[2] == 1 and not args and not extras and not kwargs.get("dropout")
+
+
+# Keyword arguments of a plain attention call; any other non-None one (position_bias, softcap, s_aux, sinks...)
+# changes the scores, and the call takes the concatenating path.
+_PLAIN_KWARGS = frozenset({"dropout", "scaling", "is_causal", "position_ids", "output_attentions",
+                           "cache_position", "use_cache", "past_key_values", "cache", "layer_idx"})
+
+
+def attend_with_prefix(query, own_keys, own_values, prefix_keys, prefix_values, mask, scaling: float):
+    """One query token per sequence. Shapes: query [b, Hq, 1, D]; own keys/values [b, H, S, D]; prefix keys/values
+    [1, H, P, D]; mask [b, 1, 1, P + S] (bool: attend, or additive float) or None. Returns [b, 1, Hq, D], the layout
+    transformers' attention functions return."""
+    batch, query_heads, _, dim = query.shape
+    heads, prefix_length = prefix_keys.shape[1], prefix_keys.shape[-2]
+    group = query_heads // heads
+    grouped = query.reshape(batch, heads, group, dim)  # query heads h*group..h*group+group-1 share key head h
+    # Against the prefix: one matmul per key head over every sequence's queries, reading the prefix once.
+    by_head = grouped.transpose(0, 1).reshape(heads, batch * group, dim)  # [H, b*g, D]
+    prefix_scores = torch.bmm(by_head, prefix_keys[0].transpose(1, 2))  # [H, b*g, P]
+    prefix_scores = prefix_scores.reshape(heads, batch, group, prefix_length).transpose(0, 1)  # [b, H, g, P]
+    own_scores = torch.matmul(grouped, own_keys.transpose(-1, -2))  # [b, H, g, S]
+    scores = torch.cat([prefix_scores, own_scores], dim=-1) * scaling  # [b, H, g, P + S]
+    if mask is not None:
+        mask = mask.reshape(mask.shape[0], 1, 1, mask.shape[-1])  # one row per sequence, shared by all heads
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    prefix_weights = weights[..., :prefix_length].transpose(0, 1).reshape(heads, batch * group, prefix_length)
+    from_prefix = torch.bmm(prefix_weights, prefix_values[0])  # [H, b*g, D]
+    from_prefix = from_prefix.reshape(heads, batch, group, dim).transpose(0, 1)  # [b, H, g, D]
+    output = from_prefix + torch.matmul(weights[..., prefix_length:], own_values)  # [b, H, g, D]
+    return output.reshape(batch, query_heads, 1, dim).transpose(1, 2).contiguous()  # [b, 1, Hq, D]

@@ -1,0 +1,90 @@
+"""Decode attention over [shared prefix | own tokens] in two parts equals attention over their concatenation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchrun import prefix_attention
+from batchrun.batching import MIN_SHARED_PREFIX
+from batchrun.prefill import decode, merge_for_decode, prefill
+from batchrun.stream import StreamedModel
+from tests.test_prefill import plain_logprobs, sequences
+
+
+def concatenated(query, own_keys, own_values, prefix_keys, prefix_values, mask, scaling):
+    batch, heads = own_keys.shape[:2]
+    keys = torch.cat([prefix_keys.expand(batch, -1, -1, -1), own_keys], dim=-2)
+    values = torch.cat([prefix_values.expand(batch, -1, -1, -1), own_values], dim=-2)
+    out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                                           enable_gqa=query.shape[1] != heads)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("query_heads,heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("mask_kind", ["bool", "float", None])
+def test_attention_in_two_parts_equals_attention_over_the_concatenation(query_heads, heads, mask_kind):
+    generator = torch.Generator().manual_seed(3)
+    batch, prefix, own, dim = 5, 11, 7, 16
+    query = torch.randn(batch, query_heads, 1, dim, generator=generator)
+    own_keys, own_values = (torch.randn(batch, heads, own, dim, generator=generator) for _ in range(2))
+    prefix_keys, prefix_values = (torch.randn(1, heads, prefix, dim, generator=generator) for _ in range(2))
+    mask = None
+    if mask_kind is not None:
+        attend = torch.ones(batch, 1, 1, prefix + own, dtype=torch.bool)
+        attend[1, ..., prefix:prefix + 3] = False  # left padding of a shorter sequence among its own tokens
+        attend[3, ..., prefix:prefix + 5] = False
+        mask = attend if mask_kind == "bool" else torch.zeros(attend.shape).masked_fill(~attend, float("-inf"))
+    got = prefix_attention.attend_with_prefix(query, own_keys, own_values, prefix_keys, prefix_values, mask, 0.3)
+    expected = concatenated(query, own_keys, own_values, prefix_keys, prefix_values, mask, 0.3)
+    assert got.shape == (batch, 1, query_heads, dim)
+    assert (got - expected).abs().max().item() <= 1e-5
+
+
+def test_the_wrapper_leaves_unmarked_calls_to_transformers():
+    """Outside a marked decode step (any model in the process, a prefill, a reference run) sdpa is transformers'."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    prefix_attention.install()
+    query, keys, values = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    module = torch.nn.Module()
+    module.is_causal = True
+    got, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, keys, values, None, scaling=0.5)
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"].__wrapped__
+    expected, _ = original(module, query, keys, values, None, scaling=0.5)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt_neox"])
+def test_decoding_after_a_shared_prefix_reads_the_prefix_in_place(tiny_checkpoint, monkeypatch, arch):
+    """Every decode step of a prefix-sharing micro-batch takes the two-part path, and the tokens' log-probs are those
+    of plain transformers over the whole sequence."""
+    taken = []
+    two_parts = prefix_attention.attend_with_prefix
+    monkeypatch.setattr(prefix_attention, "attend_with_prefix", lambda *a: taken.append(a[0].shape) or two_parts(*a))
+    with StreamedModel(tiny_checkpoint(arch), device="cpu", dtype=torch.float32) as handle:
+        layers = handle.model.config.num_hidden_layers
+        seqs = sequences(handle.model.config.vocab_size, shared=MIN_SHARED_PREFIX + 4, count=4)
+        got, states = prefill(handle, seqs, 0, keep=1, micro_batch=2, use_cache=True, share_prefix=True)
+        assert not taken  # the prefill attends to the concatenation: many query tokens
+        states = merge_for_decode(states, None)
+        tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
+        for step in range(2):
+            stepped = decode(handle, states, tokens)
+            for i in tokens:
+                seqs[i] = seqs[i] + [tokens[i]]
+                assert (stepped[i] - plain_logprobs(handle, seqs[i], 1)[-1]).abs().max().item() <= 1e-4
+            tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}
+        assert len(taken) == 2 * layers
+
+
+def test_a_mark_whose_call_never_came_does_not_touch_the_next_one():
+    """The two-part path runs only for the keys it was marked for: a stale mark cannot drop a prefix from, or add one
+    to, an unrelated call on the same thread."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    query, keys, values = torch.randn(2, 4, 1, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    module = torch.nn.Module()
+    prefix_attention.mark_next_call(torch.randn(1, 4, 5, 8), torch.randn(1, 4, 5, 8), torch.randn(2, 4, 6, 8))
+    got, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, keys, values, None, scaling=0.5)
+    expected, _ = ALL_ATTENTION_FUNCTIONS["sdpa"].__wrapped__(module, query, keys, values, None, scaling=0.5)
+    assert torch.equal(got, expected)
