@@ -117,13 +117,25 @@ class RoomyLayer(DynamicLayer):
     step."""
 
     spare = 0  # tokens the buffers keep room for beyond the next one (decode sets it)
+    _room: tuple[torch.Tensor, torch.Tensor] | None = None  # (keys, values) buffers [b, H, room, D]
+
+    def __setattr__(self, name, value):
+        # Keys or values replaced from outside (rows dropped, micro-batches merged): the buffers they replaced go at
+        # once, so a layer never holds its old buffers beside the new tensors.
+        if name in ("keys", "values") and self._room is not None:
+            room = self._room[0 if name == "keys" else 1]
+            if value is None or value.data_ptr() != room.data_ptr():
+                object.__setattr__(self, "_room", None)
+        object.__setattr__(self, name, value)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized or key_states.shape[-2] != 1 or self.keys.dim() != 4:
             return super().update(key_states, value_states)  # a prefill: one concatenation onto nothing
         length = self.keys.shape[-2]
         if not self._has_room(length + 1):
-            self._room = tuple(_with_room(t, length + 1 + self.spare) for t in (self.keys, self.values))
+            room = tuple(_with_room(t, length + 1 + self.spare) for t in (self.keys, self.values))
+            self.keys, self.values = room[0][:, :, :length], room[1][:, :, :length]  # frees the old ones
+            self._room = room
         key_room, value_room = self._room
         key_room[:, :, length:length + 1] = key_states
         value_room[:, :, length:length + 1] = value_states
@@ -131,9 +143,8 @@ class RoomyLayer(DynamicLayer):
         return self.keys, self.values
 
     def _has_room(self, needed: int) -> bool:
-        room = getattr(self, "_room", None)
-        return (room is not None and room[0].shape[-2] >= needed and room[0].data_ptr() == self.keys.data_ptr()
-                and room[0].shape[:2] == self.keys.shape[:2] and room[1].data_ptr() == self.values.data_ptr())
+        return (self._room is not None and self._room[0].shape[-2] >= needed
+                and self._room[0].shape[:2] == self.keys.shape[:2])
 
 
 def _with_room(tensor: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -160,8 +171,9 @@ def make_room(states: list["MicroState"], tokens: int) -> None:
 
 class PrefixSharedLayer(RoomyLayer):
     """One layer's cache for a micro-batch whose sequences share a prefix: the prefix's keys and values [1, H, P, D]
-    are held once for the whole pass, each sequence keeps only its own tokens [b, H, S, D]. Attention gets their
-    concatenation, a temporary of one layer and one micro-batch, so B sequences cost B suffixes, not B prompts."""
+    are held once for the whole pass, each sequence keeps only its own tokens [b, H, S, D]. A prefill's attention gets
+    their concatenation, a temporary of one layer and one micro-batch, so B sequences cost B suffixes, not B prompts;
+    a decode step attends to the two in place where transformers' sdpa runs it (prefix_attention)."""
 
     def __init__(self, prefix_length: int, split_decode: bool = False):
         super().__init__()
