@@ -30,9 +30,17 @@ def supported(model) -> bool:
 
 def mark_next_call(prefix_keys: torch.Tensor, prefix_values: torch.Tensor, own_keys: torch.Tensor) -> None:
     """The next attention call on this thread gets `own_keys`, the own tokens' keys only: attend to this prefix
-    first. The call is recognised by that very tensor, so a mark left behind (a call that never came) is ignored."""
+    first. Attending without the prefix would be silently wrong, so a model whose attention does not come through
+    here with those very keys fails the pass instead (PrefixAttentionError)."""
     install()
+    if getattr(_pending, "prefix", None) is not None:
+        _pending.prefix = None
+        raise PrefixAttentionError("the previous decode step's attention never reached transformers' sdpa function")
     _pending.prefix = (prefix_keys, prefix_values, own_keys)
+
+
+class PrefixAttentionError(RuntimeError):
+    """A model's decode step did not attend the way prefix sharing needs (an architecture batchrun has not met)."""
 
 
 @functools.cache  # once per process
@@ -45,8 +53,10 @@ def install() -> None:
     def sdpa_with_shared_prefix(module, query, key, value, attention_mask, *args, **kwargs):
         prefix = getattr(_pending, "prefix", None)
         _pending.prefix = None
-        if prefix is None or prefix[2] is not key:
+        if prefix is None:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
+        if prefix[2] is not key:
+            raise PrefixAttentionError("a decode step's attention got other keys than its cache returned")
         prefix_keys, prefix_values, _ = prefix
         if not _plain_call(query, args, kwargs):
             # Anything beyond plain scaled attention (biases, soft caps, sinks): concatenate and let sdpa do it.

@@ -77,14 +77,20 @@ def test_decoding_after_a_shared_prefix_reads_the_prefix_in_place(tiny_checkpoin
         assert len(taken) == 2 * layers
 
 
-def test_a_mark_whose_call_never_came_does_not_touch_the_next_one():
-    """The two-part path runs only for the keys it was marked for: a stale mark cannot drop a prefix from, or add one
-    to, an unrelated call on the same thread."""
+def test_a_decode_step_that_does_not_attend_as_marked_fails_instead_of_dropping_the_prefix():
+    """Attention over the own tokens alone would be silently wrong: an architecture that transforms the keys between
+    its cache and sdpa, or attends through another function, fails the pass."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     query, keys, values = torch.randn(2, 4, 1, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
-    module = torch.nn.Module()
-    prefix_attention.mark_next_call(torch.randn(1, 4, 5, 8), torch.randn(1, 4, 5, 8), torch.randn(2, 4, 6, 8))
-    got, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, keys, values, None, scaling=0.5)
-    expected, _ = ALL_ATTENTION_FUNCTIONS["sdpa"].__wrapped__(module, query, keys, values, None, scaling=0.5)
-    assert torch.equal(got, expected)
+    prefix_keys, prefix_values = torch.randn(1, 4, 5, 8), torch.randn(1, 4, 5, 8)
+    prefix_attention.mark_next_call(prefix_keys, prefix_values, keys)
+    with pytest.raises(prefix_attention.PrefixAttentionError, match="other keys"):
+        ALL_ATTENTION_FUNCTIONS["sdpa"](torch.nn.Module(), query, keys.clone(), values, None, scaling=0.5)
+    prefix_attention.mark_next_call(prefix_keys, prefix_values, keys)  # a call that never comes...
+    with pytest.raises(prefix_attention.PrefixAttentionError, match="never reached"):
+        prefix_attention.mark_next_call(prefix_keys, prefix_values, keys)  # ...is caught at the next layer's mark
+    # and the thread is left clean for what follows
+    got, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](torch.nn.Module(), query, keys, values, None, scaling=0.5)
+    assert torch.equal(got, ALL_ATTENTION_FUNCTIONS["sdpa"].__wrapped__(torch.nn.Module(), query, keys, values, None,
+                                                                         scaling=0.5)[0])
