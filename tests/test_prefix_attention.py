@@ -94,3 +94,24 @@ def test_a_decode_step_that_does_not_attend_as_marked_fails_instead_of_dropping_
     got, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](torch.nn.Module(), query, keys, values, None, scaling=0.5)
     assert torch.equal(got, ALL_ATTENTION_FUNCTIONS["sdpa"].__wrapped__(torch.nn.Module(), query, keys, values, None,
                                                                          scaling=0.5)[0])
+
+
+def test_a_marked_call_with_a_position_bias_attends_to_the_concatenation_through_transformers():
+    """Scores the two-part path does not model (here a position bias) go to transformers' sdpa over prefix + own."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    generator = torch.Generator().manual_seed(5)
+    query, keys, values = (torch.randn(2, 4, 1, 8, generator=generator), torch.randn(2, 4, 6, 8, generator=generator),
+                           torch.randn(2, 4, 6, 8, generator=generator))
+    prefix_keys, prefix_values = torch.randn(1, 4, 5, 8, generator=generator), torch.randn(1, 4, 5, 8, generator=generator)
+    bias = torch.randn(2, 4, 1, 11, generator=generator)
+    prefix_attention.mark_next_call(prefix_keys, prefix_values, keys)
+    got, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](torch.nn.Module(), query, keys, values, None, scaling=0.5,
+                                             position_bias=bias)
+    full_keys = torch.cat([prefix_keys.expand(2, -1, -1, -1), keys], dim=-2)
+    full_values = torch.cat([prefix_values.expand(2, -1, -1, -1), values], dim=-2)
+    expected, _ = ALL_ATTENTION_FUNCTIONS["sdpa"].__wrapped__(torch.nn.Module(), query, full_keys, full_values, None,
+                                                              scaling=0.5, position_bias=bias)
+    assert torch.equal(got, expected)
+    without_bias = prefix_attention.attend_with_prefix(query, keys, values, prefix_keys, prefix_values, None, 0.5)
+    assert not torch.allclose(got, without_bias, atol=1e-3)  # the bias mattered: the two-part path was not taken
