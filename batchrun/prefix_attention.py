@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-_pending = threading.local()  # the prefix [keys, values] of the attention call about to run on this thread
+_pending = threading.local()  # (prefix keys, prefix values, own keys) of the attention call about to run here
 
 
 def supported(model) -> bool:
