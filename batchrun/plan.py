@@ -17,7 +17,7 @@ from batchrun.batching import (
 from batchrun.checkpoint_files import DTYPE_BITS
 from batchrun.plan_format import format_bytes, format_duration, format_rate
 from batchrun.plan_time import (  # noqa: F401 (re-exported)
-    Timeline, host_streaming_bytes, job_timeline, kv_copies_per_decode, pass_bound)
+    KV_COPIES_PER_DECODE, Timeline, host_streaming_bytes, job_timeline, pass_bound)
 from batchrun.sizes import (  # noqa: F401 (re-exported)
     DTYPE_CODES, CheckpointSizes, attended_positions, kv_bytes_for_sequence, kv_bytes_per_token_per_layer,
 )

@@ -45,18 +45,13 @@ def decode_flops(sizes: CheckpointSizes, live_sequences: int, context: int) -> i
     return matmuls + attention
 
 
-def kv_copies_per_decode(sizes: CheckpointSizes) -> int:
-    """Times a decode pass moves the batch's KV cache through RAM (see KV_COPIES_PER_DECODE)."""
-    return KV_COPIES_PER_DECODE
-
-
 def pass_memory_bytes(sizes: CheckpointSizes, compute_bytes: int, sequences: int, context: int,
                       decode: bool) -> tuple[int, int]:
     """(weight bytes, KV bytes) a pass moves through RAM: every decoder weight and the head once at the compute
-    dtype; a prefill writes its KV cache once, a decode pass moves the batch's cache kv_copies_per_decode times."""
+    dtype; a prefill writes its KV cache once, a decode pass moves the batch's cache KV_COPIES_PER_DECODE times."""
     weights = (sizes.decoder_params + sizes.vocab_size * sizes.hidden_size) * compute_bytes
     kv = sequences * kv_bytes_for_sequence(sizes, compute_bytes, context)
-    return weights, kv * (kv_copies_per_decode(sizes) if decode else 1)
+    return weights, kv * (KV_COPIES_PER_DECODE if decode else 1)
 
 
 def host_streaming_bytes(sizes: CheckpointSizes, compute_bytes: int) -> int:

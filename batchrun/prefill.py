@@ -161,7 +161,7 @@ def roomy_cache(model):
     return cache
 
 
-def make_room(states: list["MicroState"], tokens: int) -> None:
+def make_room(states: list[MicroState], tokens: int) -> None:
     """The caches of these micro-batches keep room for `tokens` more decode steps beyond the next one."""
     for state in states:
         for layer in getattr(state.cache, "layers", []):
@@ -195,10 +195,7 @@ class PrefixSharedLayer(RoomyLayer):
         if self.split_decode and key_states.shape[-2] == 1:
             prefix_attention.mark_next_call(self.prefix_keys, self.prefix_values, own_keys)
             return own_keys, own_values
-        batch = own_keys.shape[0]
-        keys = torch.cat([self.prefix_keys.expand(batch, -1, -1, -1), own_keys], dim=-2)
-        values = torch.cat([self.prefix_values.expand(batch, -1, -1, -1), own_values], dim=-2)
-        return keys, values  # [b, H, P + S, D]
+        return prefix_attention.concatenate(self.prefix_keys, self.prefix_values, own_keys, own_values)
 
     def get_seq_length(self) -> int:
         return self.prefix_length + super().get_seq_length()

@@ -60,15 +60,20 @@ def install() -> None:
         prefix_keys, prefix_values, _ = prefix
         if not _plain_call(query, args, kwargs):
             # Anything beyond plain scaled attention (biases, soft caps, sinks): concatenate and let sdpa do it.
-            batch = key.shape[0]
-            key = torch.cat([prefix_keys.expand(batch, -1, -1, -1), key], dim=-2)
-            value = torch.cat([prefix_values.expand(batch, -1, -1, -1), value], dim=-2)
+            key, value = concatenate(prefix_keys, prefix_values, key, value)
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         scaling = kwargs.get("scaling")
         return attend_with_prefix(query, key, value, prefix_keys, prefix_values, attention_mask,
                                   scaling if scaling is not None else query.shape[-1] ** -0.5), None
 
     ALL_ATTENTION_FUNCTIONS.register("sdpa", sdpa_with_shared_prefix)
+
+
+def concatenate(prefix_keys, prefix_values, own_keys, own_values) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, H, P, D] prefix and [b, H, S, D] own -> [b, H, P + S, D] keys and values, the prefix copied per sequence."""
+    batch = own_keys.shape[0]
+    return (torch.cat([prefix_keys.expand(batch, -1, -1, -1), own_keys], dim=-2),
+            torch.cat([prefix_values.expand(batch, -1, -1, -1), own_values], dim=-2))
 
 
 def _plain_call(query: torch.Tensor, args: tuple, kwargs: dict) -> bool:

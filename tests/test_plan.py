@@ -14,7 +14,7 @@ from batchrun.checkpoint import sizes_from_config
 from batchrun.plan_time import batch_pass_flops
 from batchrun.plan import (
     HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, Bandwidth, RowCost, activation_bytes_for_sequence,
-    compare_modes, format_duration, kv_bytes_for_sequence, kv_copies_per_decode, lower_bound_passes, make_plan, pack_batches,
+    compare_modes, format_duration, kv_bytes_for_sequence, KV_COPIES_PER_DECODE, lower_bound_passes, make_plan, pack_batches,
     host_streaming_bytes, parse_streaming, passes_for, streamed_weights,
 )
 from batchrun.plan_format import format_bytes, format_comparison, format_plan_table
@@ -377,7 +377,7 @@ def test_long_prefill_on_a_slow_cpu_is_compute_bound_and_said_so():
 
 def test_decode_passes_take_as_long_as_streaming_the_weights_and_kv_cache_from_memory():
     """A decode step of a few sequences is bound by RAM, not FLOPs (several times slower on a CPU): with the memory
-    rate measured, the median (decode) pass is every weight plus the KV cache moved kv_copies_per_decode times."""
+    rate measured, the median (decode) pass is every weight plus the KV cache moved KV_COPIES_PER_DECODE times."""
     rows = [RowCost(300, 8)] * 4
     options = dict(rows=rows, streaming="never", memory_budget_bytes=400 * GiB, compute_flops_per_s=4e11)
     flops_only = plan(**options)
@@ -385,7 +385,7 @@ def test_decode_passes_take_as_long_as_streaming_the_weights_and_kv_cache_from_m
     weights = (LLAMA_70B.decoder_params + LLAMA_70B.vocab_size * LLAMA_70B.hidden_size) * 2
     kv_at = [4 * kv_bytes_for_sequence(LLAMA_70B, 2, 300 + step) for step in range(1, 8)]
     memory_rate = 1e10 / HOST_FRESH_PAGE_SLOWDOWN  # on the host every pass also faults in fresh pages
-    decode = sorted((weights + kv_copies_per_decode(LLAMA_70B) * kv) / memory_rate for kv in kv_at)
+    decode = sorted((weights + KV_COPIES_PER_DECODE * kv) / memory_rate for kv in kv_at)
     assert bound.memory_bytes_per_s == 1e10 and flops_only.memory_bytes_per_s is None
     assert bound.seconds_per_pass == pytest.approx((decode[3] + decode[4]) / 2)  # median of 1 prefill + 7 decodes
     assert bound.seconds_per_pass > 5 * flops_only.seconds_per_pass
@@ -407,7 +407,7 @@ def test_a_host_streaming_pass_also_moves_the_layers_through_ram_once_copied_and
     slowed_rate = 1e10 / HOST_FRESH_PAGE_SLOWDOWN
     weights = (LLAMA_70B.decoder_params + LLAMA_70B.vocab_size * LLAMA_70B.hidden_size) * 4
     kv_at = [4 * kv_bytes_for_sequence(LLAMA_70B, 4, 300 + step) for step in range(1, 8)]
-    decode = sorted((weights + kv_copies_per_decode(LLAMA_70B) * kv + host_streaming_bytes(LLAMA_70B, 4))
+    decode = sorted((weights + KV_COPIES_PER_DECODE * kv + host_streaming_bytes(LLAMA_70B, 4))
                     / slowed_rate for kv in kv_at)
     assert host.seconds_per_pass == pytest.approx((decode[3] + decode[4]) / 2)  # median of 1 prefill + 7 decodes
     assert sorted(host.pass_seconds[1:]) == pytest.approx(decode)  # every pass, kept for benchmarks/plan_accuracy
