@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from batchrun.cli import cli
 from tests.procs import mixed_job
+from tests.tiny_models import build_sharded_checkpoint
 
 
 def copy_model(source: Path, target: Path) -> Path:
@@ -58,7 +59,8 @@ def offsets_past_the_end(tiny_checkpoint, tmp: Path) -> tuple[Path, str, str]:
 
 
 def missing_shard(tiny_checkpoint, tmp: Path) -> tuple[Path, str, str]:
-    model = copy_model(tiny_checkpoint("llama-sharded"), tmp / "missing")
+    # Built beside the tiny checkpoints (tiny_checkpoint("llama").parent), so it is made on a fresh cache too.
+    model = copy_model(build_sharded_checkpoint("llama", tiny_checkpoint("llama").parent), tmp / "missing")
     weight_map = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
     gone = model / sorted(set(weight_map.values()))[-1]
     gone.unlink()
