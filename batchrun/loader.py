@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,16 @@ class LayerWeights:
     slot: int
     tensors: dict[str, torch.Tensor]
     ready: torch.cuda.Event | None = None  # set when an asynchronous host->device copy is in flight
+    # Host widenings still running when the reads finished: the reader moves on to the next layer at once, and
+    # the layer's user waits for these (wait_widened) before the first forward that reads it.
+    widenings: list[Future] = field(default_factory=list)
+
+    def wait_widened(self) -> None:
+        """Block until every tensor is widened; a widening that failed fails here."""
+        pending, self.widenings = self.widenings, []
+        wait(pending)
+        for widening in pending:
+            widening.result()
 
 
 class LayerLoader:
@@ -104,15 +114,13 @@ class LayerLoader:
                     # disk idle for ~40% of a one-sequence pass (3 GB bf16 model: reads 1.6 s, widening 1.1 s).
                     widenings.append(self._widener().submit(_widen_on_thread, buf, SAFETENSORS_DTYPES[info.dtype]))
                 tensors[name] = buf
+            ready = self._load_staged(staged, prefix, metas, slot, tensors) if staged else None
         except BaseException:
             wait(widenings)  # a failed load gives its slot back: nothing may still be writing into it
             raise
-        for widening in widenings:
-            widening.result()  # the layer is ready only once every tensor is widened; a failure fails the load
-        ready = None
-        if staged:
-            ready = self._load_staged(staged, prefix, metas, slot, tensors)
-        return LayerWeights(index=index, slot=slot, tensors=tensors, ready=ready)
+        # Not waited for here: the last widenings of a layer end ~6 ms after its last read (3 GB bf16 model, 2 cores),
+        # time in which the reader would leave the disk idle before the next layer.
+        return LayerWeights(index=index, slot=slot, tensors=tensors, ready=ready, widenings=widenings)
 
     def _split(self, index: int) -> tuple[list[Recipe], list[Recipe], list[Recipe]]:
         """(read as is, read then widened in place, read into the staging buffer then converted or copied)."""

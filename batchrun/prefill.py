@@ -250,7 +250,7 @@ def decode(handle, states: list[MicroState], next_tokens: dict[int, int], tokens
         state.positions = state.positions[:, -1:] + 1
         ids = torch.tensor([[next_tokens[i]] for i in state.members], dtype=torch.long, device=handle.device)
         calls.append(_call(handle.model, ids, state.mask, state.positions, 1, state.cache, True))
-    outputs = handle.run_pass(calls)
+    outputs = handle.run_pass(calls, light=True)
     result = {}
     for state, (lp, cache) in zip(states, outputs):
         state.cache = cache

@@ -52,8 +52,9 @@ class ResidentModel:
                 self._before_layer(index, self._micro)
         return hook
 
-    def run_pass(self, calls, before_layer=None) -> list:
-        """Micro-batches of one pass. Resident weights cost no reads, so they simply run in turn."""
+    def run_pass(self, calls, before_layer=None, *, light: bool = False) -> list:
+        """Micro-batches of one pass. Resident weights cost no reads, so they simply run in turn (and every core
+        computes: `light` matters only to a streamed model)."""
         self.passes += 1
         self._in_pass, self._before_layer = True, before_layer
         try:

@@ -162,3 +162,46 @@ def test_decode_steps_write_into_the_room_kept_for_them(tiny_checkpoint, share):
         # rows leaving the batch take their room with them: the cache holds no buffer of the larger batch
         drop_finished(states, {0})
         assert layer._room is None and layer.keys.shape[0] == 2
+
+
+@pytest.mark.parametrize("decode_groups", [None, 2])
+def test_streamed_decode_passes_leave_the_loader_a_core_and_prefills_use_every_core(tiny_checkpoint, decode_groups):
+    """A decode pass computes less per layer than reading the next takes: on the CPU its forward runs on one thread
+    fewer, so the reader and the widening are not fighting the matmuls for the cores. A prefill keeps them all, and
+    every core is given back after the pass (also after several micro-batches, each on its own thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with StreamedModel(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32) as streamed:
+            seen: list[tuple[str, int]] = []
+            phase = ["prefill"]
+            hook = streamed.layers[0].register_forward_pre_hook(
+                lambda module, args: seen.append((phase[0], torch.get_num_threads())))
+            seqs = sequences(streamed.model.config.vocab_size)
+            got, states = prefill(streamed, seqs, pad_id=0, keep=1, micro_batch=2, use_cache=True, share_prefix=False)
+            states = merge_for_decode(states, decode_groups)
+            phase[0] = "decode"
+            decode(streamed, states, {i: int(lp[-1].argmax()) for i, lp in enumerate(got)})
+            hook.remove()
+            assert torch.get_num_threads() == 2
+        assert {threads for step, threads in seen if step == "prefill"} == {2}
+        assert {threads for step, threads in seen if step == "decode"} == {1}
+        assert len([step for step, _ in seen if step == "decode"]) == len(states)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_resident_decode_passes_use_every_core(tiny_checkpoint):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        handle = ResidentModel(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32)
+        seen = []
+        handle.layers[0].register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))
+        seqs = sequences(handle.model.config.vocab_size)
+        got, states = prefill(handle, seqs, pad_id=0, keep=1, micro_batch=None, use_cache=True)
+        decode(handle, states, {i: int(lp[-1].argmax()) for i, lp in enumerate(got)})
+        assert seen == [2, 2, 2]  # the shared prefix, the prefill, the decode pass
+        handle.close()
+    finally:
+        torch.set_num_threads(before)

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from batchrun import StreamedModel
 from batchrun.checkpoint import CheckpointError
 from batchrun.loader import widen_in_place
-from tests.tiny_models import TINY_ARCHS, build_sharded_checkpoint
+from tests.tiny_models import TINY_ARCHS, build_large_llama, build_sharded_checkpoint
 
 TOLERANCE = 1e-5
 
@@ -186,3 +186,81 @@ def test_a_failed_read_surfaces_only_after_the_layers_widenings_stop_writing_int
         ids = sample_ids(streamed.config.vocab_size)
         with torch.inference_mode():
             assert (streamed(ids).logits - expected(ids).logits).abs().max().item() <= TOLERANCE
+
+
+def test_the_reader_moves_on_while_a_layer_widens_and_the_forward_waits_for_it(tmp_path, tiny_checkpoint, monkeypatch):
+    """A load returns once its reads are done; the widenings still running are awaited by the forward that needs
+    the layer, never skipped: slow widenings give the same logits."""
+    import time
+
+    from batchrun import loader
+
+    path = tmp_path / "bf16"
+    reference(tiny_checkpoint("llama")).to(torch.bfloat16).save_pretrained(path)
+    real_widen, returned_unwidened = loader.widen_in_place, []
+
+    def slow_widen(*args):
+        time.sleep(0.05)
+        real_widen(*args)
+
+    real_load = loader.LayerLoader._load
+
+    def load(self, index, slot):
+        weights = real_load(self, index, slot)
+        returned_unwidened.append(any(not w.done() for w in weights.widenings))
+        return weights
+
+    monkeypatch.setattr(loader, "widen_in_place", slow_widen)
+    monkeypatch.setattr(loader.LayerLoader, "_load", load)
+    expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = sample_ids(expected.config.vocab_size)
+    with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed, torch.inference_mode():
+        assert (streamed(ids).logits - expected(ids).logits).abs().max().item() <= TOLERANCE
+    assert any(returned_unwidened)
+
+
+def test_a_released_slot_starts_the_next_read_before_the_next_layer_runs(tmp_path, tiny_checkpoint):
+    """With prefetch depth 1, layer i+2 is asked for when layer i gives its slot back, not when layer i+1 starts:
+    the reader does not wait for the forward while a slot is free."""
+    path = build_large_llama(tmp_path / "deep", 2_000_000, dtype="float32", num_layers=5, vocab_size=512)
+    with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
+        layers = len(streamed.layers)
+        asked_before_start = []
+        for index in range(1, layers - 1):
+            streamed.layers[index].register_forward_pre_hook(
+                lambda module, args, ahead=index + 1: asked_before_start.append(
+                    ahead in streamed._pending or ahead in streamed._active), prepend=True)
+        streamed(sample_ids(512))
+        assert asked_before_start == [True] * (layers - 2)
+
+
+def test_a_failed_widening_fails_the_pass_and_gives_its_slot_back(tmp_path, tiny_checkpoint, monkeypatch):
+    import threading
+
+    from batchrun import loader
+
+    path = tmp_path / "bf16"
+    reference(tiny_checkpoint("llama")).to(torch.bfloat16).save_pretrained(path)
+    real_widen = loader.widen_in_place
+    broken = [True]
+
+    def widen(*args):
+        if broken[0]:
+            raise RuntimeError("widening broke")
+        real_widen(*args)
+
+    monkeypatch.setattr(loader, "widen_in_place", widen)
+    expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = sample_ids(expected.config.vocab_size)
+    with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
+        with pytest.raises(RuntimeError, match="widening broke"):
+            streamed(ids)
+        broken[0] = False
+        result = []
+        # A slot kept by the failed layer would leave the next pass waiting for it forever.
+        again = threading.Thread(target=lambda: result.append(streamed(ids).logits), daemon=True)
+        again.start()
+        again.join(timeout=60)
+        assert result, "the pass after a failed widening never finished: a slot was not given back"
+        with torch.inference_mode():
+            assert (result[0] - expected(ids).logits).abs().max().item() <= TOLERANCE
