@@ -34,7 +34,7 @@ class LayerWeights:
     def wait_widened(self) -> None:
         """Block until every tensor is widened; a widening that failed fails here."""
         pending, self.widenings = self.widenings, []
-        wait(pending)
+        wait(pending)  # all of them, even when one failed: the caller may give the slot back next
         for widening in pending:
             widening.result()
 

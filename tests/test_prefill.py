@@ -192,16 +192,16 @@ def test_streamed_decode_passes_leave_the_loader_a_core_and_prefills_use_every_c
 
 
 def test_resident_decode_passes_use_every_core(tiny_checkpoint):
+    handle = ResidentModel(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        handle = ResidentModel(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32)
         seen = []
         handle.layers[0].register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))
         seqs = sequences(handle.model.config.vocab_size)
         got, states = prefill(handle, seqs, pad_id=0, keep=1, micro_batch=None, use_cache=True)
         decode(handle, states, {i: int(lp[-1].argmax()) for i, lp in enumerate(got)})
         assert seen == [2, 2, 2]  # the shared prefix, the prefill, the decode pass
-        handle.close()
     finally:
+        handle.close()
         torch.set_num_threads(before)
