@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -147,6 +149,40 @@ def test_bf16_checkpoint_streams_into_float32(tmp_path, tiny_checkpoint):
         expected = expected_model(ids).logits
     with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
         assert (streamed(ids).logits - expected).abs().max().item() <= TOLERANCE
+
+
+def test_contiguous_runs_merge_back_to_back_ranges_of_one_file_only():
+    from batchrun.loader import contiguous_runs
+
+    def info(file, offset, nbytes):
+        return SimpleNamespace(file=Path(file), offset=offset, nbytes=nbytes)
+
+    infos = [info("b", 0, 4), info("a", 10, 5), info("a", 0, 10), info("a", 16, 4), info("b", 4, 2)]
+    assert contiguous_runs(infos) == [(Path("a"), 0, 15), (Path("a"), 16, 20), (Path("b"), 0, 6)]
+    assert contiguous_runs([]) == []
+
+
+def test_each_layer_read_is_dropped_from_the_page_cache_in_one_advice(tiny_checkpoint, monkeypatch):
+    """While streaming, the kernel is told to drop the bytes just read (the model does not fit anyway, and the
+    user's other work keeps its cache): every byte of every layer, one call per contiguous run (a layer's tensors
+    are back to back in a safetensors file), not one per tensor."""
+    from batchrun import loader
+
+    advised = []
+    real = loader.os.posix_fadvise
+
+    def record(fd, offset, length, advice):
+        advised.append((offset, length))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(loader.os, "posix_fadvise", record)
+    path = tiny_checkpoint("llama")
+    ids = sample_ids(reference(path).config.vocab_size)
+    with StreamedModel(path, device="cpu", dtype=torch.float32, prefetching=False) as streamed:
+        streamed(ids)
+        layers = [[recipe.sources[0] for recipe in recipes] for recipes in streamed.loader.layer_recipes]
+    assert len(advised) == len(layers)
+    assert advised == [(min(i.offset for i in infos), sum(i.nbytes for i in infos)) for infos in layers]
 
 
 def test_a_failed_read_surfaces_only_after_the_layers_widenings_stop_writing_into_its_slot(tmp_path, tiny_checkpoint,
