@@ -93,8 +93,8 @@ class SharedPrefix:
         """A cache that already counts `len(prefix)` tokens, so the model builds the suffix's masks and positions
         after them; its layers receive the prefix's keys and values by reference (see PrefixSharedLayer)."""
         cache = DynamicCache(config=self.model.config)
-        split = prefix_attention.supported(self.model)
-        cache.layers = [PrefixSharedLayer(len(self.prefix), split_decode=split) for _ in range(len(cache.layers))]
+        marks = prefix_attention.supported(self.model)
+        cache.layers = [PrefixSharedLayer(len(self.prefix), marks_attention=marks) for _ in range(len(cache.layers))]
         self.targets[micro] = cache
         return cache
 
@@ -173,12 +173,13 @@ class PrefixSharedLayer(RoomyLayer):
     """One layer's cache for a micro-batch whose sequences share a prefix: the prefix's keys and values [1, H, P, D]
     are held once for the whole pass, each sequence keeps only its own tokens [b, H, S, D]. A prefill's attention gets
     their concatenation, a temporary of one layer and one micro-batch, so B sequences cost B suffixes, not B prompts;
-    a decode step attends to the two in place where transformers' sdpa runs it (prefix_attention)."""
+    a decode step attends to the two in place where transformers' sdpa runs it (prefix_attention), which also runs a
+    prefill's attention on a CPU without copying the keys and values per query head."""
 
-    def __init__(self, prefix_length: int, split_decode: bool = False):
+    def __init__(self, prefix_length: int, marks_attention: bool = False):
         super().__init__()
         self.prefix_length = prefix_length
-        self.split_decode = split_decode  # decode steps attend to the prefix in place (prefix_attention)
+        self.marks_attention = marks_attention  # the model attends through transformers' sdpa (prefix_attention)
         self.prefix_keys: torch.Tensor | None = None
         self.prefix_values: torch.Tensor | None = None
 
@@ -192,10 +193,13 @@ class PrefixSharedLayer(RoomyLayer):
         if self.prefix_keys is None:
             raise RuntimeError("shared prefix: a layer ran before the prefix's keys and values reached it")
         own_keys, own_values = super().update(key_states, value_states)  # [b, H, S, D]
-        if self.split_decode and key_states.shape[-2] == 1:
+        if self.marks_attention and key_states.shape[-2] == 1:
             prefix_attention.mark_next_call(self.prefix_keys, self.prefix_values, own_keys)
             return own_keys, own_values
-        return prefix_attention.concatenate(self.prefix_keys, self.prefix_values, own_keys, own_values)
+        keys, values = prefix_attention.concatenate(self.prefix_keys, self.prefix_values, own_keys, own_values)
+        if self.marks_attention:  # a prefill: attends to the concatenation without copying it per query head
+            prefix_attention.mark_next_call(self.prefix_keys, self.prefix_values, keys)
+        return keys, values
 
     def get_seq_length(self) -> int:
         return self.prefix_length + super().get_seq_length()

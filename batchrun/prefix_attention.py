@@ -6,7 +6,9 @@ sequence's own [b, H, S, D] at every layer of every pass: b copies of the prefix
 per layer. Measured on a 32-sequence decode pass of a 3 GB Llama (158-token prefix, 33 layers): 0.36 s of
 a 3.0 s pass. Here the scores against the prefix come from one batched matmul that reads the prefix once,
 the scores against the own tokens from another; the softmax runs over both together, as attention over
-the concatenation would.
+the concatenation would. A prefill of such a micro-batch attends to the concatenation; on a CPU this runs
+it through torch's SDPA in grouped-query mode, where transformers' sdpa (given a mask) would first copy the
+keys and values once per query head.
 
 transformers owns the attention: this wraps its registered "sdpa" function and takes over only a call the
 cache layer has marked (on the calling thread) just before it; every other call goes to transformers' own
@@ -58,7 +60,12 @@ def install() -> None:
         if prefix[2] is not key:
             raise PrefixAttentionError("a decode step's attention got other keys than its cache returned")
         prefix_keys, prefix_values, _ = prefix
-        if not _plain_call(query, args, kwargs):
+        plain = _plain_call(args, kwargs)
+        if query.shape[2] > 1:  # a prefill: its cache handed over [prefix | own] already
+            if plain and attention_mask is not None and query.device.type == "cpu":
+                return attend_grouped(query, key, value, attention_mask, kwargs.get("scaling")), None
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+        if not plain:
             # Anything beyond plain scaled attention (biases, soft caps, sinks): concatenate and let sdpa do it.
             key, value = concatenate(prefix_keys, prefix_values, key, value)
             return original(module, query, key, value, attention_mask, *args, **kwargs)
@@ -76,15 +83,26 @@ def concatenate(prefix_keys, prefix_values, own_keys, own_values) -> tuple[torch
             torch.cat([prefix_values.expand(batch, -1, -1, -1), own_values], dim=-2))
 
 
-def _plain_call(query: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+def _plain_call(args: tuple, kwargs: dict) -> bool:
     extras = {k for k, v in kwargs.items() if v is not None and k not in _PLAIN_KWARGS}
-    return query.shape[2] == 1 and not args and not extras and not kwargs.get("dropout")
+    return not args and not extras and not kwargs.get("dropout")
 
 
 # Keyword arguments of a plain attention call; any other non-None one (position_bias, softcap, s_aux, sinks...)
 # changes the scores, and the call takes the concatenating path.
 _PLAIN_KWARGS = frozenset({"dropout", "scaling", "is_causal", "position_ids", "output_attentions",
                            "cache_position", "use_cache", "past_key_values", "cache", "layer_idx"})
+
+
+def attend_grouped(query, keys, values, mask, scaling: float | None):
+    """A prefill's attention over [prefix | own tokens] on a CPU, torch's SDPA pairing each key head with its group of
+    query heads itself. With a mask, transformers first copies the keys and values once per query head (it keeps
+    SDPA's grouped mode for mask-free calls, where CUDA kernels support it): on a 3 GB Llama (32 query heads, 4 key
+    heads), 9 sequences x 92 tokens after a 241-token prefix, 21.4 ms a call with the copies, 15.7 without.
+    Shapes: query [b, Hq, S, D]; keys, values [b, H, P + S, D]; mask [b, 1, S, P + S]. Returns [b, S, Hq, D]."""
+    output = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                                              enable_gqa=query.shape[1] != keys.shape[1])
+    return output.transpose(1, 2).contiguous()
 
 
 def attend_with_prefix(query, own_keys, own_values, prefix_keys, prefix_values, mask, scaling: float):

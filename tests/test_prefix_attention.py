@@ -61,11 +61,17 @@ def test_decoding_after_a_shared_prefix_reads_the_prefix_in_place(tiny_checkpoin
     taken = []
     two_parts = prefix_attention.attend_with_prefix
     monkeypatch.setattr(prefix_attention, "attend_with_prefix", lambda *a: taken.append(a[0].shape) or two_parts(*a))
+    grouped = prefix_attention.attend_grouped
+    prefills = []
+    monkeypatch.setattr(prefix_attention, "attend_grouped", lambda *a: prefills.append(a[0].shape) or grouped(*a))
     with StreamedModel(tiny_checkpoint(arch), device="cpu", dtype=torch.float32) as handle:
         layers = handle.model.config.num_hidden_layers
         seqs = sequences(handle.model.config.vocab_size, shared=MIN_SHARED_PREFIX + 4, count=4)
         got, states = prefill(handle, seqs, 0, keep=1, micro_batch=2, use_cache=True, share_prefix=True)
-        assert not taken  # the prefill attends to the concatenation: many query tokens
+        assert not taken  # the prefill attends to the concatenation: many query tokens...
+        assert len(prefills) == 2 * layers  # ...each micro-batch's through grouped SDPA, at every layer
+        for i, lp in enumerate(got):
+            assert (lp[-1] - plain_logprobs(handle, seqs[i], 1)[-1]).abs().max().item() <= 1e-4
         states = merge_for_decode(states, None)
         tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
         for step in range(2):
@@ -75,6 +81,31 @@ def test_decoding_after_a_shared_prefix_reads_the_prefix_in_place(tiny_checkpoin
                 assert (stepped[i] - plain_logprobs(handle, seqs[i], 1)[-1]).abs().max().item() <= 1e-4
             tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}
         assert len(taken) == 2 * layers
+
+
+@pytest.mark.parametrize("query_heads,heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_a_marked_prefill_attends_in_grouped_mode_as_transformers_does_over_copied_heads(query_heads, heads,
+                                                                                          mask_kind):
+    """A prefill of a prefix-sharing micro-batch (many query tokens, keys already [prefix | own]) skips transformers'
+    per-query-head copies of the keys and values on a CPU, and gets transformers' result."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    generator = torch.Generator().manual_seed(7)
+    batch, prefix, own, dim = 3, 6, 5, 8
+    query = torch.randn(batch, query_heads, own, dim, generator=generator)
+    keys, values = (torch.randn(batch, heads, prefix + own, dim, generator=generator) for _ in range(2))
+    attend = torch.ones(batch, 1, own, prefix + own, dtype=torch.bool).tril(diagonal=prefix)
+    attend[1, ..., prefix:prefix + 2] = False  # left padding among the own tokens
+    mask = attend if mask_kind == "bool" else torch.zeros(attend.shape).masked_fill(~attend, float("-inf"))
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = query_heads // heads, True
+    prefix_attention.mark_next_call(keys[:1, :, :prefix], values[:1, :, :prefix], keys)
+    got, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, keys, values, mask, scaling=0.4)
+    expected, _ = ALL_ATTENTION_FUNCTIONS["sdpa"].__wrapped__(module, query, keys, values, mask, scaling=0.4)
+    assert got.shape == (batch, own, query_heads, dim)
+    assert (got - expected).abs().max().item() <= 1e-6
+    assert got.is_contiguous()
 
 
 def test_a_decode_step_that_does_not_attend_as_marked_fails_instead_of_dropping_the_prefix():
