@@ -58,7 +58,8 @@ def install() -> None:
         if prefix is None:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         if prefix[2] is not key:
-            raise PrefixAttentionError("a marked attention call (decode step or prefill) got other keys than its cache returned")
+            raise PrefixAttentionError("a marked attention call (decode step or prefill) got other keys than its cache "
+                                       "returned")
         prefix_keys, prefix_values, _ = prefix
         plain = _plain_call(args, kwargs)
         if query.shape[2] > 1:  # a prefill: its cache handed over [prefix | own] already
