@@ -186,7 +186,7 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
     transformers_logging.disable_progress_bar()  # ours is the progress bar that matters
     model = open_model(prepared.model.checkpoint, mode=plan.mode, device=prepared.device,
                        dtype=prepared.compute_dtype, prefetching=prepared.options.prefetch,
-                       prefetch_depth=prepared.options.prefetch_depth,
+                       prefetch_depth=prepared.options.prefetch_depth, decode_prefetch_depth=plan.decode_prefetch_depth,
                        trust_remote_code=prepared.options.trust_remote_code)
     tokenizer = prepared.model.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)

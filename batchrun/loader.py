@@ -83,6 +83,13 @@ class LayerLoader:
             cached = self._read_targets[key] = (buf, memoryview(buf.view(-1).view(torch.uint8)[-nbytes:].numpy()))
         return cached
 
+    def forget_slot(self, slot: int) -> None:
+        """Free a retired slot's buffers (nothing may be loading into it or computing from it)."""
+        with self._lock:
+            for cache in (self._read_targets, self._buffers):  # the targets' views hold the buffers too
+                for key in [key for key in cache if key[0] == slot]:
+                    del cache[key]
+
     def _staging_bytes(self, nbytes: int) -> torch.Tensor:
         if self._staging is None or self._staging.numel() < nbytes:
             self._staging = None  # free the old one before allocating the larger

@@ -16,6 +16,10 @@ from batchrun.batching import (
 )
 from batchrun.checkpoint_files import DTYPE_BITS
 from batchrun.plan_format import format_bytes, format_duration, format_rate
+from batchrun.plan_memory import (  # noqa: F401 (re-exported)
+    ATTENTION_SCORE_BYTES, HEAP_RETAINED_ACTIVATION_COPIES, HELD_HIDDEN_COPIES, LOGIT_BYTES,
+    activation_bytes_for_sequence, batch_bytes, decode_group_size, decode_pass_bytes, heap_factor,
+    linear_activation_bytes_per_token, scores_materialised)
 from batchrun.plan_time import (  # noqa: F401 (re-exported)
     KV_COPIES_PER_DECODE, Timeline, host_streaming_bytes, job_timeline, pass_bound)
 from batchrun.sizes import (  # noqa: F401 (re-exported)
@@ -40,30 +44,12 @@ COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # (the published design's 0.85 would overstate pass times). Without prefetch each layer's compute waits for its read
 # (published: 0.70).
 IO_EFFICIENCY = {True: 1.0, False: 0.70}
-# Activations of one sequence at prefill, the peak of a batch (checked against RSS in benchmarks/plan_accuracy.py):
-HIDDEN_STATE_COPIES = 4  # residual stream, normed input, attention output, MLP output live together
-MLP_INTERMEDIATE_COPIES = 3  # act(gate), up, and their product live together until down_proj runs
-ATTENTION_SCORE_BYTES = 4  # an unfused attention materialises heads x S x S float32 scores...
-SCORES_MATERIALISED_ON = frozenset({"mps"})  # ...while torch's SDPA computes them in tiles on CUDA and on CPU
-LOGIT_BYTES = 4  # logits are upcast to float32
-# glibc malloc keeps some freed activation memory even with passes.keep_heap_flat: what a layer turn frees stays in
-# the heap until the turn ends and the heap is trimmed, and fragments it meanwhile. Measured with the per-turn trim
-# (3 GB Llama under a 1.55 GB cap, 32 sequences of ~100 own tokens): peak RSS 1.33 GB with micro-batches of 5,
-# 1.365 GB with 9, 1.40 GB with 11: 120 KB per extra token where the live activations are 100 KB; a whole batch in
-# one forward call keeps more (SmolLM2, 16 sequences streamed: 974 MB measured, 855 MB predicted at a quarter). Half
-# a copy, on the safe side of both. (Before the trim, with every block of 128 KiB or more unmapped when freed, one
-# whole copy was measured.)
-HEAP_RETAINED_ACTIVATION_COPIES = 0.5
-HEAP_RETAINS_ON = frozenset({"cpu"})  # accelerator allocators hold freed blocks for reuse: no growth beyond the peak
 # passes.keep_heap_flat returns every freed activation block to the kernel, so the next one is fresh pages to fault
 # and zero. Measured with and without it: a 2.2 GB Llama prefill (32 sequences, resident) 28.6 -> 35.5 s, SmolLM2
 # streamed decode passes 0.44 -> 0.53 s, a resident choice pass 2.21 -> 2.56 s: about a fifth slower. Measured
 # before keep_heap_flat served activations from a heap trimmed per layer turn, which faults fewer pages (3 GB Llama
 # streamed prefill: 4% faster, median of 4 pairs); not re-measured against the unflattened heap, so kept.
 HOST_FRESH_PAGE_SLOWDOWN = 1.2
-# Micro-batches (passes.py): when a pass's activations do not fit all at once, its sequences enter each layer in
-# turns, so only one micro-batch's activations are live while every sequence's KV cache and hidden state wait.
-HELD_HIDDEN_COPIES = 2  # a waiting micro-batch holds its hidden states and the residual they add to
 MICRO_BATCH_MEMORY_SHARE = 0.25  # of the free memory given to one micro-batch's activations; the rest buys sequences
 # Batches are sized to leave this share of the budget unused: allocator fragmentation and transient copies are not
 # in the arithmetic, and under a hard cap (cgroup) being a little short means an out-of-memory kill.
@@ -134,6 +120,7 @@ class Candidate:
     caveats: list[str] = field(default_factory=list)
     shared_prefix_tokens: int = 0  # prompt tokens every row starts with, computed once per batch
     decode_micro_batch_size: int | None = None  # sequences per forward call in decode passes; None: all at once
+    decode_prefetch_depth: int = 0  # layers a decode pass reads ahead of the one computing; 0: none (resident)
     pass_seconds: list[float | None] = field(default_factory=list)  # every pass in run order
 
     @property
@@ -155,35 +142,9 @@ class Candidate:
 # Memory, as named steps
 
 
-def linear_activation_bytes_per_token(sizes: CheckpointSizes, compute_bytes: int, device: str = "cuda") -> int:
-    """Live activations of one token in the layer computing, plus what the host allocator keeps of earlier layers'."""
-    hidden_states = sizes.hidden_size * compute_bytes * HIDDEN_STATE_COPIES
-    mlp_intermediate = sizes.intermediate_size * compute_bytes * MLP_INTERMEDIATE_COPIES
-    return round((hidden_states + mlp_intermediate) * _heap_factor(device))
-
-
-def activation_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, device: str,
-                                  prefill_tokens: int, logit_positions: int) -> int:
-    per_token = prefill_tokens * linear_activation_bytes_per_token(sizes, compute_bytes, device)
-    attention_scores = 0
-    if _scores_materialised(device):  # one layer's scores at a time
-        attention_scores = round(sizes.num_attention_heads * prefill_tokens * prefill_tokens
-                                 * ATTENTION_SCORE_BYTES * _heap_factor(device))
-    logits = logit_positions * sizes.vocab_size * LOGIT_BYTES  # only the positions the executor keeps
-    return per_token + attention_scores + logits
-
-
-def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
-                batch: Sequence[int], micro_sequences: int | None = None) -> int:
-    """KV cache at the batch's longest sequence plus activations at its longest prefill, for every sequence; with
-    micro-batches, activations for one micro-batch and held hidden states for the others."""
-    sequences, longest, prefill, positions = batch_shape(rows, batch)
-    kv = kv_bytes_for_sequence(sizes, compute_bytes, longest)
-    activations = activation_bytes_for_sequence(sizes, compute_bytes, device, prefill, positions)
-    if micro_sequences is None or micro_sequences >= sequences:
-        return sequences * (kv + activations)
-    held = prefill * sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
-    return sequences * (kv + held) + micro_sequences * activations
+def layer_slot_bytes(sizes: CheckpointSizes, compute_dtype: str) -> int:
+    """One streamed layer materialised at the compute dtype."""
+    return sizes.largest_layer_params * COMPUTE_BYTES[compute_dtype]
 
 
 @dataclass(frozen=True)
@@ -197,11 +158,12 @@ def resident_weights(sizes: CheckpointSizes, compute_dtype: str) -> _Weights:
     return _Weights(total, f"all weights {format_bytes(total)} at {compute_dtype}")
 
 
-def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool, device: str = "cpu") -> _Weights:
+def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool, device: str = "cpu",
+                     prefetch_depth: int = 1) -> _Weights:
     compute_bytes = COMPUTE_BYTES[compute_dtype]
-    slots = 2 if prefetch else 1  # the layer computing + the next one being read
+    slots = prefetch_depth + 1 if prefetch else 1  # the layer computing + those being read ahead
     non_decoder = sizes.non_decoder_params * compute_bytes
-    layer_slots = sizes.largest_layer_params * compute_bytes * slots
+    layer_slots = layer_slot_bytes(sizes, compute_dtype) * slots
     # On the host a tensor is read straight into its slot, a narrower one widened there (bf16 -> float32); a raw read
     # buffer (loads take turns, so one) serves a narrowing cast and experts fused at load time. An accelerator's read
     # buffer is pinned host memory, outside the device budget this plan sizes.
@@ -228,7 +190,7 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     kv_per_token = kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers
     activation_per_token = (linear_activation_bytes_per_token(sizes, compute_bytes, device)
                             + (sizes.num_attention_heads * longest_prefill * ATTENTION_SCORE_BYTES
-                               * _heap_factor(device) if _scores_materialised(device) else 0))
+                               * heap_factor(device) if scores_materialised(device) else 0))
     per_sequence = max(row.logit_positions() for row in rows) * sizes.vocab_size * LOGIT_BYTES
     typical_length = statistics.median_low(row.sequence_length() for row in rows)
     wanted = min(sum(row.sequences() for row in rows), batch_size or math.inf)
@@ -285,31 +247,13 @@ def streaming_traffic(sizes: CheckpointSizes, compute_bytes: int, device: str, m
     return host_streaming_bytes(sizes, compute_bytes)
 
 
-def decode_group_size(sizes: CheckpointSizes, compute_bytes: int, device: str, own_rows: Sequence[RowCost],
-                      planned: Sequence[int], shared: int, micro_sequences: int | None, max_sequences: int,
-                      free_bytes: int) -> int | None:
-    """Sequences per forward call in a decode pass: as many as fit beside the batch's whole KV cache.
-
-    A decode forward reads the layer's weights from memory however few sequences it carries, so decode micro-batches
-    are made as large as memory allows. The prefill's activations and held hidden states are gone by then; what a
-    decode call adds is one layer's keys and values expanded to every query head (transformers' SDPA path under a
-    padding mask) at the longest context, plus one token's activations and logits, per sequence."""
-    if micro_sequences is None or not planned:
-        return None
-    rows = [own_rows[i] for i in planned]
-    longest_own = max(row.sequence_length() for row in rows)
-    kv_cache = max_sequences * kv_bytes_for_sequence(sizes, compute_bytes, longest_own)
-    per_sequence = (2 * sizes.num_attention_heads * sizes.head_dim * (shared + longest_own) * compute_bytes
-                    + activation_bytes_for_sequence(sizes, compute_bytes, device, 1, 1))
-    return int(min(max_sequences, max(micro_sequences, (free_bytes - kv_cache) // per_sequence)))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The plan
 
 
 def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, device: str, compute_dtype: str,
-              memory_budget_bytes: int, streaming: str, prefetch: bool = True, bandwidth: Bandwidth,
+              memory_budget_bytes: int, streaming: str, prefetch: bool = True, prefetch_depth: int = 1,
+              bandwidth: Bandwidth,
               compute_flops_per_s: float | None, disk_free_bytes: int | None, checkpoint_is_local: bool,
               runtime_overhead_bytes: int, batch_size: int | None = None,
               context_length: int | None = None, memory_bytes_per_s: float | None = None,
@@ -344,7 +288,8 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     resident_sum = (f"{resident.what} + runtime {format_bytes(runtime_overhead_bytes)} + largest row "
                     f"{format_bytes(largest_row_bytes)} = {format_bytes(resident_need)}")
     mode, reason = _choose_mode(policy, resident_need <= budget, resident_sum, budget)
-    weights = resident if mode == "resident" else streamed_weights(sizes, compute_dtype, prefetch, device)
+    weights = (resident if mode == "resident"
+               else streamed_weights(sizes, compute_dtype, prefetch, device, prefetch_depth))
     fixed_bytes = weights.bytes + runtime_overhead_bytes
     if mode == "resident" and resident_need > budget:
         blockers.append(f"resident run does not fit: {resident_sum}, over the {format_bytes(budget)} budget; "
@@ -392,6 +337,19 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
                                                    else "no ETA for a resident run"))
     decode_micro = decode_group_size(sizes, compute_bytes, device, own_rows, planned, shared, micro_sequences,
                                      max_sequences, sizing_budget - fixed_bytes - prefix_bytes)
+    # A decode pass computes little per layer, so it is read-bound; with the planned depth the reader idles whenever a
+    # layer's compute outlasts the next layer's read (they share the cores). Where the memory the prefill's
+    # activations held fits another layer slot beside the KV cache, decode passes read one layer further ahead.
+    # Measured on 2 cores (3 GB bf16 Llama under a 1.55 GB cap, 32 sequences, 12 new tokens, page cache dropped):
+    # median decode pass 2.27 s reading one layer ahead, 2.03 s reading two (3 runs each); as planned, 1.98 -> 1.88 s
+    # (3 alternating pairs, each pair faster reading two), peak RSS 1.05 -> 1.17 GB.
+    decode_depth = prefetch_depth if mode == "streamed" and prefetch else 0
+    decode_bytes = decode_pass_bytes(sizes, compute_bytes, device, own_rows, planned, shared, decode_micro,
+                                     max_sequences)
+    slot_bytes = layer_slot_bytes(sizes, compute_dtype)
+    if decode_depth and decode_bytes and decode_bytes + slot_bytes <= sizing_budget - fixed_bytes - prefix_bytes:
+        decode_depth += 1
+        peak_batch_bytes = max(peak_batch_bytes, prefix_bytes + decode_bytes + slot_bytes)
     flops_rate, memory_rate = effective_rates(device, compute_flops_per_s, memory_bytes_per_s)
     host_traffic = streaming_traffic(sizes, compute_bytes, device, mode)
     timeline = job_timeline(sizes, rows, batches, io_seconds, flops_rate, compute_bytes, memory_rate,
@@ -432,7 +390,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         answers_per_hour=len(planned) / eta * 3600 if eta and planned else None,
         disk_needed_bytes=disk_needed, disk_free_bytes=disk_free_bytes, estimated=sizes.estimated,
         blockers=blockers, caveats=caveats, shared_prefix_tokens=shared,
-        decode_micro_batch_size=decode_micro, pass_seconds=timeline.pass_seconds,
+        decode_micro_batch_size=decode_micro, decode_prefetch_depth=decode_depth, pass_seconds=timeline.pass_seconds,
     )
 
 
@@ -470,14 +428,6 @@ def compare_modes(sizes: CheckpointSizes, rows: Sequence[RowCost], **options) ->
     return [make_plan(sizes, rows, streaming="never", **options),
             make_plan(sizes, rows, streaming="always", prefetch=True, **options),
             make_plan(sizes, rows, streaming="always", prefetch=False, **options)]
-
-
-def _scores_materialised(device: str) -> bool:
-    return device.split(":")[0] in SCORES_MATERIALISED_ON
-
-
-def _heap_factor(device: str) -> float:
-    return 1 + HEAP_RETAINED_ACTIVATION_COPIES if device.split(":")[0] in HEAP_RETAINS_ON else 1
 
 
 def _batch_peak_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],

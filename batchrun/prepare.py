@@ -153,6 +153,7 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
     return make_plan(
         prepared.sizes, costs, model=prepared.name, device=device, compute_dtype=compute_dtype,
         memory_budget_bytes=budget, streaming=parse_streaming(options.streaming), prefetch=options.prefetch,
+        prefetch_depth=options.prefetch_depth,
         bandwidth=bandwidth_for(prepared.checkpoint, options),
         compute_flops_per_s=measure.compute_rate(compute_dtype, device),
         memory_bytes_per_s=measure.memory_read_rate(compute_dtype, device),

@@ -114,8 +114,9 @@ def _copy_out_of_file_mappings(model: torch.nn.Module) -> None:
 
 
 def open_model(checkpoint: Path, *, mode: str, device: str, dtype=None, prefetching: bool = True,
-               prefetch_depth: int = 1, trust_remote_code: bool = False):
+               prefetch_depth: int = 1, decode_prefetch_depth: int | None = None, trust_remote_code: bool = False):
     if mode == "resident":
         return ResidentModel(checkpoint, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     return StreamedModel(checkpoint, device=device, dtype=dtype, prefetching=prefetching,
-                         prefetch_depth=prefetch_depth, trust_remote_code=trust_remote_code)
+                         prefetch_depth=prefetch_depth, decode_prefetch_depth=decode_prefetch_depth,
+                         trust_remote_code=trust_remote_code)

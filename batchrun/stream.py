@@ -7,10 +7,10 @@ discover the decoder stack and swap weights in and out around each layer's forwa
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
-import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -43,28 +43,47 @@ def text_config(config):
 
 
 class SlotPool:
-    """A fixed set of buffer slots; at most len(slots) layers are materialised at any moment."""
+    """Buffer slots; at most `count` layers are materialised at any moment. The pool grows by new slots and shrinks
+    by retiring free ones, whose buffers the caller then frees."""
 
     def __init__(self, count: int):
-        self._free: queue.Queue[int] = queue.Queue()
-        for slot in range(count):
-            self._free.put(slot)
+        self._cond = threading.Condition()
+        self._free = collections.deque(range(count))
+        self._next_slot = count
         self.count = count
         self.in_use = 0
         self.peak_in_use = 0
-        self._lock = threading.Lock()
 
     def take(self) -> int:
-        slot = self._free.get()
-        with self._lock:
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
             self.in_use += 1
             self.peak_in_use = max(self.peak_in_use, self.in_use)
-        return slot
+            return self._free.popleft()
 
     def give(self, slot: int) -> None:
-        with self._lock:
+        with self._cond:
             self.in_use -= 1
-        self._free.put(slot)
+            self._free.append(slot)
+            self._cond.notify()
+
+    def grow(self, count: int) -> None:
+        with self._cond:
+            while self.count < count:
+                self._free.append(self._next_slot)
+                self._next_slot += 1
+                self.count += 1
+            self._cond.notify_all()
+
+    def retire_free(self, count: int) -> list[int]:
+        """Take free slots out of the pool until it has `count`; returns them (fewer if not enough are free)."""
+        retired = []
+        with self._cond:
+            while self.count > count and self._free:
+                retired.append(self._free.pop())
+                self.count -= 1
+        return retired
 
 
 class StreamedModel:
@@ -72,7 +91,8 @@ class StreamedModel:
 
     def __init__(self, model: str | Path, *, device: str | torch.device | None = None, dtype=None,
                  prefetching: bool = True, hf_token: str | None = None, trust_remote_code: bool = False,
-                 max_seq_len: int | None = None, prefetch_depth: int = 1, drop_page_cache: bool = True):
+                 max_seq_len: int | None = None, prefetch_depth: int = 1, decode_prefetch_depth: int | None = None,
+                 drop_page_cache: bool = True):
         self.checkpoint = resolve_checkpoint(model, hf_token=hf_token)
         load_config(self.checkpoint, trust_remote_code=trust_remote_code)  # refuses remote code unless asked
         self.device = torch.device(device or default_device())
@@ -95,6 +115,10 @@ class StreamedModel:
         self._check_layers_covered(layer_recipes)
         self.prefetching = prefetching
         self.prefetch_depth = max(1, prefetch_depth) if prefetching else 0
+        # Decode passes (run_pass(light=True)) may read further ahead: the plan gives them the slot the prefill's
+        # activations no longer need (plan.make_plan, decode_prefetch_depth).
+        self.decode_prefetch_depth = max(self.prefetch_depth, decode_prefetch_depth or 0) if prefetching else 0
+        self._depth = self.prefetch_depth  # the depth of the pass in flight
         self.slots = SlotPool(self.prefetch_depth + 1)
         self.loader = LayerLoader(layer_recipes, [f"{self.layers_path}.{i}." for i in range(self.num_layers)],
                                   self._meta_params, device=self.device, model=self.model, config=self.config,
@@ -212,7 +236,7 @@ class StreamedModel:
                     _assign(module, name, tensor)
                 self._active[index] = weights
                 if self._executor is not None:
-                    for ahead in range(1, self.prefetch_depth + 1):
+                    for ahead in range(1, self._depth + 1):
                         self._schedule((index + ahead) % self.num_layers)
             if group is not None and group.before_layer is not None:
                 group.before_layer(index, group.micro)
@@ -226,7 +250,7 @@ class StreamedModel:
                 if self._executor is not None:
                     # The freed slot takes the next layer not yet asked for now, not when the next layer starts:
                     # the reader never waits for the forward thread while a slot is free.
-                    self._schedule((index + self.prefetch_depth + 1) % self.num_layers)
+                    self._schedule((index + self._depth + 1) % self.num_layers)
                 faults.reached("layer")
             if self.device.type == "cpu":
                 return_freed_memory()  # before the next turn: its activations are the next resident ones
@@ -241,6 +265,7 @@ class StreamedModel:
         `light`: the calls compute little per layer (one new token per sequence), less than reading the next layer
         takes; on the CPU the forward then leaves a core to the reader and the widener.
         """
+        self._use_depth(self.decode_prefetch_depth if light else self.prefetch_depth)
         with self._leaving_a_core(light):
             if len(calls) == 1 and before_layer is None:
                 with torch.inference_mode():
@@ -269,6 +294,21 @@ class StreamedModel:
         finally:
             torch.set_num_threads(threads)
 
+    def _use_depth(self, depth: int) -> None:
+        """Between passes: read `depth` layers ahead from now on. A pass starts at layer 0, and the previous one left
+        layers 0..old depth read ahead; shrinking gives back those beyond the new depth (a wasted read each, once per
+        switch) and frees the buffers of the slots that leaves unused, before this pass's activations need them."""
+        if depth == self._depth or self._executor is None:
+            return
+        if depth < self._depth:
+            self._give_back_pending(keep=range(depth + 1))
+            for slot in self.slots.retire_free(depth + 1):
+                self.loader.forget_slot(slot)
+            return_freed_memory()
+        else:
+            self.slots.grow(depth + 1)
+        self._depth = depth
+
     def _schedule(self, index: int) -> None:
         if index in self._pending or index in self._active:
             return
@@ -285,7 +325,7 @@ class StreamedModel:
     def _acquire(self, index: int) -> LayerWeights:
         future = self._pending.pop(index, None)
         if future is None and self._executor is not None:
-            self._drain_unneeded(index)
+            self._give_back_pending(keep=(index,))
             future = self._executor.submit(self._load, index)
         weights = future.result() if future is not None else self._load(index)
         try:
@@ -297,10 +337,11 @@ class StreamedModel:
             torch.cuda.current_stream(self.device).wait_event(weights.ready)
         return weights
 
-    def _drain_unneeded(self, wanted: int) -> None:
-        """An out-of-order layer request: give back slots held by prefetched layers nobody will run now."""
+    def _give_back_pending(self, keep) -> None:
+        """Give back the slots of layers read ahead that nobody will run next (an out-of-order request, a shallower
+        read-ahead): all pending but those in `keep`."""
         for index, future in list(self._pending.items()):
-            if index != wanted:
+            if index not in keep:
                 del self._pending[index]
                 weights = future.result()
                 try:
@@ -327,12 +368,14 @@ class StreamedModel:
         return self.loader.bytes_read
 
     def forward(self, *args, **kwargs):
+        self._use_depth(self.prefetch_depth)
         with torch.inference_mode():
             return self.model(*args, **kwargs)
 
     __call__ = forward
 
     def generate(self, *args, **kwargs):
+        self._use_depth(self.prefetch_depth)
         with torch.inference_mode():
             return self.model.generate(*args, **kwargs)
 

@@ -15,7 +15,7 @@ from batchrun.plan_time import batch_pass_flops
 from batchrun.plan import (
     HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, Bandwidth, RowCost, activation_bytes_for_sequence,
     compare_modes, format_duration, kv_bytes_for_sequence, KV_COPIES_PER_DECODE, lower_bound_passes, make_plan, pack_batches,
-    host_streaming_bytes, parse_streaming, passes_for, streamed_weights,
+    host_streaming_bytes, parse_streaming, passes_for, streamed_weights, decode_pass_bytes,
 )
 from batchrun.plan_format import format_bytes, format_comparison, format_plan_table
 
@@ -107,6 +107,48 @@ def test_layer_memory_is_the_slots_plus_a_read_buffer_only_where_one_is_used():
         + fp32_checkpoint.largest_layer_bytes)
     same_dtype = streamed_weights(LLAMA_70B, "bfloat16", prefetch=False)
     assert same_dtype.bytes == LLAMA_70B.non_decoder_params * 2 + LLAMA_70B.largest_layer_params * 2
+
+
+def test_every_layer_read_ahead_holds_a_slot_in_the_plan():
+    """--prefetch-depth 3 keeps four layers materialised: the plan must count four, or a capped run is killed."""
+    layer = LLAMA_70B.largest_layer_params * 4
+    assert (streamed_weights(LLAMA_70B, "float32", prefetch=True, prefetch_depth=3).bytes
+            - streamed_weights(LLAMA_70B, "float32", prefetch=True).bytes) == 2 * layer
+    shallow = plan(TINY, rows=[RowCost(300, 8)] * 8, streaming="always", compute_dtype="float32")
+    deep = plan(TINY, rows=[RowCost(300, 8)] * 8, streaming="always", compute_dtype="float32", prefetch_depth=3)
+    assert deep.weights_bytes - shallow.weights_bytes == 2 * TINY.largest_layer_params * 4
+
+
+def test_decode_passes_read_one_layer_further_ahead_where_the_prefills_memory_holds_a_slot():
+    """A decode pass is read-bound: it gets another layer slot when its KV cache and one decode call leave room for
+    it in the budget the batch was sized to, and the plan's peak counts that slot. Not where memory is short, not
+    for a job that never decodes, and not resident."""
+    rows = [RowCost(4000, 96)] * 28
+    roomy = plan(rows=rows, device="cuda", streaming="always", memory_budget_bytes=40 * GiB,
+                 runtime_overhead_bytes=1 * GiB)
+    assert roomy.decode_prefetch_depth == 2
+    slot = LLAMA_70B.largest_layer_params * 2
+    decode_bytes = decode_pass_bytes(LLAMA_70B, 2, "cuda", rows, range(len(rows)), 0,
+                                     roomy.decode_micro_batch_size, roomy.batch_size)
+    assert roomy.peak_memory_bytes >= roomy.weights_bytes + (1 * GiB) + decode_bytes + slot
+    assert roomy.peak_memory_bytes <= int(40 * GiB * 0.9)
+    assert plan(rows=rows, device="cuda", streaming="always", memory_budget_bytes=40 * GiB,
+                runtime_overhead_bytes=1 * GiB, prefetch_depth=2).decode_prefetch_depth == 3
+    # the benchmark's short-answer sweep (a 3 GB bf16 Llama computed in float32 under a 1.55 GB cap): what the
+    # batch leaves is given to the prefill's micro-batches, and decoding has no slot to spare; at 2 GB it has
+    layers = sizes_from_config({"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
+                                "num_attention_heads": 32, "num_key_value_heads": 4, "num_hidden_layers": 33,
+                                "vocab_size": 8192, "max_position_embeddings": 2048}, "BF16")
+    short_answers = [RowCost(158 + 60 + 2 * i, 8) for i in range(32)]
+    for budget, depth in ((1.546e9, 1), (2e9, 2)):
+        assert plan(layers, rows=short_answers, streaming="always", compute_dtype="float32",
+                    memory_budget_bytes=int(budget), runtime_overhead_bytes=398 << 20,
+                    shared_prefix_tokens=158).decode_prefetch_depth == depth
+    assert plan(rows=[RowCost(300, 0, choice_tokens=(1, 1))] * 28, device="cuda", streaming="always",
+                memory_budget_bytes=40 * GiB).decode_prefetch_depth == 1  # choices: no decode pass
+    assert plan(rows=rows, device="cuda", streaming="always", memory_budget_bytes=40 * GiB,
+                prefetch=False).decode_prefetch_depth == 0
+    assert plan(TINY, rows=rows, streaming="never").decode_prefetch_depth == 0
 
 
 def test_a_shared_prompt_prefix_is_sized_and_timed_once_per_batch():

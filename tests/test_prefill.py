@@ -205,3 +205,35 @@ def test_resident_decode_passes_use_every_core(tiny_checkpoint):
     finally:
         handle.close()
         torch.set_num_threads(before)
+
+
+def test_decode_passes_read_a_layer_further_ahead_and_free_that_slot_before_the_next_prefill(tiny_checkpoint):
+    """The plan may give decode passes one more layer slot (the memory the prefill's activations held): decode
+    passes then keep three layers materialised, and the next prefill has its two again, the third slot's buffers
+    freed before its activations need the memory. Answers are unchanged."""
+    with StreamedModel(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32,
+                       decode_prefetch_depth=2) as handle:
+        slots_seen: list[tuple[str, int]] = []
+        phase = ["prefill"]
+        handle.layers[0].register_forward_pre_hook(
+            lambda module, args: slots_seen.append((phase[0], handle.slots.count)))
+        buffered_slots = lambda: {key[0] for key in handle.loader._buffers}  # noqa: E731
+        seqs = sequences(handle.model.config.vocab_size, count=4)
+        got, states = prefill(handle, seqs, pad_id=0, keep=1, micro_batch=2, use_cache=True, share_prefix=True)
+        assert len(buffered_slots()) == 2
+        tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
+        phase[0] = "decode"
+        for _ in range(2):
+            stepped = decode(handle, states, tokens)
+            for i in tokens:
+                seqs[i] = seqs[i] + [tokens[i]]
+                assert (stepped[i] - plain_logprobs(handle, seqs[i], 1)[-1]).abs().max().item() <= 1e-4
+            tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}
+        assert len(buffered_slots()) == 3
+        phase[0] = "prefill"
+        again, _ = prefill(handle, seqs, pad_id=0, keep=1, micro_batch=2, use_cache=False)
+        assert len(buffered_slots()) == 2 and handle.slots.count == 2
+        for i, seq in enumerate(seqs):
+            assert (again[i][-1] - plain_logprobs(handle, seq, 1)[-1]).abs().max().item() <= 1e-4
+    assert {count for step, count in slots_seen if step == "decode"} == {3}
+    assert {count for step, count in slots_seen if step == "prefill"} == {2}
