@@ -120,7 +120,8 @@ class Candidate:
     caveats: list[str] = field(default_factory=list)
     shared_prefix_tokens: int = 0  # prompt tokens every row starts with, computed once per batch
     decode_micro_batch_size: int | None = None  # sequences per forward call in decode passes; None: all at once
-    decode_prefetch_depth: int = 0  # layers a decode pass reads ahead of the one computing; 0: none (resident)
+    prefetch_depth: int = 0  # layers a prefill reads ahead of the one computing; 0: none (resident, no prefetch)
+    decode_prefetch_depth: int = 0  # the same in decode passes (one more where memory allows)
     pass_seconds: list[float | None] = field(default_factory=list)  # every pass in run order
 
     @property
@@ -390,7 +391,8 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         answers_per_hour=len(planned) / eta * 3600 if eta and planned else None,
         disk_needed_bytes=disk_needed, disk_free_bytes=disk_free_bytes, estimated=sizes.estimated,
         blockers=blockers, caveats=caveats, shared_prefix_tokens=shared,
-        decode_micro_batch_size=decode_micro, decode_prefetch_depth=decode_depth, pass_seconds=timeline.pass_seconds,
+        decode_micro_batch_size=decode_micro, prefetch_depth=prefetch_depth if mode == "streamed" and prefetch else 0,
+        decode_prefetch_depth=decode_depth, pass_seconds=timeline.pass_seconds,
     )
 
 

@@ -103,6 +103,7 @@ def _candidate_table(report: Mapping) -> str:
                         f" (+ a {report['shared_prefix_tokens']:,}-token prompt prefix computed once per batch)"
                         if report.get("shared_prefix_tokens") else "")),
         ("passes", f"{report['passes']} (lower bound {report['lower_bound_passes']})"),
+        *([("read ahead", _read_ahead(report))] if report.get("prefetch_depth") else []),
         ("read bandwidth", f"{format_rate(report['read_bandwidth_bytes_per_s'])} ({report['bandwidth_basis']}: "
                            f"{report['bandwidth_how']})"),
         ("per pass", f"{format_duration(report['seconds_per_pass'])} (reads "
@@ -117,6 +118,14 @@ def _candidate_table(report: Mapping) -> str:
     width = max(len(label) for label, _ in lines)
     text = [f"{label:<{width}}  {value}" for label, value in lines]
     return "\n".join(text + _listed("blockers", report["blockers"]) + _listed("caveats", report["caveats"]))
+
+
+def _read_ahead(report: Mapping) -> str:
+    depth, decoding = report["prefetch_depth"], report.get("decode_prefetch_depth") or report["prefetch_depth"]
+    layers = f"{depth} layer{'s' if depth > 1 else ''}"
+    if decoding == depth:
+        return layers
+    return f"{layers} ({decoding} in decode passes, in memory the prefill's activations held)"
 
 
 def _job_summary(report: Mapping) -> str:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -126,7 +127,8 @@ def test_decode_passes_read_one_layer_further_ahead_where_the_prefills_memory_ho
     rows = [RowCost(4000, 96)] * 28
     roomy = plan(rows=rows, device="cuda", streaming="always", memory_budget_bytes=40 * GiB,
                  runtime_overhead_bytes=1 * GiB)
-    assert roomy.decode_prefetch_depth == 2
+    assert roomy.decode_prefetch_depth == 2 and roomy.prefetch_depth == 1
+    assert re.search(r"^read ahead +1 layer \(2 in decode passes", format_plan_table(roomy.to_json()), re.M)
     slot = LLAMA_70B.largest_layer_params * 2
     decode_bytes = decode_pass_bytes(LLAMA_70B, 2, "cuda", rows, range(len(rows)), 0,
                                      roomy.decode_micro_batch_size, roomy.batch_size)
@@ -148,7 +150,9 @@ def test_decode_passes_read_one_layer_further_ahead_where_the_prefills_memory_ho
                 memory_budget_bytes=40 * GiB).decode_prefetch_depth == 1  # choices: no decode pass
     assert plan(rows=rows, device="cuda", streaming="always", memory_budget_bytes=40 * GiB,
                 prefetch=False).decode_prefetch_depth == 0
-    assert plan(TINY, rows=rows, streaming="never").decode_prefetch_depth == 0
+    resident = plan(TINY, rows=rows, streaming="never")
+    assert resident.decode_prefetch_depth == resident.prefetch_depth == 0
+    assert "read ahead" not in format_plan_table(resident.to_json())
 
 
 def test_a_shared_prompt_prefix_is_sized_and_timed_once_per_batch():
