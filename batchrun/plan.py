@@ -310,9 +310,10 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     prefix_bytes = (kv_bytes_for_sequence(sizes, compute_bytes, shared)
                     + activation_bytes_for_sequence(sizes, compute_bytes, device, shared, 0)) if shared else 0
     sizing_budget = int(budget * (1 - MEMORY_HEADROOM_SHARE))
+    batch_free_bytes = sizing_budget - fixed_bytes - prefix_bytes  # what a batch's sequences may hold
     max_sequences, max_tokens, micro_sequences = batch_limits(
-        sizes, compute_bytes, device, [without_prefix(row, shared) for row in sizing_rows],
-        sizing_budget - fixed_bytes - prefix_bytes, batch_size)
+        sizes, compute_bytes, device, [without_prefix(row, shared) for row in sizing_rows], batch_free_bytes,
+        batch_size)
     packed = pack_batches([own_rows[i] for i in planned], max_sequences, max_tokens) if planned else []
     batches = [[planned[i] for i in batch] for batch in packed]
     oversize = sum(1 for batch in batches if _padded_tokens(own_rows, batch) > max_tokens)
@@ -337,18 +338,19 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         caveats.append("compute rate unknown: " + ("pass times count reads only" if mode == "streamed"
                                                    else "no ETA for a resident run"))
     decode_micro = decode_group_size(sizes, compute_bytes, device, own_rows, planned, shared, micro_sequences,
-                                     max_sequences, sizing_budget - fixed_bytes - prefix_bytes)
+                                     max_sequences, batch_free_bytes)
     # A decode pass computes little per layer, so it is read-bound; with the planned depth the reader idles whenever a
     # layer's compute outlasts the next layer's read (they share the cores). Where the memory the prefill's
     # activations held fits another layer slot beside the KV cache, decode passes read one layer further ahead.
     # Measured on 2 cores (3 GB bf16 Llama under a 1.55 GB cap, 32 sequences, 12 new tokens, page cache dropped):
     # median decode pass 2.27 s reading one layer ahead, 2.03 s reading two (3 runs each); as planned, 1.98 -> 1.88 s
     # (3 alternating pairs, each pair faster reading two), peak RSS 1.05 -> 1.17 GB.
-    decode_depth = prefetch_depth if mode == "streamed" and prefetch else 0
+    read_ahead = prefetch_depth if mode == "streamed" and prefetch else 0
+    decode_depth = read_ahead
     decode_bytes = decode_pass_bytes(sizes, compute_bytes, device, own_rows, planned, shared, decode_micro,
                                      max_sequences)
     slot_bytes = layer_slot_bytes(sizes, compute_dtype)
-    if decode_depth and decode_bytes and decode_bytes + slot_bytes <= sizing_budget - fixed_bytes - prefix_bytes:
+    if read_ahead and decode_bytes and decode_bytes + slot_bytes <= batch_free_bytes:
         decode_depth += 1
         peak_batch_bytes = max(peak_batch_bytes, prefix_bytes + decode_bytes + slot_bytes)
     flops_rate, memory_rate = effective_rates(device, compute_flops_per_s, memory_bytes_per_s)
@@ -391,7 +393,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         answers_per_hour=len(planned) / eta * 3600 if eta and planned else None,
         disk_needed_bytes=disk_needed, disk_free_bytes=disk_free_bytes, estimated=sizes.estimated,
         blockers=blockers, caveats=caveats, shared_prefix_tokens=shared,
-        decode_micro_batch_size=decode_micro, prefetch_depth=prefetch_depth if mode == "streamed" and prefetch else 0,
+        decode_micro_batch_size=decode_micro, prefetch_depth=read_ahead,
         decode_prefetch_depth=decode_depth, pass_seconds=timeline.pass_seconds,
     )
 
