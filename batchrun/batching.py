@@ -36,6 +36,12 @@ class RowCost:
     def is_choice(self) -> bool:
         return bool(self.choice_tokens)
 
+    @property
+    def holds_cache(self) -> bool:
+        """Whether the row's sequences keep a KV cache across layers: a generation row keeps it for the passes that
+        follow; a choice row is done in one pass, where each layer's keys and values are needed only in that layer."""
+        return not self.is_choice
+
     def sequences(self) -> int:
         """Sequences the row occupies in a batch: single-token choices are all read off one next-token
         distribution; longer choices each need their own continuation."""

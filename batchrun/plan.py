@@ -181,14 +181,15 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     """(max sequences, max padded tokens, sequences per micro-batch or None) such that any batch packed under them
     fits in free_bytes.
 
-    Bound: every token costs at most its KV (no window cap), its linear activations and one row of attention scores
-    at the longest prefill; every sequence adds its kept logits. Sequences are sized so typical (median-length)
+    Bound: every token costs at most its KV (no window cap; none in a job of choice rows only), its linear
+    activations and one row of attention scores at the longest prefill; every sequence adds its kept logits. Sequences are sized so typical (median-length)
     rows fill the budget; the token budget then keeps longer rows from overflowing it. When the job's sequences do
     not all fit with their activations live at once (padded to the longest row), the pass is split into
     micro-batches: activations are bought for one micro-batch (a share of the budget, or what holding a smaller
     job's every row leaves), KV and held hidden states for every sequence of the pass."""
     longest_prefill = max(row.prefill_length() for row in rows)
-    kv_per_token = kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers
+    kv_per_token = (kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers
+                    if any(row.holds_cache for row in rows) else 0)
     activation_per_token = (linear_activation_bytes_per_token(sizes, compute_bytes, device)
                             + (sizes.num_attention_heads * longest_prefill * ATTENTION_SCORE_BYTES
                                * heap_factor(device) if scores_materialised(device) else 0))

@@ -51,10 +51,11 @@ def activation_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, de
 
 def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
                 batch: Sequence[int], micro_sequences: int | None = None) -> int:
-    """KV cache at the batch's longest sequence plus activations at its longest prefill, for every sequence; with
-    micro-batches, activations for one micro-batch and held hidden states for the others."""
+    """KV cache at the batch's longest sequence (none for choice rows) plus activations at its longest prefill, for
+    every sequence; with micro-batches, activations for one micro-batch and held hidden states for the others."""
     sequences, longest, prefill, positions = batch_shape(rows, batch)
-    kv = kv_bytes_for_sequence(sizes, compute_bytes, longest)
+    holds_cache = any(rows[i].holds_cache for i in batch)
+    kv = kv_bytes_for_sequence(sizes, compute_bytes, longest) if holds_cache else 0
     activations = activation_bytes_for_sequence(sizes, compute_bytes, device, prefill, positions)
     if micro_sequences is None or micro_sequences >= sequences:
         return sequences * (kv + activations)

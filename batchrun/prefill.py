@@ -89,12 +89,14 @@ class SharedPrefix:
         positions = torch.arange(len(self.prefix), device=self.device)[None]
         return lambda: forward(self.model, ids, mask, positions, keep=1, cache=self.cache, use_cache=True)
 
-    def placeholder_cache(self, micro: int, batch: int):
+    def placeholder_cache(self, micro: int, batch: int, keeps_own: bool = True):
         """A cache that already counts `len(prefix)` tokens, so the model builds the suffix's masks and positions
-        after them; its layers receive the prefix's keys and values by reference (see PrefixSharedLayer)."""
+        after them; its layers receive the prefix's keys and values by reference (see PrefixSharedLayer).
+        `keeps_own=False` (a pass no decode follows): each layer's own keys and values go when the layer is done."""
         cache = DynamicCache(config=self.model.config)
         marks = prefix_attention.supported(self.model)
-        cache.layers = [PrefixSharedLayer(len(self.prefix), marks_attention=marks) for _ in range(len(cache.layers))]
+        cache.layers = [PrefixSharedLayer(len(self.prefix), marks_attention=marks, keeps_own=keeps_own)
+                        for _ in range(len(cache.layers))]
         self.targets[micro] = cache
         return cache
 
@@ -176,10 +178,13 @@ class PrefixSharedLayer(RoomyLayer):
     a decode step attends to the two in place where transformers' sdpa runs it (prefix_attention), which also runs a
     prefill's attention on a CPU without copying the keys and values per query head."""
 
-    def __init__(self, prefix_length: int, marks_attention: bool = False):
+    def __init__(self, prefix_length: int, marks_attention: bool = False, keeps_own: bool = True):
         super().__init__()
         self.prefix_length = prefix_length
         self.marks_attention = marks_attention  # the model attends through transformers' sdpa (prefix_attention)
+        # A pass no decode follows (choice scoring) needs a layer's keys and values only inside that layer: holding
+        # them for the whole stack would cost every sequence its full KV cache for nothing.
+        self.keeps_own = keeps_own
         self.prefix_keys: torch.Tensor | None = None
         self.prefix_values: torch.Tensor | None = None
 
@@ -192,7 +197,10 @@ class PrefixSharedLayer(RoomyLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.prefix_keys is None:
             raise RuntimeError("shared prefix: a layer ran before the prefix's keys and values reached it")
-        own_keys, own_values = super().update(key_states, value_states)  # [b, H, S, D]
+        if self.keeps_own:
+            own_keys, own_values = super().update(key_states, value_states)  # [b, H, S, D]
+        else:
+            own_keys, own_values = key_states, value_states
         if self.marks_attention and key_states.shape[-2] == 1:
             prefix_attention.mark_next_call(self.prefix_keys, self.prefix_values, own_keys)
             return own_keys, own_values
@@ -226,7 +234,7 @@ def prefill(handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, mi
         ids, mask, positions = left_pad([seqs[i][shared:] for i in members], pad_id, device)
         cache = roomy_cache(model) if use_cache and prefix is None else None
         if prefix is not None:
-            cache = prefix.placeholder_cache(len(calls), len(members))
+            cache = prefix.placeholder_cache(len(calls), len(members), keeps_own=use_cache)
             mask = torch.cat([torch.ones(len(members), shared, dtype=mask.dtype, device=device), mask], dim=1)
             positions = positions + shared
         states.append(MicroState(members, cache, mask, positions))

@@ -16,7 +16,7 @@ from batchrun.plan_time import batch_pass_flops
 from batchrun.plan import (
     HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, Bandwidth, RowCost, activation_bytes_for_sequence,
     compare_modes, format_duration, kv_bytes_for_sequence, KV_COPIES_PER_DECODE, lower_bound_passes, make_plan, pack_batches,
-    host_streaming_bytes, parse_streaming, passes_for, streamed_weights, decode_pass_bytes,
+    host_streaming_bytes, parse_streaming, passes_for, streamed_weights, decode_pass_bytes, batch_bytes,
 )
 from batchrun.plan_format import format_bytes, format_comparison, format_plan_table
 
@@ -153,6 +153,25 @@ def test_decode_passes_read_one_layer_further_ahead_where_the_prefills_memory_ho
     resident = plan(TINY, rows=rows, streaming="never")
     assert resident.decode_prefetch_depth == resident.prefetch_depth == 0
     assert "read ahead" not in format_plan_table(resident.to_json())
+
+
+def test_choice_rows_hold_no_kv_cache_so_a_pass_carries_more_of_them():
+    """A choice row is done in one pass and its keys and values are needed only inside each layer: its batch is
+    sized without KV cache, unlike the same prompts generating one token, whose caches outlive the layer."""
+    layers = sizes_from_config({"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
+                                "num_attention_heads": 32, "num_key_value_heads": 4, "num_hidden_layers": 33,
+                                "vocab_size": 8192, "max_position_embeddings": 2048}, "BF16")
+    # the benchmark's classification sweep: a 241-token instruction + 55-95 tokens of review, under a 1.55 GB cap
+    options = dict(streaming="always", compute_dtype="float32", memory_budget_bytes=int(1.546e9),
+                   runtime_overhead_bytes=398 << 20, shared_prefix_tokens=241)
+    choices = plan(layers, rows=[RowCost(241 + 55 + i * 40 // 63, 0, (1, 1)) for i in range(64)], **options)
+    generation = plan(layers, rows=[RowCost(241 + 56 + i * 40 // 63, 1) for i in range(64)], **options)
+    assert len(choices.batches) == 1 and choices.passes == 1 and choices.batch_size == 64
+    assert generation.batch_size < 64 and generation.passes == 2
+    assert choices.peak_memory_bytes <= int(1.546e9 * 0.9)
+    # one choice row: its activations at prompt + choice and two kept logit positions, nothing else
+    assert (batch_bytes(layers, 4, "cpu", [RowCost(300, 0, (1, 1))], [0])
+            == activation_bytes_for_sequence(layers, 4, "cpu", 301, 2))
 
 
 def test_a_shared_prompt_prefix_is_sized_and_timed_once_per_batch():

@@ -118,6 +118,26 @@ def test_shared_prefix_kv_is_held_once(tiny_checkpoint):
         assert states[0].cache.get_seq_length() == shared + suffix_width
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+@pytest.mark.parametrize("kind", ["streamed", "resident"])
+def test_a_pass_no_decode_follows_keeps_no_keys_and_values_of_its_own(tiny_checkpoint, arch, kind):
+    """Choice scoring (use_cache=False) with a shared prefix: each layer's own keys and values go when the layer is
+    done, so a batch holds no KV cache beyond the prefix's, and the log-probs are still the plain model's."""
+    handle = open_handle(kind, tiny_checkpoint(arch))
+    try:
+        shared = MIN_SHARED_PREFIX + 8
+        seqs = sequences(handle.model.config.vocab_size, shared=shared, count=5)
+        got, states = prefill(handle, seqs, 0, keep=3, micro_batch=2, use_cache=False, share_prefix=True)
+        for seq, lp in zip(seqs, got):
+            assert (lp - plain_logprobs(handle, seq, 3)).abs().max().item() <= 1e-4
+        layers = [layer for state in states for layer in state.cache.layers]
+        assert len(layers) == len(states) * handle.model.config.num_hidden_layers
+        assert all(layer.keys is None and layer.values is None for layer in layers)
+        assert all(layer.get_seq_length() == shared for layer in layers)
+    finally:
+        handle.close()
+
+
 def test_sliding_window_models_do_not_share_prefixes(tiny_checkpoint):
     with StreamedModel(tiny_checkpoint("gemma3"), device="cpu", dtype=torch.float32) as handle:
         assert not SharedPrefix.usable(handle.model)
