@@ -182,11 +182,12 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     fits in free_bytes.
 
     Bound: every token costs at most its KV (no window cap; none in a job of choice rows only), its linear
-    activations and one row of attention scores at the longest prefill; every sequence adds its kept logits. Sequences are sized so typical (median-length)
-    rows fill the budget; the token budget then keeps longer rows from overflowing it. When the job's sequences do
-    not all fit with their activations live at once (padded to the longest row), the pass is split into
-    micro-batches: activations are bought for one micro-batch (a share of the budget, or what holding a smaller
-    job's every row leaves), KV and held hidden states for every sequence of the pass."""
+    activations and one row of attention scores at the longest prefill; every sequence adds its kept logits.
+    Sequences are sized so typical (median-length) rows fill the budget; the token budget then keeps longer rows from
+    overflowing it. When the job's sequences do not all fit with their activations live at once (padded to the
+    longest row), the pass is split into micro-batches: activations are bought for one micro-batch (a share of the
+    budget, or what holding a smaller job's every row leaves), KV and held hidden states for every sequence of the
+    pass."""
     longest_prefill = max(row.prefill_length() for row in rows)
     kv_per_token = (kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers
                     if any(row.holds_cache for row in rows) else 0)
