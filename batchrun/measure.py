@@ -4,6 +4,7 @@ state_dir()/measurements.json. Importing this module imports no torch; only meas
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -140,16 +141,34 @@ def _timed_reads_after_dropping_cache(files: list[Path], max_bytes: int) -> tupl
 
 def measure_compute_rate(dtype: str, device: str = "cpu") -> float:
     """FLOP/s of a prefill-shaped matmul in `dtype` on `device` (median of a few), cached per device, dtype and
-    torch thread count."""
+    torch thread count. Where the CPU has a choice of linear kernel (linear_kernels.py), each is timed and the
+    faster is cached with it: the one runs use, so the rate the plan assumes is the rate they get."""
     import torch
 
     rows, inner, cols = COMPUTE_SHAPE
     torch_dtype = getattr(torch, dtype)
-    left = torch.randn(rows, inner, dtype=torch_dtype, device=device)
-    right = torch.randn(inner, cols, dtype=torch_dtype, device=device)
-    rate = 2 * rows * inner * cols / _median_seconds(lambda: left @ right, _synchronizer(torch, device))
-    _store("compute", _compute_key(dtype, device, torch.get_num_threads()), {"flops_per_s": rate})
-    return rate
+    tokens = torch.randn(rows, inner, dtype=torch_dtype, device=device)
+    weight = torch.randn(cols, inner, dtype=torch_dtype, device=device)  # nn.Linear's [out, in]
+    flops = 2 * rows * inner * cols
+    rates = {name: flops / _median_seconds(functools.partial(linear, tokens, weight), _synchronizer(torch, device))
+             for name, linear in _linear_kernels(torch, tokens, weight).items()}
+    kernel = max(rates, key=rates.get)
+    _store("compute", _compute_key(dtype, device, torch.get_num_threads()),
+           {"flops_per_s": rates[kernel], "linear_kernel": kernel, "kernel_flops_per_s": rates})
+    return rates[kernel]
+
+
+def _linear_kernels(torch, tokens, weight) -> dict:
+    """The kernels a run could use for these tensors: aten always, oneDNN where it would take them."""
+    import torch.nn.functional as F
+
+    kernels = {"aten": F.linear}
+    if tokens.device.type == "cpu":
+        from batchrun import linear_kernels
+
+        if linear_kernels.onednn_available() and linear_kernels.takes_onednn(tokens, weight, None):
+            kernels["onednn"] = linear_kernels.onednn_linear
+    return kernels
 
 
 def _median_seconds(work, wait) -> float:
@@ -178,10 +197,31 @@ def _synchronizer(torch, device: str):
 
 def compute_rate(dtype: str, device: str = "cpu") -> float:
     """The cached compute rate for dtype on device, measured now if there is none."""
+    entry = _compute_entry(dtype, device)
+    return entry["flops_per_s"] if entry else measure_compute_rate(dtype, device)
+
+
+def linear_kernel(dtype: str, device: str = "cpu") -> str:
+    """The kernel a run computes its linears with: BATCHRUN_LINEAR_KERNEL if set, else the faster one measured for
+    dtype on device (measured now if it never was). `aten` off the CPU and wherever nothing else applies."""
+    from batchrun import linear_kernels
+
+    override = linear_kernels.kernel_override()
+    if override is not None:
+        return override
+    if device.split(":")[0] != "cpu":
+        return "aten"
+    entry = _compute_entry(dtype, device)
+    if entry is None or "linear_kernel" not in entry:  # an entry cached before kernels were compared
+        measure_compute_rate(dtype, device)
+        entry = _compute_entry(dtype, device)
+    return entry.get("linear_kernel", "aten") if entry else "aten"
+
+
+def _compute_entry(dtype: str, device: str) -> dict | None:
     import torch
 
-    entry = _load().get("compute", {}).get(_compute_key(dtype, device, torch.get_num_threads()))
-    return entry["flops_per_s"] if entry else measure_compute_rate(dtype, device)
+    return _load().get("compute", {}).get(_compute_key(dtype, device, torch.get_num_threads()))
 
 
 def measure_memory_read_rate(dtype: str, device: str = "cpu") -> float:

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from batchrun.checkpoint import load_config, read_tensor_infos
 from batchrun.devices import resolve_dtype
+from batchrun.linear_kernels import route_linears
 from batchrun.passes import keep_heap_flat, return_freed_memory
 from batchrun.stream import StreamedModel, find_decoder_stack, text_config
 from batchrun.tokenizer import load_tokenizer
@@ -114,9 +115,14 @@ def _copy_out_of_file_mappings(model: torch.nn.Module) -> None:
 
 
 def open_model(checkpoint: Path, *, mode: str, device: str, dtype=None, prefetching: bool = True,
-               prefetch_depth: int = 1, decode_prefetch_depth: int | None = None, trust_remote_code: bool = False):
+               prefetch_depth: int = 1, decode_prefetch_depth: int | None = None, trust_remote_code: bool = False,
+               linear_kernel: str = "aten"):
+    """`linear_kernel`: what computes the model's nn.Linear layers (linear_kernels.py; measure.linear_kernel picks)."""
     if mode == "resident":
-        return ResidentModel(checkpoint, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    return StreamedModel(checkpoint, device=device, dtype=dtype, prefetching=prefetching,
-                         prefetch_depth=prefetch_depth, decode_prefetch_depth=decode_prefetch_depth,
-                         trust_remote_code=trust_remote_code)
+        model = ResidentModel(checkpoint, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    else:
+        model = StreamedModel(checkpoint, device=device, dtype=dtype, prefetching=prefetching,
+                              prefetch_depth=prefetch_depth, decode_prefetch_depth=decode_prefetch_depth,
+                              trust_remote_code=trust_remote_code)
+    route_linears(model.model, linear_kernel)
+    return model

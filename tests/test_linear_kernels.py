@@ -1,0 +1,138 @@
+"""The oneDNN linear kernel must compute what F.linear computes, and only where it applies; the faster kernel, as
+measured, is the one runs use."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from batchrun import linear_kernels, measure
+from batchrun.runtime import open_model
+from tests.tiny_models import TINY_ARCHS
+
+TOLERANCE = 1e-5
+needs_onednn = pytest.mark.skipif(not linear_kernels.onednn_available(), reason="this torch has no oneDNN linear")
+
+
+def _inputs(shape, seed=0, transpose=False):
+    generator = torch.Generator().manual_seed(seed)
+    if transpose:  # a non-contiguous view, as a permuted attention output can be
+        return torch.randn(*shape[:-2], shape[-1], shape[-2], generator=generator).transpose(-1, -2)
+    return torch.randn(*shape, generator=generator)
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape,transpose", [((5, 48), False), ((2, 7, 48), False), ((9, 48), True),
+                                             ((2, 3, 48), True), ((0, 48), False), ((1, 1, 48), False)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_onednn_linear_equals_f_linear(shape, transpose, with_bias):
+    inputs = _inputs(shape, transpose=transpose)
+    weight = _inputs((64, 48), seed=1)
+    bias = _inputs((64,), seed=2) if with_bias else None
+    got = linear_kernels.onednn_linear(inputs, weight, bias)
+    expected = F.linear(inputs, weight, bias)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    calls = []
+    real = linear_kernels.onednn_linear
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(linear_kernels, "onednn_linear", counted)
+    return calls
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", [a for a in TINY_ARCHS if a != "gpt2"])  # GPT-2's Conv1D is no nn.Linear
+@pytest.mark.parametrize("mode", ["streamed", "resident"])
+def test_a_model_on_onednn_linears_gives_the_plain_models_logits(tiny_checkpoint, arch, mode, onednn_calls):
+    path = tiny_checkpoint(arch)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(3, reference.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = reference(ids).logits
+    model = open_model(path, mode=mode, device="cpu", dtype=torch.float32, linear_kernel="onednn")
+    try:
+        got = model(ids).logits
+    finally:
+        model.close()
+    linears = sum(type(m) is torch.nn.Linear for m in reference.modules())
+    assert len(onednn_calls) >= linears > 0  # every projection and the head ran on oneDNN
+    assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+def test_gradients_other_dtypes_and_other_devices_keep_f_linear(onednn_calls):
+    layer = torch.nn.Linear(8, 4)
+    linear_kernels.route_linears(layer, "onednn")
+    inputs = torch.randn(3, 8)
+    layer(inputs).sum().backward()  # autograd: the oneDNN op records no gradient
+    assert layer.weight.grad is not None
+    with torch.inference_mode():
+        assert layer.to(torch.bfloat16)(inputs.to(torch.bfloat16)).dtype == torch.bfloat16
+        assert not linear_kernels.takes_onednn(inputs.to("meta"), layer.weight.float().to("meta"), None)
+    assert onednn_calls == []
+
+
+def test_routing_back_to_aten_restores_the_modules_own_forward():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    assert linear_kernels.route_linears(model, "onednn") == 2
+    assert linear_kernels.route_linears(model, "aten") == 0
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    with pytest.raises(ValueError, match="unknown linear kernel 'mkl'"):
+        linear_kernels.route_linears(model, "mkl")
+
+
+def test_subclasses_of_linear_keep_their_own_forward():
+    class Scaled(torch.nn.Linear):
+        def forward(self, inputs):
+            return 2 * super().forward(inputs)
+
+    model = torch.nn.Sequential(Scaled(4, 4))
+    assert linear_kernels.route_linears(model, "onednn") == 0
+
+
+def _timed_by_kernel(seconds_by_kernel, monkeypatch):
+    """Replace timing with fixed seconds per kernel, so which one is faster is known."""
+    def fake_median(work, wait):
+        kernel = "aten" if work.func is F.linear else "onednn"
+        return seconds_by_kernel[kernel]
+
+    monkeypatch.setattr(measure, "_median_seconds", fake_median)
+
+
+@needs_onednn
+@pytest.mark.parametrize("faster", ["aten", "onednn"])
+def test_the_kernel_measured_faster_is_cached_and_used(monkeypatch, faster):
+    monkeypatch.delenv(linear_kernels.KERNEL_ENV, raising=False)
+    _timed_by_kernel({"aten": 1.0 if faster == "aten" else 2.0, "onednn": 1.0 if faster == "onednn" else 2.0},
+                     monkeypatch)
+    rate = measure.measure_compute_rate("float32", "cpu")
+    rows, inner, cols = measure.COMPUTE_SHAPE
+    assert rate == 2 * rows * inner * cols / 1.0  # the plan assumes the rate of the kernel it gets
+    assert measure.linear_kernel("float32", "cpu") == faster
+    assert measure.linear_kernel("float32", "cuda:0") == "aten"
+
+
+@needs_onednn
+def test_an_entry_cached_before_kernels_were_compared_is_measured_again(monkeypatch):
+    monkeypatch.delenv(linear_kernels.KERNEL_ENV, raising=False)
+    measure._store("compute", f"cpu:float32:threads={torch.get_num_threads()}", {"flops_per_s": 1.0})
+    _timed_by_kernel({"aten": 2.0, "onednn": 1.0}, monkeypatch)
+    assert measure.linear_kernel("float32", "cpu") == "onednn"
+
+
+def test_the_environment_overrides_the_measured_choice(monkeypatch):
+    _timed_by_kernel({"aten": 2.0, "onednn": 1.0}, monkeypatch)
+    monkeypatch.setenv(linear_kernels.KERNEL_ENV, "aten")
+    assert measure.linear_kernel("float32", "cpu") == "aten"
+    monkeypatch.setenv(linear_kernels.KERNEL_ENV, "mkl")
+    with pytest.raises(ValueError, match="BATCHRUN_LINEAR_KERNEL='mkl': expected one of aten, onednn"):
+        measure.linear_kernel("float32", "cpu")
+
