@@ -78,19 +78,23 @@ class Setting:
     shape: ModelShape
     cap_bytes: int
     bandwidth: float  # bytes/s, cold
-    compute_rate: float  # FLOP/s, float32
+    compute_rate: float  # FLOP/s, float32, of the linear kernel batchrun picks (measure.linear_kernel)
     subset: int
     work: Path
+    linear_kernel: str = "aten"
 
 
 def measure_rates(setting: Setting) -> Setting:
-    """The setting with the cold read bandwidth (median of 3) and float32 matmul rate measured now."""
+    """The setting with the cold read bandwidth (median of 3) and float32 matmul rate measured now: the rate of the
+    faster linear kernel, the one batchrun then uses (the baselines keep torch's own)."""
     from batchrun import measure
 
     harness.wait_for_quiet(QUIET_CORES, timeout_s=300)
     harness.drop_page_cache()
     bandwidth = harness.cold_read_bandwidth(setting.checkpoint)
-    return replace(setting, bandwidth=bandwidth, compute_rate=measure.measure_compute_rate("float32", "cpu"))
+    rate = measure.measure_compute_rate("float32", "cpu")
+    kernel = measure.linear_kernel("float32", "cpu")
+    return replace(setting, bandwidth=bandwidth, compute_rate=rate, linear_kernel=kernel)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -380,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     args.subset, Path(temporary)))
         bandwidth, compute_rate = setting.bandwidth, setting.compute_rate
         print(f"{checkpoint.name}: {setting.shape.checkpoint_bytes / 1e9:.2f} GB, cap {setting.cap_bytes / 1e9:.2f} GB; "
-              f"cold read {bandwidth / 1e9:.2f} GB/s; float32 compute {compute_rate / 1e9:.0f} GFLOP/s", flush=True)
+              f"cold read {bandwidth / 1e9:.2f} GB/s; float32 compute {compute_rate / 1e9:.0f} GFLOP/s "
+              f"({setting.linear_kernel} linears)", flush=True)
         for job in args.jobs.split(","):
             sweep = all_sweeps[job]
             prompts = encode_prompts(tokenizer, sweep.prompts)
@@ -412,14 +417,16 @@ def main(argv: list[str] | None = None) -> int:
               if measured_now else "")
     markdown = (f"Checkpoint {checkpoint.name} ({setting.shape.checkpoint_bytes / 1e9:.2f} GB bf16), memory cap "
                 f"{setting.cap_bytes / 1e9:.2f} GB, cold read {bandwidth / 1e9:.2f} GB/s, float32 compute "
-                f"{compute_rate / 1e9:.0f} GFLOP/s at the start{spread}, 2 cores. Each run's bound uses the rates "
-                f"measured just before it (columns GB/s, GFLOP/s).\n\n{table}\n\nTargets:\n{targets_markdown(targets)}\n")
+                f"{compute_rate / 1e9:.0f} GFLOP/s ({setting.linear_kernel} linears) at the start{spread}, 2 cores. "
+                f"Each run's bound uses the rates measured just before it (columns GB/s, GFLOP/s)."
+                f"\n\n{table}\n\nTargets:\n{targets_markdown(targets)}\n")
     print("\n" + markdown)
     harness.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (harness.RESULTS_DIR / f"{args.name}.md").write_text(markdown)
     path = harness.save_results(args.name, {
         "checkpoint": str(checkpoint), "shape": setting.shape.__dict__, "cap_bytes": setting.cap_bytes,
-        "read_bandwidth_bytes_per_s": bandwidth, "compute_flops_per_s": compute_rate, "subset_rows": args.subset,
+        "read_bandwidth_bytes_per_s": bandwidth, "compute_flops_per_s": compute_rate,
+        "linear_kernel": setting.linear_kernel, "subset_rows": args.subset,
         "targets": targets, "records": records})
     print(f"saved {path}")
     return 0
