@@ -6,6 +6,10 @@ class PlanRefused(RuntimeError):
     """The plan says the job cannot run as asked (does not fit, streaming refused, ...)."""
 
 
+class SettingRefused(ValueError):
+    """An environment variable batchrun reads holds a value it cannot use."""
+
+
 class OutputRefused(FileExistsError):
     """The output file exists and --force was not given."""
 
@@ -18,4 +22,4 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from batchrun.store import JobLocked, JobNotFound, StoreError
 
     return (SpecError, CheckpointError, DefaultModelError, PlanRefused, OutputRefused, OutputExists,
-            OutputError, JobLocked, JobNotFound, StoreError)
+            OutputError, JobLocked, JobNotFound, StoreError, SettingRefused)

@@ -2,10 +2,10 @@
 inner product (`onednn`), the library torch already ships for its mkldnn ops.
 
 Why a choice: on an AMD EPYC (AVX-512, 2 cores) oneDNN ran float32 linears of the shapes a pass computes 20-50%
-faster than aten (1 thread, 32 rows x 2048 -> 5632: 79 against 52 GFLOP/s; 2 threads, 512 rows: 215 against 175),
-since MKL does not pick its fastest kernels on non-Intel CPUs. Elsewhere aten may win, so measure.py times both
-and the run uses the faster (BATCHRUN_LINEAR_KERNEL overrides). The layers stay transformers' own modules: only
-their matmul changes, and only for float32 CPU tensors outside autograd; anything else takes F.linear as before.
+faster than aten (1 thread, 32 rows x 2048 -> 5632: 79 against 52 GFLOP/s; 2 threads, 512 rows: 215 against 175).
+Elsewhere (other CPUs, other MKL builds) aten may win, so measure.py times both and the run uses the faster
+(BATCHRUN_LINEAR_KERNEL overrides). The layers stay transformers' own modules: only their matmul changes, and only
+for float32 CPU tensors outside autograd; anything else takes F.linear as before.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from batchrun.errors import SettingRefused
 
 KERNELS = ("aten", "onednn")
 KERNEL_ENV = "BATCHRUN_LINEAR_KERNEL"
@@ -29,9 +31,9 @@ def kernel_override() -> str | None:
     if not name:
         return None
     if name not in KERNELS:
-        raise ValueError(f"{KERNEL_ENV}={name!r}: expected one of {', '.join(KERNELS)}")
+        raise SettingRefused(f"{KERNEL_ENV}={name!r}: expected one of {', '.join(KERNELS)}")
     if name == "onednn" and not onednn_available():
-        raise ValueError(f"{KERNEL_ENV}=onednn, but this torch has no oneDNN (mkldnn) linear")
+        raise SettingRefused(f"{KERNEL_ENV}=onednn, but this torch has no oneDNN (mkldnn) linear")
     return name
 
 

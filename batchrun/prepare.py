@@ -208,5 +208,6 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
             report["too_long_rows"] = [{"location": r.request.location, "reason": r.error} for r in rows if r.error]
         candidate = plan_rows(prepared, runnable, options, device).to_json()
         candidate["model"] = model or "default (SmolLM2-135M-Instruct)"
+        candidate["linear_kernel"] = measure.linear_kernel(compute_dtype_for(options, device), device)
         report["candidates"].append(candidate)
     return report

@@ -20,7 +20,7 @@ CANDIDATE_KEYS = (
     "model", "mode", "reason", "checkpoint_bytes", "layers", "largest_layer_bytes", "non_decoder_bytes",
     "kv_bytes_per_token", "compute_dtype", "memory_budget_bytes", "peak_memory_bytes", "batch_size", "passes",
     "read_bandwidth_bytes_per_s", "bandwidth_basis", "seconds_per_pass", "eta_seconds", "eta_human",
-    "disk_free_bytes", "fits", "blockers", "caveats",
+    "disk_free_bytes", "fits", "blockers", "caveats", "linear_kernel",
 )
 
 
@@ -137,6 +137,22 @@ def test_plan_table_names_mode_memory_passes_and_eta(spec, model):
     for label in ("memory", "batches", "read bandwidth", "per pass", "ETA", "disk"):
         assert re.search(rf"^{label}\s+\S", text, re.M), label
     assert re.search(r"^passes\s+4 \(lower bound 4\)$", text, re.M)  # one batch, 4 new tokens
+
+
+@pytest.mark.parametrize("kernel", ["aten", "onednn"])
+def test_plan_names_the_kernel_the_linears_will_run_on(spec, model, monkeypatch, kernel):
+    monkeypatch.setenv("BATCHRUN_LINEAR_KERNEL", kernel)
+    result = invoke("plan", spec, "--model", model)
+    assert result.exit_code == 0, result.output
+    assert re.search(rf"^compute\s+float32 on cpu, {kernel} linears$", result.stdout, re.M)
+
+
+def test_an_unknown_linear_kernel_is_refused_by_name_without_a_traceback(spec, model, monkeypatch):
+    monkeypatch.setenv("BATCHRUN_LINEAR_KERNEL", "mkl")
+    result = invoke("plan", spec, "--model", model)
+    assert result.exit_code != 0
+    assert "BATCHRUN_LINEAR_KERNEL='mkl': expected one of aten, onednn" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_plan_json_has_every_field_a_script_needs(tmp_path, model):
