@@ -63,6 +63,7 @@ def test_submit_prints_plan_progress_and_a_one_line_summary(tmp_path, spec, mode
     assert summary, result.stdout
     assert Path(summary.group(3)) == out and pq.read_table(out).num_rows == 6
     assert re.search(r"^passes\s+\d+ \(lower bound \d+\)", result.stderr, re.M)  # the plan, before the run
+    assert re.search(r"^compute\s+float32 on cpu, (aten|onednn) linears$", result.stderr, re.M)
     assert f"batchrun {summary.group(1)[:8]}" in result.stderr  # the progress bar
 
 
