@@ -206,11 +206,11 @@ def linear_kernel(dtype: str, device: str = "cpu") -> str:
     dtype on device (measured now if it never was). `aten` off the CPU and wherever nothing else applies."""
     from batchrun import linear_kernels
 
-    override = linear_kernels.kernel_override()
-    if override is not None:
-        return override
+    override = linear_kernels.kernel_override()  # checked everywhere: a bad value is refused on any device
     if device.split(":")[0] != "cpu":
         return "aten"
+    if override is not None:
+        return override
     entry = _compute_entry(dtype, device)
     if entry is None or "linear_kernel" not in entry:  # an entry cached before kernels were compared
         measure_compute_rate(dtype, device)

@@ -132,6 +132,9 @@ def test_the_environment_overrides_the_measured_choice(monkeypatch):
     _timed_by_kernel({"aten": 2.0, "onednn": 1.0}, monkeypatch)
     monkeypatch.setenv(linear_kernels.KERNEL_ENV, "aten")
     assert measure.linear_kernel("float32", "cpu") == "aten"
+    if linear_kernels.onednn_available():
+        monkeypatch.setenv(linear_kernels.KERNEL_ENV, "onednn")
+        assert measure.linear_kernel("float32", "cuda:0") == "aten"  # oneDNN's op here is a CPU kernel
     monkeypatch.setenv(linear_kernels.KERNEL_ENV, "mkl")
     with pytest.raises(ValueError, match="BATCHRUN_LINEAR_KERNEL='mkl': expected one of aten, onednn"):
         measure.linear_kernel("float32", "cpu")
