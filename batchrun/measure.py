@@ -226,30 +226,42 @@ def _compute_entry(dtype: str, device: str) -> dict | None:
 
 def measure_memory_read_rate(dtype: str, device: str = "cpu") -> float:
     """Bytes/s at which a decode-shaped matmul streams its weights from memory (median of a few), cached per device,
-    dtype and torch thread count: what bounds a decode pass of a few sequences."""
+    dtype and torch thread count: what bounds a decode pass of a few sequences. Timed on the linear kernel runs
+    use."""
     import torch
 
     rows, inner, cols = DECODE_SHAPE
     torch_dtype = getattr(torch, dtype)
     tokens = torch.ones(rows, inner, dtype=torch_dtype, device=device)
-    weights = [torch.full((inner, cols), 0.01, dtype=torch_dtype, device=device) for _ in range(DECODE_MATRICES)]
+    weights = [torch.full((cols, inner), 0.01, dtype=torch_dtype, device=device) for _ in range(DECODE_MATRICES)]
+    kernel = _decode_kernel(dtype, device)
+    linear = _linear_kernels(torch, tokens, weights[0])[kernel]
 
     def decode_step():
         for weight in weights:
-            tokens @ weight
+            linear(tokens, weight)
 
     streamed = sum(weight.numel() * weight.element_size() for weight in weights)
     rate = streamed / _median_seconds(decode_step, _synchronizer(torch, device))
-    _store("memory", _compute_key(dtype, device, torch.get_num_threads()), {"bytes_per_s": rate})
+    _store("memory", _compute_key(dtype, device, torch.get_num_threads()),
+           {"bytes_per_s": rate, "linear_kernel": kernel})
     return rate
 
 
 def memory_read_rate(dtype: str, device: str = "cpu") -> float:
-    """The cached memory read rate for dtype on device, measured now if there is none."""
+    """The cached memory read rate for dtype on device, measured now if there is none for the kernel runs use."""
     import torch
 
     entry = _load().get("memory", {}).get(_compute_key(dtype, device, torch.get_num_threads()))
-    return entry["bytes_per_s"] if entry else measure_memory_read_rate(dtype, device)
+    if entry and entry.get("linear_kernel") == _decode_kernel(dtype, device):
+        return entry["bytes_per_s"]
+    return measure_memory_read_rate(dtype, device)
+
+
+def _decode_kernel(dtype: str, device: str) -> str:
+    """The kernel a decode step's linears really run on: oneDNN takes float32 only (linear_kernels.takes_onednn)."""
+    kernel = linear_kernel(dtype, device)
+    return kernel if kernel == "aten" or dtype == "float32" else "aten"
 
 
 def _compute_key(dtype: str, device: str, threads: int) -> str:

@@ -139,3 +139,22 @@ def test_the_environment_overrides_the_measured_choice(monkeypatch):
     with pytest.raises(ValueError, match="BATCHRUN_LINEAR_KERNEL='mkl': expected one of aten, onednn"):
         measure.linear_kernel("float32", "cpu")
 
+
+
+@needs_onednn
+def test_the_memory_read_rate_is_timed_on_the_kernel_runs_use_and_again_when_that_changes(monkeypatch):
+    used = []
+    monkeypatch.setattr(measure, "_linear_kernels", lambda torch, tokens, weight: {
+        name: (lambda *args, name=name: used.append(name)) for name in linear_kernels.KERNELS})
+    monkeypatch.setattr(measure, "_median_seconds", lambda work, wait: (work(), 1.0)[1])
+    key = f"cpu:float32:threads={torch.get_num_threads()}"
+    measure._store("memory", key, {"bytes_per_s": 1.0})  # cached before rates named their kernel
+    monkeypatch.setenv(linear_kernels.KERNEL_ENV, "onednn")
+    rate = measure.memory_read_rate("float32", "cpu")
+    assert used == ["onednn"] * measure.DECODE_MATRICES
+    rows, inner, cols = measure.DECODE_SHAPE
+    assert rate == measure.DECODE_MATRICES * cols * inner * 4  # bytes streamed in the (faked) one second
+    assert measure.memory_read_rate("float32", "cpu") == rate and len(used) == measure.DECODE_MATRICES  # cached
+    monkeypatch.setenv(linear_kernels.KERNEL_ENV, "aten")
+    measure.memory_read_rate("float32", "cpu")
+    assert used[measure.DECODE_MATRICES:] == ["aten"] * measure.DECODE_MATRICES
