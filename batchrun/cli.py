@@ -112,10 +112,7 @@ def submit(spec, models, output, db, force, quiet, as_json, **kw):
 
     def show_plan(plan):
         if not quiet and not as_json:
-            from batchrun import measure
-
-            report = plan.to_json() | {"linear_kernel": measure.linear_kernel(plan.compute_dtype, plan.device)}
-            click.echo(format_plan_table(report), err=True)
+            click.echo(format_plan_table(plan.to_json()), err=True)
 
     summary = run_submit(spec, options=options, output=output, db=db, force=force, quiet=quiet or as_json,
                          on_plan=show_plan)

@@ -14,7 +14,7 @@ from typing import Callable
 from tqdm import tqdm
 from transformers.utils import logging as transformers_logging
 
-from batchrun import faults, measure
+from batchrun import faults
 from batchrun.errors import OutputRefused, PlanRefused
 from batchrun.oom import killed_by_oom, memory_cgroup_dir, oom_kill_count
 from batchrun.output import default_output_path, write_parquet
@@ -188,7 +188,7 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
                        dtype=prepared.compute_dtype, prefetching=prepared.options.prefetch,
                        prefetch_depth=prepared.options.prefetch_depth, decode_prefetch_depth=plan.decode_prefetch_depth,
                        trust_remote_code=prepared.options.trust_remote_code,
-                       linear_kernel=measure.linear_kernel(prepared.compute_dtype, prepared.device))
+                       linear_kernel=plan.linear_kernel)
     tokenizer = prepared.model.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     eos = eos_token_ids(model.config, getattr(model.model, "generation_config", None), tokenizer)

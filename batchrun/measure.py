@@ -203,11 +203,12 @@ def compute_rate(dtype: str, device: str = "cpu") -> float:
 
 def linear_kernel(dtype: str, device: str = "cpu") -> str:
     """The kernel a run computes its linears with: BATCHRUN_LINEAR_KERNEL if set, else the faster one measured for
-    dtype on device (measured now if it never was). `aten` off the CPU and wherever nothing else applies."""
+    dtype on device (measured now if it never was). `aten` wherever oneDNN's route does not apply: off the CPU and
+    below float32 (linear_kernels.takes_onednn)."""
     from batchrun import linear_kernels
 
     override = linear_kernels.kernel_override()  # checked everywhere: a bad value is refused on any device
-    if device.split(":")[0] != "cpu":
+    if device.split(":")[0] != "cpu" or dtype != "float32":
         return "aten"
     if override is not None:
         return override
@@ -234,7 +235,7 @@ def measure_memory_read_rate(dtype: str, device: str = "cpu") -> float:
     torch_dtype = getattr(torch, dtype)
     tokens = torch.ones(rows, inner, dtype=torch_dtype, device=device)
     weights = [torch.full((cols, inner), 0.01, dtype=torch_dtype, device=device) for _ in range(DECODE_MATRICES)]
-    kernel = _decode_kernel(dtype, device)
+    kernel = linear_kernel(dtype, device)
     linear = _linear_kernels(torch, tokens, weights[0])[kernel]
 
     def decode_step():
@@ -253,15 +254,9 @@ def memory_read_rate(dtype: str, device: str = "cpu") -> float:
     import torch
 
     entry = _load().get("memory", {}).get(_compute_key(dtype, device, torch.get_num_threads()))
-    if entry and entry.get("linear_kernel") == _decode_kernel(dtype, device):
+    if entry and entry.get("linear_kernel") == linear_kernel(dtype, device):
         return entry["bytes_per_s"]
     return measure_memory_read_rate(dtype, device)
-
-
-def _decode_kernel(dtype: str, device: str) -> str:
-    """The kernel a decode step's linears really run on: oneDNN takes float32 only (linear_kernels.takes_onednn)."""
-    kernel = linear_kernel(dtype, device)
-    return kernel if kernel == "aten" or dtype == "float32" else "aten"
 
 
 def _compute_key(dtype: str, device: str, threads: int) -> str:

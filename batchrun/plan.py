@@ -123,6 +123,7 @@ class Candidate:
     prefetch_depth: int = 0  # layers a prefill reads ahead of the one computing; 0: none (resident, no prefetch)
     decode_prefetch_depth: int = 0  # the same in decode passes (one more where memory allows)
     pass_seconds: list[float | None] = field(default_factory=list)  # every pass in run order
+    linear_kernel: str = "aten"  # what computes the nn.Linear layers (measure.linear_kernel; a CPU choice)
 
     @property
     def fits(self) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -150,7 +150,7 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
                                   sharing_allowed=not any(prepared.sizes.sliding_windows))
     compute_dtype = compute_dtype_for(options, device)
     budget = int(options.memory_gb * 1e9) if options.memory_gb else measure.available_memory_bytes(device)
-    return make_plan(
+    plan = make_plan(
         prepared.sizes, costs, model=prepared.name, device=device, compute_dtype=compute_dtype,
         memory_budget_bytes=budget, streaming=parse_streaming(options.streaming), prefetch=options.prefetch,
         prefetch_depth=options.prefetch_depth,
@@ -160,6 +160,7 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
         disk_free_bytes=measure.disk_free_bytes(prepared.checkpoint), checkpoint_is_local=True,
         runtime_overhead_bytes=measure.runtime_overhead_bytes(), batch_size=options.batch_size,
         context_length=prepared.context_length, shared_prefix_tokens=shared)
+    return replace(plan, linear_kernel=measure.linear_kernel(compute_dtype, device))
 
 
 def detect_device(options: JobOptions) -> str:
@@ -208,6 +209,5 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
             report["too_long_rows"] = [{"location": r.request.location, "reason": r.error} for r in rows if r.error]
         candidate = plan_rows(prepared, runnable, options, device).to_json()
         candidate["model"] = model or "default (SmolLM2-135M-Instruct)"
-        candidate["linear_kernel"] = measure.linear_kernel(compute_dtype_for(options, device), device)
         report["candidates"].append(candidate)
     return report

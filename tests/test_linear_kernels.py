@@ -135,6 +135,7 @@ def test_the_environment_overrides_the_measured_choice(monkeypatch):
     if linear_kernels.onednn_available():
         monkeypatch.setenv(linear_kernels.KERNEL_ENV, "onednn")
         assert measure.linear_kernel("float32", "cuda:0") == "aten"  # oneDNN's op here is a CPU kernel
+        assert measure.linear_kernel("bfloat16", "cpu") == "aten"  # and it takes float32 only
     monkeypatch.setenv(linear_kernels.KERNEL_ENV, "mkl")
     with pytest.raises(ValueError, match="BATCHRUN_LINEAR_KERNEL='mkl': expected one of aten, onednn"):
         measure.linear_kernel("float32", "cpu")
