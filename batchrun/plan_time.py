@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from batchrun.batching import RowCost, batch_shape, without_prefix
+from batchrun.batching import micro_batches as prefill_micro_batches
 from batchrun.sizes import CheckpointSizes, attended_positions, kv_bytes_for_sequence
 
 # A decode pass streams every weight from RAM once, so below a few dozen sequences it runs at the speed of memory,
@@ -88,7 +89,11 @@ def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequenc
     for step, flops in enumerate(batch_pass_flops(sizes, rows, batch, shared_prefix)):
         weights, kv = pass_memory_bytes(sizes, compute_bytes, live[step], shared_prefix + prefill + step, step > 0)
         group = micro_batches[0 if step == 0 else 1]
-        calls = math.ceil(live[step] / group) if group else 1
+        if step == 0:  # the prefill's micro-batches are cut by length, as the executor cuts them
+            lengths = [rows[i].prefill_length() for i in batch for _ in range(rows[i].sequences())]
+            calls = len(prefill_micro_batches(lengths, group))
+        else:
+            calls = math.ceil(live[step] / group) if group else 1
         seconds.append(pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s,
                                             memory_bytes_per_s))
     return seconds

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from batchrun import prefix_attention
-from batchrun.batching import shared_prefix_tokens
+from batchrun.batching import micro_batches, shared_prefix_tokens
 
 
 @dataclass
@@ -62,11 +62,6 @@ def forward(model, ids, mask, positions, *, keep: int, cache=None, use_cache: bo
     # Outputs of 5.2x have `cache`; reading their deprecated `past_key_values` alias logs a warning.
     new_cache = out.cache if hasattr(out, "cache") else getattr(out, "past_key_values", None)
     return torch.log_softmax(out.logits.float(), dim=-1), new_cache
-
-
-def micro_slices(count: int, size: int | None) -> list[list[int]]:
-    size = max(1, size or count)
-    return [list(range(start, min(start + size, count))) for start in range(0, count, size)]
 
 
 class SharedPrefix:
@@ -223,9 +218,9 @@ def prefill(handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, mi
     Returns per-sequence log-probs [keep, V] (in the order of `seqs`) and one MicroState per micro-batch.
     """
     model, device = handle.model, handle.device
-    groups = micro_slices(len(seqs), micro_batch)
     sharing = share_prefix and len(seqs) > 1 and SharedPrefix.usable(model)
     shared = shared_prefix_tokens(seqs, sharing, own_tokens=keep)
+    groups = micro_batches([len(seq) - shared for seq in seqs], micro_batch)
     calls, states = [], []
     prefix = SharedPrefix(model, list(seqs[0][:shared]), device) if shared else None
     if prefix is not None:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from batchrun.batching import shared_prefix_tokens, without_prefix
+from batchrun.batching import MICRO_BATCH_COST_TOKENS, micro_batches, shared_prefix_tokens, without_prefix
 from batchrun.checkpoint import sizes_from_config
 from batchrun.plan_time import batch_pass_flops
 from batchrun.plan import (
@@ -251,6 +251,51 @@ def test_packing_places_every_row_once_in_single_kind_batches_within_limits(spec
             assert sequences * max(rows[i].sequence_length() for i in batch) <= max_tokens
     if rows:
         assert passes_for(rows, batches) >= lower_bound_passes(rows, max_sequences)
+
+
+def _padded_tokens(lengths, groups):
+    return sum(len(group) * max(lengths[i] for i in group) for group in groups)
+
+
+def _set_partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for partition in _set_partitions(rest):
+        yield [[first], *partition]
+        for k in range(len(partition)):
+            yield [*partition[:k], [first, *partition[k]], *partition[k + 1:]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=7), st.integers(1, 8))
+def test_micro_batches_pad_least_within_the_planned_micro_batch(lengths, size):
+    """Every sequence once; no group beyond the micro-batch the plan sized (sequences, and padded tokens of that
+    many longest sequences); and no other grouping, sorted or not, pads less at the same cost per group."""
+    groups = micro_batches(lengths, size)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    if size >= len(lengths):
+        assert groups == [list(range(len(lengths)))]
+        return
+    for group in groups:
+        assert len(group) <= size
+        assert len(group) * max(lengths[i] for i in group) <= size * max(lengths)
+
+    def cost(partition):
+        return _padded_tokens(lengths, partition) + MICRO_BATCH_COST_TOKENS * len(partition)
+
+    allowed = [p for p in _set_partitions(list(range(len(lengths))))
+               if all(len(g) <= size and len(g) * max(lengths[i] for i in g) <= size * max(lengths) for g in p)]
+    assert cost(groups) == min(cost(p) for p in allowed)
+
+
+def test_short_prompts_are_not_padded_to_long_ones_in_a_micro_batch():
+    lengths = [300, 20, 310, 25, 22, 305, 21, 302]  # two kinds of request interleaved in the job
+    groups = micro_batches(lengths, 4)
+    assert groups == [[1, 3, 4, 6], [0, 2, 5, 7]]
+    assert _padded_tokens(lengths, groups) == 4 * 25 + 4 * 310  # in arrival order: 4 x 310 + 4 x 305
+    assert micro_batches(lengths, None) == [list(range(8))]  # no micro-batches planned: one forward call
 
 
 def test_batch_chosen_for_a_budget_buys_sequences_with_micro_batches():
