@@ -109,14 +109,13 @@ def micro_batches(lengths: Sequence[int], size: int | None) -> list[list[int]]:
     No group holds more than `size` sequences or more padded tokens than `size` sequences of the longest length:
     the activations the plan sized one micro-batch for. Within that, sequences are sorted by length and cut into
     contiguous runs where the padding plus MICRO_BATCH_COST_TOKENS per group is least (exact, by dynamic
-    programming). `size` None (or at least the count): one group, the plain forward call.
+    programming). `size` None or 0 (or at least the count): one group, the plain forward call.
     """
     count = len(lengths)
     if count == 0:
         return []
-    if size is None or size >= count:
+    if not size or size >= count:
         return [list(range(count))]
-    size = max(1, size)
     order = sorted(range(count), key=lambda i: (lengths[i], i))
     budget = size * max(lengths)
     # best[j]: least cost of grouping the j shortest sequences; cut[j]: where the last of those groups starts
