@@ -106,8 +106,8 @@ MICRO_BATCH_COST_TOKENS = 32
 def micro_batches(lengths: Sequence[int], size: int | None) -> list[list[int]]:
     """Sequence indices grouped into the micro-batches of one pass, each left-padded to its longest member.
 
-    No group holds more than `size` sequences or more padded tokens than `size` sequences of the longest length:
-    the activations the plan sized one micro-batch for. Within that, sequences are sorted by length and cut into
+    No group holds more than `size` sequences, so none outgrows the activations the plan sized one micro-batch for
+    (`size` sequences at the longest length). Within that, sequences are sorted by length and cut into
     contiguous runs where the padding plus MICRO_BATCH_COST_TOKENS per group is least (exact, by dynamic
     programming). `size` None or 0 (or at least the count): one group, the plain forward call.
     """
@@ -117,7 +117,6 @@ def micro_batches(lengths: Sequence[int], size: int | None) -> list[list[int]]:
     if not size or size >= count:
         return [list(range(count))]
     order = sorted(range(count), key=lambda i: (lengths[i], i))
-    budget = size * max(lengths)
     # best[j]: least cost of grouping the j shortest sequences; cut[j]: where the last of those groups starts
     best = [0.0] + [math.inf] * count
     cut = [0] * (count + 1)
@@ -127,10 +126,7 @@ def micro_batches(lengths: Sequence[int], size: int | None) -> list[list[int]]:
     for end in range(1, count + 1):
         longest = lengths[order[end - 1]]  # sorted: the group's last member is its longest
         for start in range(end - 1, max(-1, end - size - 1), -1):
-            members = end - start
-            if members * longest > budget:
-                break
-            padding = members * longest - (tokens_before[end] - tokens_before[start])
+            padding = (end - start) * longest - (tokens_before[end] - tokens_before[start])
             cost = best[start] + padding + MICRO_BATCH_COST_TOKENS
             if cost < best[end]:
                 best[end], cut[end] = cost, start
