@@ -122,7 +122,11 @@ class LayerLoader:
         widenings: list[Future] = []
         try:
             read: list[TensorInfo] = []
-            for recipe in direct + widened:  # CPU: read straight into the parameter's buffer
+            # CPU: read straight into the parameter's buffer, in the order the bytes lie in the shards. The kernel's
+            # readahead follows a sequential reader: the same 3 GB checkpoint read tensor by tensor in module order
+            # (q, k, v, o, gate, up, down, a layer at a time) measured 1.58 against 3.0 GB/s in file order (5 cold
+            # reads each). Checkpoints store a layer's tensors in whatever order their writer chose.
+            for recipe in sorted(direct + widened, key=_file_position):
                 name = recipe.target[len(prefix):]
                 info = recipe.sources[0]
                 buf, target = self._read_target(slot, name, metas[name], info.nbytes)
@@ -222,6 +226,10 @@ class LayerLoader:
 
 # Below this many elements left, the widening finishes through a small temporary (its steps would only shrink).
 WIDEN_TAIL_ELEMENTS = 1 << 16
+
+
+def _file_position(recipe: Recipe) -> tuple[str, int]:
+    return str(recipe.sources[0].file), recipe.sources[0].offset
 
 
 def contiguous_runs(infos: list[TensorInfo]) -> list[tuple[object, int, int]]:

@@ -1,7 +1,9 @@
 """The streamed model must equal the plain in-memory transformers model, architecture by architecture."""
 from __future__ import annotations
 
+import json
 import shutil
+import struct
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -222,6 +224,53 @@ def test_a_failed_read_surfaces_only_after_the_layers_widenings_stop_writing_int
         ids = sample_ids(streamed.config.vocab_size)
         with torch.inference_mode():
             assert (streamed(ids).logits - expected(ids).logits).abs().max().item() <= TOLERANCE
+
+
+def store_tensors_in_reverse_name_order(shard: Path) -> None:
+    """Rewrite a safetensors shard with its tensors' bytes in reverse name order: a valid file whose storage order is
+    not the order the model's parameters are listed in (writers other than safetensors' own choose their order)."""
+    raw = shard.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header, data = json.loads(raw[8:8 + length]), raw[8 + length:]
+    pieces, cursor = [], 0
+    for name in sorted((name for name in header if name != "__metadata__"), reverse=True):
+        start, end = header[name]["data_offsets"]
+        pieces.append(data[start:end])
+        header[name]["data_offsets"] = [cursor, cursor + end - start]
+        cursor += end - start
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    shard.write_bytes(struct.pack("<Q", len(encoded)) + encoded + b"".join(pieces))
+
+
+def test_a_layer_is_read_in_the_order_its_bytes_lie_in_the_shard(tmp_path, tiny_checkpoint, monkeypatch):
+    """Reads follow the file, not the parameter list: readahead serves a sequential reader (loader.py)."""
+    from batchrun import loader
+
+    path = tmp_path / "bf16"
+    reference(tiny_checkpoint("llama")).to(torch.bfloat16).save_pretrained(path)
+    for shard in path.glob("*.safetensors"):
+        store_tensors_in_reverse_name_order(shard)
+    per_load: list[list[tuple[str, int]]] = []
+    real_read, real_load = loader.read_into, loader.LayerLoader._load
+
+    def load(self, index, slot):
+        per_load.append([])
+        return real_load(self, index, slot)
+
+    def read(fd, target, offset, file):
+        if per_load:
+            per_load[-1].append((str(file), offset))
+        real_read(fd, target, offset, file)
+
+    monkeypatch.setattr(loader.LayerLoader, "_load", load)
+    monkeypatch.setattr(loader, "read_into", read)
+    expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = sample_ids(expected.config.vocab_size)
+    with StreamedModel(path, device="cpu", dtype=torch.float32, prefetching=False) as streamed, torch.inference_mode():
+        assert (streamed(ids).logits - expected(ids).logits).abs().max().item() <= TOLERANCE
+        assert len(per_load) == streamed.num_layers
+    assert all(len(reads) > 1 and reads == sorted(reads) for reads in per_load)
 
 
 def test_the_reader_moves_on_while_a_layer_widens_and_the_forward_waits_for_it(tmp_path, tiny_checkpoint, monkeypatch):
