@@ -80,13 +80,39 @@ def test_gradients_other_dtypes_and_other_devices_keep_f_linear(onednn_calls):
     assert onednn_calls == []
 
 
-def test_routing_back_to_aten_restores_the_modules_own_forward():
+def test_routing_back_to_aten_computes_with_f_linear_again(onednn_calls):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    assert linear_kernels.route_linears(model, "onednn") == 2
-    assert linear_kernels.route_linears(model, "aten") == 0
-    assert all("forward" not in m.__dict__ for m in model.modules())
+    inputs = torch.randn(3, 8)
+    with torch.inference_mode():
+        expected = model(inputs)
+        assert linear_kernels.route_linears(model, "onednn") == 2
+        assert linear_kernels.route_linears(model, "aten") == 2
+        assert torch.equal(model(inputs), expected)
+    assert onednn_calls == []
     with pytest.raises(ValueError, match="unknown linear kernel 'mkl'"):
         linear_kernels.route_linears(model, "mkl")
+
+
+@pytest.mark.parametrize("kernel", linear_kernels.KERNELS)
+def test_a_strided_bfloat16_input_reaches_the_matmul_contiguous(kernel, monkeypatch):
+    """The head's input is a strided view (the last position of each sequence); torch's CPU bfloat16 linear of a
+    strided input expands the weight per sequence (+1 GB for 32 sequences and a 8192-token vocabulary)."""
+    head = torch.nn.Linear(16, 32, bias=False).to(torch.bfloat16)
+    hidden = torch.randn(4, 5, 16).to(torch.bfloat16)
+    seen, real_linear = [], F.linear
+
+    def recording_linear(inputs, weight, bias=None):
+        seen.append(inputs.is_contiguous())
+        return real_linear(inputs, weight, bias)
+
+    float32 = real_linear(hidden[:, -1:, :].float(), head.weight.float())
+    linear_kernels.route_linears(head, kernel)
+    monkeypatch.setattr(linear_kernels.F, "linear", recording_linear)
+    with torch.inference_mode():
+        got = head(hidden[:, -1:, :])
+    assert seen == [True]
+    assert got.shape == (4, 1, 32)
+    assert (got.float() - float32).abs().max().item() <= 0.05 * float32.abs().max().item()  # bfloat16 rounding
 
 
 def test_subclasses_of_linear_keep_their_own_forward():
