@@ -359,7 +359,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     flops_rate, memory_rate = effective_rates(device, compute_flops_per_s, memory_bytes_per_s)
     host_traffic = streaming_traffic(sizes, compute_bytes, device, mode)
     timeline = job_timeline(sizes, rows, batches, io_seconds, flops_rate, compute_bytes, memory_rate,
-                            shared, (micro_sequences, decode_micro), host_traffic)
+                            shared, (micro_sequences, decode_micro), host_traffic, device)
     if mode == "streamed" and timeline.compute_bound_passes:
         caveats.append(f"{timeline.compute_bound_passes} of {passes} passes are compute-bound (long prefills): "
                        "faster reads would not speed those up")

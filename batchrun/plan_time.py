@@ -7,8 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from batchrun.batching import RowCost, batch_shape, without_prefix
-from batchrun.batching import micro_batches as prefill_micro_batches
+from batchrun.batching import RowCost, batch_shape, prefill_groups, without_prefix
 from batchrun.sizes import CheckpointSizes, attended_positions, kv_bytes_for_sequence
 
 # A decode pass streams every weight from RAM once, so below a few dozen sequences it runs at the speed of memory,
@@ -77,11 +76,12 @@ def pass_compute_seconds(flops: int, memory: tuple[int, int], flops_per_s: float
 def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost], batch: Sequence[int],
                        flops_per_s: float | None, memory_bytes_per_s: float | None,
                        shared_prefix: int = 0, micro_batches: tuple[int | None, int | None] = (None, None),
-                       streaming_bytes: int = 0) -> list[float | None]:
+                       streaming_bytes: int = 0, device: str = "cpu") -> list[float | None]:
     """Compute seconds of each pass of a batch, in the order of batch_pass_flops. With a shared prefix, `rows` are
     the rows without it (batching.without_prefix); attention still reads the prefix for every sequence.
-    micro_batches: sequences per forward call in the prefill and in decode passes (None: all); every call reads
-    the layer's weights from memory once more. streaming_bytes: the host's own traffic of streaming the layers
+    micro_batches: sequences per forward call in the prefill and in decode passes (None: all; a CPU prefill still cuts
+    by length, batching.prefill_groups); every call reads the layer's weights from memory once more.
+    streaming_bytes: the host's own traffic of streaming the layers
     (host_streaming_bytes), 0 when resident or when an accelerator computes."""
     prefill = batch_shape(rows, batch)[2]
     live = _live_sequences(rows, batch)
@@ -91,7 +91,7 @@ def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequenc
         group = micro_batches[0 if step == 0 else 1]
         if step == 0:  # the prefill's micro-batches are cut by length, as the executor cuts them
             lengths = [rows[i].prefill_length() for i in batch for _ in range(rows[i].sequences())]
-            calls = len(prefill_micro_batches(lengths, group))
+            calls = len(prefill_groups(lengths, group, device.split(":")[0]))
         else:
             calls = math.ceil(live[step] / group) if group else 1
         seconds.append(pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s,
@@ -135,7 +135,8 @@ class Timeline:
 def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Sequence[Sequence[int]],
                  io_seconds: float | None, compute_flops_per_s: float | None, compute_bytes: int = 4,
                  memory_bytes_per_s: float | None = None, shared_prefix: int = 0,
-                 micro_batches: tuple[int | None, int | None] = (None, None), streaming_bytes: int = 0) -> Timeline:
+                 micro_batches: tuple[int | None, int | None] = (None, None), streaming_bytes: int = 0,
+                 device: str = "cpu") -> Timeline:
     """Seconds of every pass of the job, in run order, and of every batch. A batch of several sequences computes
     `shared_prefix` prompt tokens once (prefill.SharedPrefix); one sequence alone computes its whole prompt."""
     own_rows = [without_prefix(row, shared_prefix) for row in rows]
@@ -145,7 +146,7 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
         shared = shared_prefix if batch_shape(rows, batch)[0] > 1 else 0
         computes = batch_pass_seconds(sizes, compute_bytes, own_rows if shared else rows, batch,
                                       compute_flops_per_s, memory_bytes_per_s, shared, micro_batches,
-                                      streaming_bytes)
+                                      streaming_bytes, device)
         bounds = [pass_bound(io_seconds, c) for c in computes]
         compute_bound += sum(1 for c in computes if c is not None and io_seconds and c > io_seconds)
         all_computes += computes

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from batchrun.batching import MICRO_BATCH_COST_TOKENS, micro_batches, shared_prefix_tokens, without_prefix
+from batchrun.batching import (MICRO_BATCH_COST_TOKENS, micro_batches, prefill_groups, shared_prefix_tokens,
+                               without_prefix)
 from batchrun.checkpoint import sizes_from_config
 from batchrun.plan_time import batch_pass_flops
 from batchrun.plan import (
@@ -275,9 +276,6 @@ def test_micro_batches_pad_least_within_the_planned_micro_batch(lengths, size):
     many longest sequences); and no other grouping, sorted or not, pads less at the same cost per group."""
     groups = micro_batches(lengths, size)
     assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
-    if size >= len(lengths):
-        assert groups == [list(range(len(lengths)))]
-        return
     for group in groups:
         assert len(group) <= size
         assert len(group) * max(lengths[i] for i in group) <= size * max(lengths)
@@ -296,6 +294,14 @@ def test_short_prompts_are_not_padded_to_long_ones_in_a_micro_batch():
     assert groups == [[1, 3, 4, 6], [0, 2, 5, 7]]
     assert _padded_tokens(lengths, groups) == 4 * 25 + 4 * 310  # in arrival order: 4 x 310 + 4 x 305
     assert micro_batches(lengths, None) == [list(range(8))]  # no micro-batches planned: one forward call
+
+
+def test_a_cpu_prefill_cuts_by_length_even_when_every_sequence_fits_at_once():
+    lengths = [300, 20, 310, 25, 22, 305, 21, 302]
+    assert prefill_groups(lengths, None, "cpu") == [[1, 3, 4, 6], [0, 2, 5, 7]]
+    assert prefill_groups(lengths, None, "cuda") == [list(range(8))]  # a call costs more than padding there
+    assert prefill_groups(lengths, 2, "cuda") == micro_batches(lengths, 2)
+    assert prefill_groups([40, 41, 42], None, "cpu") == [[0, 1, 2]]  # 3 tokens of padding: not worth a call
 
 
 def test_batch_chosen_for_a_budget_buys_sequences_with_micro_batches():

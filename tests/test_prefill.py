@@ -53,6 +53,26 @@ def test_prefill_equals_plain_forward(tiny_checkpoint, arch, kind, micro_batch, 
         handle.close()
 
 
+@pytest.mark.parametrize("kind", ["streamed", "resident"])
+def test_a_cpu_prefill_with_no_micro_batch_planned_cuts_short_and_long_prompts_apart(tiny_checkpoint, kind):
+    """Every sequence fits at once (no micro-batch planned), yet short prompts are not padded to long ones: two
+    forward calls (batching.prefill_groups), the same numbers as one plain forward per sequence."""
+    handle = open_handle(kind, tiny_checkpoint("llama"))
+    calls = []
+    hook = handle.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        generator = torch.Generator().manual_seed(3)
+        vocab = handle.model.config.vocab_size
+        seqs = [torch.randint(3, vocab, (length,), generator=generator).tolist() for length in (5, 90, 6, 88)]
+        got, _ = prefill(handle, seqs, pad_id=0, keep=1, micro_batch=None, use_cache=False)
+        assert len(calls) == 2
+        for seq, lp in zip(seqs, got):
+            assert (lp - plain_logprobs(handle, seq, 1)).abs().max().item() <= 1e-4
+    finally:
+        hook.remove()
+        handle.close()
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 @pytest.mark.parametrize("share", [True, False])
 @pytest.mark.parametrize("group", [None, 3])
