@@ -5,7 +5,8 @@ Why a choice: on an AMD EPYC (AVX-512, 2 cores) oneDNN ran float32 linears of th
 faster than aten (1 thread, 32 rows x 2048 -> 5632: 79 against 52 GFLOP/s; 2 threads, 512 rows: 215 against 175).
 Elsewhere (other CPUs, other MKL builds) aten may win, so measure.py times both and the run uses the faster
 (BATCHRUN_LINEAR_KERNEL overrides). The layers stay transformers' own modules: only their matmul changes, and only
-for float32 CPU tensors outside autograd; anything else takes F.linear as before.
+for float32 CPU tensors outside autograd; anything else takes F.linear as before, a strided bfloat16 CPU input made
+contiguous first (dense_if_strided_bfloat16).
 """
 from __future__ import annotations
 
