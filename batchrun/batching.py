@@ -139,12 +139,12 @@ def micro_batches(lengths: Sequence[int], size: int | None) -> list[list[int]]:
     return groups[::-1]
 
 
-def prefill_groups(lengths: Sequence[int], size: int | None, device_type: str) -> list[list[int]]:
+def prefill_groups(lengths: Sequence[int], size: int | None, device) -> list[list[int]]:
     """The forward calls of a prefill: micro_batches within the planned `size`. With none planned (every sequence's
     activations fit at once), a CPU still cuts by length, where a padded position costs what a token does (the
     benchmark's classification sweep resident: one call 69.6 s, cut by length 53.8 s); an accelerator makes one call,
-    where a call costs more than padding does."""
-    if size is None and device_type == "cpu":
+    where a call costs more than padding does. `device`: "cpu", "cuda:0", a torch.device."""
+    if size is None and str(device).split(":")[0] == "cpu":
         size = len(lengths)
     return micro_batches(lengths, size)
 

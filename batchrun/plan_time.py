@@ -91,7 +91,7 @@ def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequenc
         group = micro_batches[0 if step == 0 else 1]
         if step == 0:  # the prefill's micro-batches are cut by length, as the executor cuts them
             lengths = [rows[i].prefill_length() for i in batch for _ in range(rows[i].sequences())]
-            calls = len(prefill_groups(lengths, group, device.split(":")[0]))
+            calls = len(prefill_groups(lengths, group, device))
         else:
             calls = math.ceil(live[step] / group) if group else 1
         seconds.append(pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s,

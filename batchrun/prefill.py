@@ -220,7 +220,7 @@ def prefill(handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, mi
     model, device = handle.model, handle.device
     sharing = share_prefix and len(seqs) > 1 and SharedPrefix.usable(model)
     shared = shared_prefix_tokens(seqs, sharing, own_tokens=keep)
-    groups = prefill_groups([len(seq) - shared for seq in seqs], micro_batch, torch.device(device).type)
+    groups = prefill_groups([len(seq) - shared for seq in seqs], micro_batch, device)
     calls, states = [], []
     prefix = SharedPrefix(model, list(seqs[0][:shared]), device) if shared else None
     if prefix is not None:

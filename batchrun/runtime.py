@@ -115,7 +115,7 @@ def copy_out_of_file_mappings(model: torch.nn.Module, files) -> int:
     copied = 0
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
-            if mapped is None or _overlaps(tensor, mapped):
+            if mapped is None or lies_in(tensor, mapped):
                 tensor.data = tensor.data.clone()
                 copied += 1
     model.tie_weights()
@@ -138,7 +138,8 @@ def file_mapped_ranges(files, maps: Path = Path("/proc/self/maps")) -> list[tupl
     return ranges
 
 
-def _overlaps(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+def lies_in(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+    """Whether any byte of the tensor's storage lies in one of the address ranges."""
     storage = tensor.untyped_storage()
     start = storage.data_ptr()
     end = start + storage.nbytes()

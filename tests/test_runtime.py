@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchrun.checkpoint import read_tensor_infos
-from batchrun.runtime import ResidentModel, copy_out_of_file_mappings, file_mapped_ranges
+from batchrun.runtime import ResidentModel, copy_out_of_file_mappings, file_mapped_ranges, lies_in
 
 
 def weight_files(path) -> set:
@@ -17,12 +17,7 @@ def weight_files(path) -> set:
 def mapped_tensors(model: torch.nn.Module, files) -> int:
     ranges = file_mapped_ranges(files)
     assert ranges is not None, "/proc/self/maps unreadable: these tests need Linux"
-    count = 0
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        storage = tensor.untyped_storage()
-        start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-        count += any(low < end and start < high for low, high in ranges)
-    return count
+    return sum(lies_in(tensor, ranges) for tensor in list(model.parameters()) + list(model.buffers()))
 
 
 def test_a_resident_model_holds_no_weight_in_a_file_mapping(tiny_checkpoint):
