@@ -14,7 +14,7 @@ from typing import Callable
 from tqdm import tqdm
 from transformers.utils import logging as transformers_logging
 
-from batchrun import faults, prefix_attention
+from batchrun import faults
 from batchrun.errors import OutputRefused, PlanRefused
 from batchrun.oom import killed_by_oom, memory_cgroup_dir, oom_kill_count
 from batchrun.output import default_output_path, write_parquet
@@ -195,17 +195,6 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
     pass_times = summary.pass_seconds
     micro_batch = prepared.options.micro_batch or plan.micro_batch_size
     decode_micro_batch = plan.decode_micro_batch_size
-    expected_in_place = plan.shared_prefix_tokens and prepared.model.prefix_attends_in_place
-    if expected_in_place and not prefix_attention.supported(model.model):
-        # The plan sized decode steps that read the prefix in place; this model's copy it per query head. The
-        # prefill's settings are within the plan for decode passes too: its micro-batches, its read-ahead.
-        decode_micro_batch = micro_batch
-        if plan.mode == "streamed":
-            model.decode_prefetch_depth = model.prefetch_depth
-        note = ("the model does not attend through transformers' sdpa as the plan expected: decode passes use the "
-                "prefill's micro-batches and read-ahead")
-        summary.notes.append(note)
-        log.warning(note)
     try:
         for batch in batches:
             ids = {r.request.index: r.request.id for r in batch}

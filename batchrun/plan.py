@@ -261,15 +261,13 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
               compute_flops_per_s: float | None, disk_free_bytes: int | None, checkpoint_is_local: bool,
               runtime_overhead_bytes: int, batch_size: int | None = None,
               context_length: int | None = None, memory_bytes_per_s: float | None = None,
-              shared_prefix_tokens: int = 0, prefix_attends_in_place: bool = False) -> Candidate:
+              shared_prefix_tokens: int = 0) -> Candidate:
     """How to run `rows` through the model within a memory budget, and how long it will take.
 
     memory_bytes_per_s: how fast a decode-shaped matmul streams weights from RAM (measure.memory_read_rate); without
     it a pass is timed by its FLOPs alone, which undercounts decode passes several times over on a CPU.
     shared_prefix_tokens: prompt tokens all rows start with (batching.shared_prefix_tokens). A batch computes them
-    once and keeps their KV once, so its sequences are sized, packed and timed by their own tokens.
-    prefix_attends_in_place: the model's decode steps attend to that prefix where its keys and values lie
-    (prefix_attention.attends_in_place): a decode call then holds scores, not keys and values per query head."""
+    once and keeps their KV once, so its sequences are sized, packed and timed by their own tokens."""
     if compute_dtype not in COMPUTE_BYTES:
         raise ValueError(f"compute_dtype must be one of {sorted(COMPUTE_BYTES)}, got {compute_dtype!r}")
     if batch_size is not None and batch_size < 1:
@@ -343,20 +341,17 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         caveats.append("compute rate unknown: " + ("pass times count reads only" if mode == "streamed"
                                                    else "no ETA for a resident run"))
     decode_micro = decode_group_size(sizes, compute_bytes, device, own_rows, planned, shared, micro_sequences,
-                                     max_sequences, batch_free_bytes, prefix_attends_in_place)
+                                     max_sequences, batch_free_bytes)
     # A decode pass computes little per layer, so it is read-bound; with the planned depth the reader idles whenever a
     # layer's compute outlasts the next layer's read (they share the cores). Where the memory the prefill's
     # activations held fits another layer slot beside the KV cache, decode passes read one layer further ahead.
     # Measured on 2 cores (3 GB bf16 Llama under a 1.55 GB cap, 32 sequences, 12 new tokens, page cache dropped):
     # median decode pass 2.27 s reading one layer ahead, 2.03 s reading two (3 runs each); as planned, 1.98 -> 1.88 s
-    # (3 alternating pairs, each pair faster reading two), peak RSS 1.05 -> 1.17 GB. A decode step that reads a
-    # shared prefix in place holds scores, not keys and values per query head: counted so, the benchmark's
-    # short-answer sweep (158-token prefix, 32 sequences) gets the second slot, decode passes 1.97 -> 1.80 s (2
-    # alternating pairs), peak RSS 1.40 -> 1.46 GB under its 1.55 GB cap.
+    # (3 alternating pairs, each pair faster reading two), peak RSS 1.05 -> 1.17 GB.
     read_ahead = prefetch_depth if mode == "streamed" and prefetch else 0
     decode_depth = read_ahead
     decode_bytes = decode_pass_bytes(sizes, compute_bytes, device, own_rows, planned, shared, decode_micro,
-                                     max_sequences, prefix_attends_in_place)
+                                     max_sequences)
     slot_bytes = layer_slot_bytes(sizes, compute_dtype)
     if read_ahead and decode_bytes and decode_bytes + slot_bytes <= batch_free_bytes:
         decode_depth += 1

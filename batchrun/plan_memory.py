@@ -29,9 +29,6 @@ HEAP_RETAINS_ON = frozenset({"cpu"})  # accelerator allocators hold freed blocks
 # Micro-batches (passes.py): when a pass's activations do not fit all at once, its sequences enter each layer in
 # turns, so only one micro-batch's activations are live while every sequence's KV cache and hidden state wait.
 HELD_HIDDEN_COPIES = 2  # a waiting micro-batch holds its hidden states and the residual they add to
-# A decode step attending to a shared prefix in place keeps its scores against the prefix and against its own
-# tokens, their concatenation, the softmax weights and the prefix's share of them alive together.
-IN_PLACE_SCORE_COPIES = 4
 
 
 def linear_activation_bytes_per_token(sizes: CheckpointSizes, compute_bytes: int, device: str = "cuda") -> int:
@@ -66,17 +63,11 @@ def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: S
     return sequences * (kv + held) + micro_sequences * activations
 
 
-def decode_call_bytes_per_sequence(sizes: CheckpointSizes, compute_bytes: int, device: str, context: int,
-                                   prefix_in_place: bool = False) -> int:
+def decode_call_bytes_per_sequence(sizes: CheckpointSizes, compute_bytes: int, device: str, context: int) -> int:
     """What a decode forward adds per sequence: one layer's keys and values expanded to every query head
-    (transformers' SDPA path under a padding mask) at the context length, plus one token's activations and logits.
-    `prefix_in_place`: the step attends to a shared prefix in place (prefix_attention.attend_with_prefix), which
-    reads the keys and values where they lie and holds only float32 scores per query head."""
-    if prefix_in_place:
-        attention = IN_PLACE_SCORE_COPIES * sizes.num_attention_heads * context * ATTENTION_SCORE_BYTES
-    else:
-        attention = 2 * sizes.num_attention_heads * sizes.head_dim * context * compute_bytes
-    return attention + activation_bytes_for_sequence(sizes, compute_bytes, device, 1, 1)
+    (transformers' SDPA path under a padding mask) at the context length, plus one token's activations and logits."""
+    return (2 * sizes.num_attention_heads * sizes.head_dim * context * compute_bytes
+            + activation_bytes_for_sequence(sizes, compute_bytes, device, 1, 1))
 
 
 def decode_kv_bytes(sizes: CheckpointSizes, compute_bytes: int, own_rows: Sequence[RowCost],
@@ -88,7 +79,7 @@ def decode_kv_bytes(sizes: CheckpointSizes, compute_bytes: int, own_rows: Sequen
 
 def decode_group_size(sizes: CheckpointSizes, compute_bytes: int, device: str, own_rows: Sequence[RowCost],
                       planned: Sequence[int], shared: int, micro_sequences: int | None, max_sequences: int,
-                      free_bytes: int, prefix_in_place: bool = False) -> int | None:
+                      free_bytes: int) -> int | None:
     """Sequences per forward call in a decode pass: as many as fit beside the batch's whole KV cache.
 
     A decode forward reads the layer's weights from memory however few sequences it carries, so decode micro-batches
@@ -96,22 +87,19 @@ def decode_group_size(sizes: CheckpointSizes, compute_bytes: int, device: str, o
     if micro_sequences is None or not planned:
         return None
     kv_cache, longest_own = decode_kv_bytes(sizes, compute_bytes, own_rows, planned, max_sequences)
-    per_sequence = decode_call_bytes_per_sequence(sizes, compute_bytes, device, shared + longest_own,
-                                                  prefix_in_place and shared > 0)
+    per_sequence = decode_call_bytes_per_sequence(sizes, compute_bytes, device, shared + longest_own)
     return int(min(max_sequences, max(micro_sequences, (free_bytes - kv_cache) // per_sequence)))
 
 
 def decode_pass_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, own_rows: Sequence[RowCost],
-                      planned: Sequence[int], shared: int, decode_group: int | None, max_sequences: int,
-                      prefix_in_place: bool = False) -> int:
+                      planned: Sequence[int], shared: int, decode_group: int | None, max_sequences: int) -> int:
     """What a batch holds during its decode passes (beside the weights and the shared prefix): its whole KV cache and
     one decode call. 0 when no planned row decodes (choice rows and one-token answers finish in their prefill)."""
     if not planned or not any(own_rows[i].passes() > 1 for i in planned):
         return 0
     kv_cache, longest_own = decode_kv_bytes(sizes, compute_bytes, own_rows, planned, max_sequences)
     group = min(decode_group or max_sequences, max_sequences)
-    return kv_cache + group * decode_call_bytes_per_sequence(sizes, compute_bytes, device, shared + longest_own,
-                                                             prefix_in_place and shared > 0)
+    return kv_cache + group * decode_call_bytes_per_sequence(sizes, compute_bytes, device, shared + longest_own)
 
 
 def scores_materialised(device: str) -> bool:

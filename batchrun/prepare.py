@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from batchrun import measure
-from batchrun.checkpoint import (CheckpointError, CheckpointSizes, checkpoint_sizes, load_config, read_tensor_infos,
-                                 resolve_checkpoint)
+from batchrun.checkpoint import CheckpointError, CheckpointSizes, checkpoint_sizes, read_tensor_infos, resolve_checkpoint
 from batchrun.batching import shared_prefix_tokens
 from batchrun.plan import Bandwidth, Candidate, RowCost, make_plan, parse_streaming
 from batchrun.prompts import EncodedRow, encode_requests
@@ -61,8 +60,6 @@ class PreparedModel:
     sizes: CheckpointSizes
     tokenizer: object
     context_length: int | None
-    # Decode steps attend to a shared prompt prefix where its keys and values lie (prefix_attention.attends_in_place)
-    prefix_attends_in_place: bool = False
 
 
 @dataclass
@@ -93,24 +90,7 @@ def prepare_model(model: str | None, options: JobOptions) -> PreparedModel:
     tokenizer = load_tokenizer(checkpoint, options.trust_remote_code)
     if tokenizer is None:
         raise CheckpointError(f"{checkpoint}: the checkpoint ships no tokenizer, so text prompts cannot be encoded")
-    return PreparedModel(model or "default", checkpoint, sizes, tokenizer, sizes.max_position_embeddings,
-                         _prefix_attends_in_place(checkpoint, options))
-
-
-def _prefix_attends_in_place(checkpoint: Path, options: JobOptions) -> bool:
-    """False, the safe side for the plan's memory, where the answer would take the repository's own code or a
-    config transformers cannot read: planning reads config.json alone and must not fail on this."""
-    if load_config(checkpoint, options.trust_remote_code).get("auto_map"):
-        return False
-    from transformers import AutoConfig
-
-    from batchrun.prefix_attention import attends_in_place  # imports torch: only once a model is being prepared
-
-    try:
-        config = AutoConfig.from_pretrained(checkpoint)
-    except (ValueError, KeyError, OSError):  # e.g. a model_type this transformers does not know
-        return False
-    return attends_in_place(config)
+    return PreparedModel(model or "default", checkpoint, sizes, tokenizer, sizes.max_position_embeddings)
 
 
 def read_job_spec(spec_path: Path, options: JobOptions) -> JobSpec:
@@ -179,8 +159,7 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
         memory_bytes_per_s=measure.memory_read_rate(compute_dtype, device),
         disk_free_bytes=measure.disk_free_bytes(prepared.checkpoint), checkpoint_is_local=True,
         runtime_overhead_bytes=measure.runtime_overhead_bytes(), batch_size=options.batch_size,
-        context_length=prepared.context_length, shared_prefix_tokens=shared,
-        prefix_attends_in_place=prepared.prefix_attends_in_place)
+        context_length=prepared.context_length, shared_prefix_tokens=shared)
     return replace(plan, linear_kernel=measure.linear_kernel(compute_dtype, device))
 
 

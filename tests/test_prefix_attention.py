@@ -1,8 +1,6 @@
 """Decode attention over [shared prefix | own tokens] in two parts equals attention over their concatenation."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -11,7 +9,6 @@ from batchrun.batching import MIN_SHARED_PREFIX
 from batchrun.prefill import decode, merge_for_decode, prefill
 from batchrun.stream import StreamedModel
 from tests.test_prefill import plain_logprobs, sequences
-from tests.tiny_models import TINY_ARCHS
 
 
 def concatenated(query, own_keys, own_values, prefix_keys, prefix_values, mask, scaling):
@@ -149,25 +146,3 @@ def test_a_marked_call_with_a_position_bias_attends_to_the_concatenation_through
     assert torch.equal(got, expected)
     without_bias = prefix_attention.attend_with_prefix(query, keys, values, prefix_keys, prefix_values, None, 0.5)
     assert not torch.allclose(got, without_bias, atol=1e-3)  # the bias mattered: the two-part path was not taken
-
-
-@pytest.mark.parametrize("arch", TINY_ARCHS)
-@pytest.mark.parametrize("requested", [None, "eager"])
-def test_the_plan_is_told_what_the_built_model_will_answer(tiny_checkpoint, tmp_path, arch, requested):
-    """attends_in_place (read from the config, before any model exists, for the plan's decode memory) agrees with
-    supported (asked of the model the run builds), for every tiny architecture and for a config asking for eager."""
-    import json
-    import shutil
-
-    from transformers import AutoConfig
-
-    checkpoint = tiny_checkpoint(arch)
-    if requested is not None:
-        checkpoint = Path(shutil.copytree(checkpoint, tmp_path / arch))
-        config = json.loads((checkpoint / "config.json").read_text())
-        (checkpoint / "config.json").write_text(json.dumps(config | {"attn_implementation": requested}))
-    predicted = prefix_attention.attends_in_place(AutoConfig.from_pretrained(checkpoint))
-    with StreamedModel(checkpoint, device="cpu", dtype=torch.float32) as handle:
-        assert predicted == prefix_attention.supported(handle.model)
-    if requested == "eager":
-        assert not predicted
