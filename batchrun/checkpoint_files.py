@@ -248,5 +248,6 @@ def decoder_layer_prefix(tensor_names, num_layers: int) -> str:
         raise CheckpointError(f"ambiguous decoder stack: {', '.join(sorted(matches))} all have {num_layers} layers")
     stacks = ", ".join(f"{p} ({len(idx)})" for p, idx in sorted(outermost.items())) or "none"
     raise CheckpointError(
-        f"no tensor stack numbered 0..{num_layers - 1} matching num_hidden_layers={num_layers}; numbered stacks: {stacks}"
+        f"no tensor stack numbered 0..{num_layers - 1} matching num_hidden_layers={num_layers}; "
+        f"numbered stacks: {stacks}"
     )

@@ -288,7 +288,8 @@ def merge_for_decode(states: list[MicroState], group_size: int | None) -> list[M
 
 
 def _mergeable(cache) -> bool:
-    return cache is not None and all(type(layer) in (DynamicLayer, RoomyLayer, PrefixSharedLayer) and layer.is_initialized
+    return cache is not None and all(type(layer) in (DynamicLayer, RoomyLayer, PrefixSharedLayer)
+                                     and layer.is_initialized
                                      for layer in cache.layers)
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Sequence
 
 from batchrun import measure
-from batchrun.checkpoint import CheckpointError, CheckpointSizes, checkpoint_sizes, read_tensor_infos, resolve_checkpoint
+from batchrun.checkpoint import (CheckpointError, CheckpointSizes, checkpoint_sizes, read_tensor_infos,
+                                 resolve_checkpoint)
 from batchrun.batching import shared_prefix_tokens
 from batchrun.plan import Bandwidth, Candidate, RowCost, make_plan, parse_streaming
 from batchrun.prompts import EncodedRow, encode_requests

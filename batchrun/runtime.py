@@ -39,7 +39,8 @@ class ResidentModel:
         self._micro = 0
         self._before_layer = None
         self._hooks = [self.model.register_forward_pre_hook(self._count_pass)]
-        self._hooks += [layer.register_forward_pre_hook(self._make_layer_hook(i)) for i, layer in enumerate(self.layers)]
+        self._hooks += [layer.register_forward_pre_hook(self._make_layer_hook(i))
+                        for i, layer in enumerate(self.layers)]
         if self.device.type == "cpu":  # see passes.keep_heap_flat
             self._hooks += [layer.register_forward_hook(_return_freed_memory) for layer in self.layers]
 

@@ -334,7 +334,8 @@ class Store:
                 counts.setdefault(job_id, {})[state] = count
             locks = {lock["job_id"]: lock for lock in self.db.query("select * from locks")}
         return [
-            _job_summary(job, counts.get(job["id"], {}), live=self._live_run_no(job["id"], locks.get(job["id"])) is not None)
+            _job_summary(job, counts.get(job["id"], {}),
+                         live=self._live_run_no(job["id"], locks.get(job["id"])) is not None)
             for job in jobs
         ]
 

@@ -51,7 +51,8 @@ def main() -> None:
     print(f"| variant | median s (1 x {args.tokens} tokens) |\n|---|---|")
     for row in rows:
         print(f"| {row['variant']} | {row['median_s']:.3f} |")
-    print(f"\nstreamed / in-memory: {ratio:.2f}x; max |logit diff| {max_diff:.2e}; peak materialised layers {peak_layers}")
+    print(f"\nstreamed / in-memory: {ratio:.2f}x; max |logit diff| {max_diff:.2e}; "
+          f"peak materialised layers {peak_layers}")
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     (out / "forward_time.json").write_text(json.dumps(

@@ -363,7 +363,8 @@ TABLE_COLUMNS = {
 def table_row(row: dict) -> dict:
     return {**row, "checkpoint_gb": row["checkpoint_bytes"] / 1e9,
             "cap_gb": row["cap_bytes"] / 1e9 if row["cap_bytes"] else None,
-            "predicted_peak_mb": row["predicted_peak_bytes"] / 1e6, "measured_peak_mb": row["measured_peak_bytes"] / 1e6}
+            "predicted_peak_mb": row["predicted_peak_bytes"] / 1e6,
+            "measured_peak_mb": row["measured_peak_bytes"] / 1e6}
 
 
 def _merged_with_earlier_cases(results: list[dict]) -> list[dict]:

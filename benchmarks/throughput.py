@@ -145,7 +145,8 @@ def run_batchrun(variant: Variant, sweep: sweeps.Sweep, setting: Setting, rows: 
     """`batchrun submit` as planned; after an OOM kill under the cap, again with half the planned batch (fresh
     database), as for accelerate: the largest batch that really lives under the cap."""
     spec = sweep.write_spec(stem.with_suffix(".jsonl"), rows)
-    arguments = [str(spec), "--model", str(setting.checkpoint), "--raw", "--bandwidth", f"{setting.bandwidth / 1e9:.4f}"]
+    arguments = [str(spec), "--model", str(setting.checkpoint), "--raw",
+                 "--bandwidth", f"{setting.bandwidth / 1e9:.4f}"]
     if variant.capped:
         arguments += ["--streaming", "always", "--memory", f"{setting.cap_bytes / 1e9:.3f}"]
     else:
@@ -319,7 +320,8 @@ def table_rows(records: list[dict], targets: dict[str, dict]) -> list[dict]:
                      "bytes_read_gb": r["bytes_read"] / 1e9 if "bytes_read" in r else None,
                      "disk_read_gb": r["disk_read_bytes"] / 1e9 if "disk_read_bytes" in r else None,
                      "peak_rss_mb": r["peak_rss_bytes"] / 1e6 if r.get("peak_rss_bytes") else None,
-                     "read_gb_per_s": r["read_bandwidth_bytes_per_s"] / 1e9 if "read_bandwidth_bytes_per_s" in r else None,
+                     "read_gb_per_s": (r["read_bandwidth_bytes_per_s"] / 1e9
+                                       if "read_bandwidth_bytes_per_s" in r else None),
                      "compute_gflop_per_s": r["compute_flops_per_s"] / 1e9 if "compute_flops_per_s" in r else None})
     return rows
 
@@ -336,7 +338,8 @@ def targets_markdown(targets: dict[str, dict]) -> str:
             lines.append(f"- {job}: batchrun did not run")
             continue
         lines.append(f"- {job}: passes {t['passes']} vs lower bound {t['lower_bound_passes']} "
-                     f"({'met' if t['passes_at_lower_bound'] else 'NOT met'}); median pass {t['median_pass_over_bound']:.2f}x "
+                     f"({'met' if t['passes_at_lower_bound'] else 'NOT met'}); "
+                     f"median pass {t['median_pass_over_bound']:.2f}x "
                      f"its bound ({'met' if t['median_pass_within_1.25x'] else 'NOT met'}, target <= 1.25x); "
                      f"ahead of every baseline: {'yes' if t['ahead_of_every_baseline'] else 'NO'}")
         for key in ("accelerate-1", "batchrun-b1"):
@@ -383,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         setting = measure_rates(Setting(checkpoint, ModelShape.of(checkpoint), cap, 0.0, 0.0,
                                                     args.subset, Path(temporary)))
         bandwidth, compute_rate = setting.bandwidth, setting.compute_rate
-        print(f"{checkpoint.name}: {setting.shape.checkpoint_bytes / 1e9:.2f} GB, cap {setting.cap_bytes / 1e9:.2f} GB; "
+        print(f"{checkpoint.name}: {setting.shape.checkpoint_bytes / 1e9:.2f} GB, "
+              f"cap {setting.cap_bytes / 1e9:.2f} GB; "
               f"cold read {bandwidth / 1e9:.2f} GB/s; float32 compute {compute_rate / 1e9:.0f} GFLOP/s "
               f"({setting.linear_kernel} linears)", flush=True)
         for job in args.jobs.split(","):
@@ -406,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                 add_figures(record, prompts, sweep, now)
                 by_variant[variant.key] = record
                 records.append(record)
-                print(f"  -> {json.dumps({k: record.get(k) for k in ('answer_seconds', 'answers_per_hour', 'passes', 'failed')})}",
+                shown = ('answer_seconds', 'answers_per_hour', 'passes', 'failed')
+                print(f"  -> {json.dumps({k: record.get(k) for k in shown})}",
                       flush=True)
             targets[job] = evaluate(sweep, by_variant)
     table = harness.format_table(table_rows(records, targets), COLUMNS)

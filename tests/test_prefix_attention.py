@@ -134,7 +134,8 @@ def test_a_marked_call_with_a_position_bias_attends_to_the_concatenation_through
     generator = torch.Generator().manual_seed(5)
     query, keys, values = (torch.randn(2, 4, 1, 8, generator=generator), torch.randn(2, 4, 6, 8, generator=generator),
                            torch.randn(2, 4, 6, 8, generator=generator))
-    prefix_keys, prefix_values = torch.randn(1, 4, 5, 8, generator=generator), torch.randn(1, 4, 5, 8, generator=generator)
+    prefix_keys = torch.randn(1, 4, 5, 8, generator=generator)
+    prefix_values = torch.randn(1, 4, 5, 8, generator=generator)
     bias = torch.randn(2, 4, 1, 11, generator=generator)
     prefix_attention.mark_next_call(prefix_keys, prefix_values, keys)
     got, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](torch.nn.Module(), query, keys, values, None, scaling=0.5,

@@ -1,4 +1,5 @@
-"""The tiny checkpoints behave like real hub checkpoints of their architecture, so tests built on them mean something."""
+"""The tiny checkpoints behave like real hub checkpoints of their architecture, so tests built on them mean
+something."""
 from __future__ import annotations
 
 import json
@@ -137,7 +138,8 @@ def test_mixtral_saves_per_expert_tensors_that_the_module_fuses(tiny_checkpoint)
     saved, module_names = saved_tensor_names(checkpoint), set(load(checkpoint).state_dict())
     layer0_saved = {name for name in saved - module_names if name.startswith("model.layers.0.")}
     expected_experts = {
-        f"model.layers.0.block_sparse_moe.experts.{expert}.{w}.weight" for expert in range(4) for w in ("w1", "w2", "w3")
+        f"model.layers.0.block_sparse_moe.experts.{expert}.{w}.weight"
+        for expert in range(4) for w in ("w1", "w2", "w3")
     }
     assert layer0_saved == expected_experts | {"model.layers.0.block_sparse_moe.gate.weight"}
     layer0_module = {name for name in module_names - saved if name.startswith("model.layers.0.")}
