@@ -24,11 +24,12 @@ class ResidentModel:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         keep_heap_flat()  # before the first weight is allocated, so no heap grows under the model
-        _read_sequentially({info.file for info in infos.values()})
+        files = {info.file for info in infos.values()}
+        _read_sequentially(files)
         self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=self.dtype,
                                                           trust_remote_code=trust_remote_code).to(self.device)
         if self.device.type == "cpu":
-            copy_out_of_file_mappings(self.model, {info.file for info in infos.values()})
+            copy_out_of_file_mappings(self.model, files)
         self.model.eval()
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.checkpoint, trust_remote_code)
