@@ -169,17 +169,19 @@ def lower_bound_passes(rows: Sequence[RowCost], batch_sequences: int) -> int:
     return max(max(needs), math.ceil(sum(needs) / batch_sequences))
 
 
-def shared_prefix_tokens(prompts: Sequence[Sequence[int]], sharing_allowed: bool = True, own_tokens: int = 1) -> int:
+def shared_prefix_tokens(prompts: Sequence[Sequence[int]], sharing_allowed: bool = True, own_tokens: int = 1,
+                         shortest_sequence: int | None = None) -> int:
     """Tokens every prompt starts with, which a pass computes once for all its sequences (0 below
     MIN_SHARED_PREFIX, for a single prompt, or when the model's caches cannot share: sliding windows). The last
-    `own_tokens` of each prompt stay its own: the positions whose logits the pass keeps."""
+    `own_tokens` of each sequence stay its own: the positions whose logits the pass keeps. `shortest_sequence`:
+    the shortest sequence's length where the pass appends tokens to the prompts (multi-token choices)."""
     if not sharing_allowed or len(prompts) < 2:
         return 0
     first, shortest = prompts[0], min(len(p) for p in prompts)
     common = 0
     while common < shortest and all(p[common] == first[common] for p in prompts):
         common += 1
-    shared = min(common, shortest - own_tokens)
+    shared = min(common, (shortest if shortest_sequence is None else shortest_sequence) - own_tokens)
     return shared if shared >= MIN_SHARED_PREFIX else 0
 
 

@@ -16,6 +16,27 @@ def default_device() -> str:
     return "cpu"
 
 
+def check_device(name: str) -> str:
+    """`name` (--device) if torch can compute on it here, else SettingRefused saying why."""
+    from batchrun.errors import SettingRefused
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise SettingRefused(f"--device {name}: not a device torch knows (cpu, cuda, cuda:1, mps, ...)") from None
+    if device.type == "cpu":
+        return name
+    backend = getattr(torch, device.type, None)
+    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+        raise SettingRefused(f"--device {name}: this torch ({torch.__version__}) cannot use {device.type} here"
+                             + (" (a CPU-only build)" if device.type == "cuda" and torch.version.cuda is None
+                                else ""))
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise SettingRefused(f"--device {name}: only {count} {device.type} device(s) here")
+    return name
+
+
 def default_dtype(device: str | torch.device) -> torch.dtype:
     """Half precision on accelerators; float32 on CPU, where half precision is emulated or inexact."""
     kind = torch.device(device).type

@@ -7,7 +7,7 @@ class PlanRefused(RuntimeError):
 
 
 class SettingRefused(ValueError):
-    """An environment variable batchrun reads holds a value it cannot use."""
+    """An option or environment variable holds a value batchrun cannot use here."""
 
 
 class OutputRefused(FileExistsError):

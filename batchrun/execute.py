@@ -16,7 +16,7 @@ from transformers.utils import logging as transformers_logging
 
 from batchrun import faults
 from batchrun.errors import OutputRefused, PlanRefused
-from batchrun.oom import killed_by_oom, memory_cgroup_dir, oom_kill_count
+from batchrun.oom import batch_cap_after_oom, killed_by_oom, memory_cgroup_dir, oom_kill_count
 from batchrun.output import default_output_path, write_parquet
 from batchrun.paths import default_db_path
 from batchrun.plan import Candidate
@@ -89,7 +89,8 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
         store.acquire(job_id)
         state = "failed"
         try:
-            summary = _run(prepared, store, job_id, quiet=quiet, on_plan=on_plan)
+            with store.heartbeat_while_running(job_id):
+                summary = _run(prepared, store, job_id, quiet=quiet, on_plan=on_plan)
             summary.output = str(write_parquet(output_path, store.results(job_id), force=force))
             state = "done"
             return summary
@@ -140,7 +141,7 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
     summary = RunSummary(job_id, "done", status["rows_total"], 0, 0, len(rows), 0, 0.0, None, None, None)
     if rows:
         prefixes = {i: len(partial[i][0]) for i in partial}
-        options = _after_previous_run(prepared.options, store.previous_run(job_id), summary.notes)
+        options = _after_previous_run(prepared.options, store.previous_runs(job_id), summary.notes)
         plan = plan_rows(prepared.model, rows, options, prepared.device, prefixes)
         cgroup = memory_cgroup_dir()
         store.record_run_plan(job_id, batch_size=plan.batch_size, planned_peak_bytes=plan.peak_memory_bytes,
@@ -162,18 +163,22 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
     return summary
 
 
-def _after_previous_run(options: JobOptions, previous: dict | None, notes: list[str]) -> JobOptions:
-    """After an out-of-memory kill, resume with half the batch rather than die the same way again."""
-    if not killed_by_oom(previous):
-        if previous and previous.get("end_state") == "interrupted":
-            notes.append(f"the previous run (pid {previous['pid']}) stopped without finishing; "
-                         "resuming from its last committed pass")
+def _after_previous_run(options: JobOptions, previous: list[dict], notes: list[str]) -> JobOptions:
+    """After an out-of-memory kill, resume with half the batch rather than die the same way again, and keep that
+    limit in every later run of the job. `previous`: the job's earlier runs, oldest first."""
+    last = previous[-1] if previous else None
+    if last and last.get("end_state") == "interrupted" and not killed_by_oom(last):
+        notes.append(f"the previous run (pid {last['pid']}) stopped without finishing; "
+                     "resuming from its last committed pass")
+    capped = batch_cap_after_oom(previous)
+    if capped is None:
         return options
-    smaller = max(1, (previous.get("batch_size") or 2) // 2)
+    smaller, killed = capped
     if options.batch_size is not None:
         smaller = min(smaller, options.batch_size)
-    notes.append(f"the previous run (pid {previous['pid']}) was killed for lack of memory with "
-                 f"{previous.get('batch_size')} sequences per pass; resuming with at most {smaller}")
+    which = "the previous run" if killed is last else f"run {killed['run_no']} of this job"
+    notes.append(f"{which} (pid {killed['pid']}) was killed for lack of memory with "
+                 f"{killed.get('batch_size')} sequences per pass; resuming with at most {smaller}")
     return replace(options, batch_size=smaller)
 
 

@@ -42,12 +42,31 @@ def oom_kill_count(cgroup: Path | None) -> int | None:
     return None
 
 
-def killed_by_oom(previous_run: dict | None) -> bool:
-    """True when the previous run died without finishing and its cgroup has counted an OOM kill since."""
+def killed_by_oom(previous_run: dict | None, next_run: dict | None = None) -> bool:
+    """True when `previous_run` died without finishing and its cgroup counted an OOM kill after it started: by the
+    start of `next_run` (the run after it, in the same cgroup), or by now when it was the last run."""
     if not previous_run or previous_run.get("end_state") != "interrupted":
         return False
     cgroup, before = previous_run.get("memory_cgroup"), previous_run.get("oom_kills_at_start")
     if not cgroup or before is None:
         return False
-    now = oom_kill_count(Path(cgroup))
-    return now is not None and now > before
+    if next_run is None:
+        after = oom_kill_count(Path(cgroup))
+    elif next_run.get("memory_cgroup") == cgroup:
+        after = next_run.get("oom_kills_at_start")
+    else:
+        return False  # counted in another cgroup: nothing to compare
+    return after is not None and after > before
+
+
+def batch_cap_after_oom(runs: list[dict]) -> tuple[int, dict] | None:
+    """(at most this many sequences per pass, the run that set it) after any OOM kill among `runs` (oldest
+    first): half the batch the killed run had, so a resume that is itself stopped (Ctrl-C, a reboot) does not go
+    back to the batch that was killed. None when no run of the job was killed for lack of memory."""
+    cap = None
+    for run, after in zip(runs, [*runs[1:], None]):
+        if killed_by_oom(run, after):
+            halved = max(1, (run.get("batch_size") or 2) // 2)
+            if cap is None or halved <= cap[0]:
+                cap = (halved, run)
+    return cap

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from array import array
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
@@ -14,9 +15,10 @@ from typing import Sequence
 from batchrun import measure
 from batchrun.checkpoint import (CheckpointError, CheckpointSizes, checkpoint_sizes, read_tensor_infos,
                                  resolve_checkpoint)
+from batchrun.checkpoint_files import weight_sample_digest
 from batchrun.batching import shared_prefix_tokens
 from batchrun.plan import Bandwidth, Candidate, RowCost, make_plan, parse_streaming
-from batchrun.prompts import EncodedRow, encode_requests
+from batchrun.prompts import EncodedRow, encode_requests, kept_positions, shortest_first_pass_sequence
 from batchrun.spec import JobSpec, read_spec
 from batchrun.tokenizer import load_tokenizer
 
@@ -100,13 +102,27 @@ def read_job_spec(spec_path: Path, options: JobOptions) -> JobSpec:
                      skip_invalid=options.skip_invalid)
 
 
-def fingerprint(spec: JobSpec, checkpoint: Path, options: JobOptions, compute_dtype: str) -> str:
-    """Spec bytes + model identity (config and tensor headers, not weights) + answer-changing settings."""
+def fingerprint(spec: JobSpec, checkpoint: Path, options: JobOptions, compute_dtype: str,
+                rows: Sequence[EncodedRow]) -> str:
+    """Spec bytes + model identity + the tokens it will see + answer-changing settings.
+
+    The model is its config, generation config (end-of-sequence ids), tensor headers and the first bytes of every
+    tensor's data: a fine-tune with the same config and shapes is another job, not a resume of the base model's.
+    The rows' token ids stand for the tokenizer and chat template, whichever files they come from."""
     digest = hashlib.sha256()
     digest.update(spec.content_sha256.encode())
     digest.update((checkpoint / "config.json").read_bytes())
-    for name, info in sorted(read_tensor_infos(checkpoint).items()):
+    generation_config = checkpoint / "generation_config.json"
+    if generation_config.is_file():
+        digest.update(generation_config.read_bytes())
+    infos = read_tensor_infos(checkpoint)
+    for name, info in sorted(infos.items()):
         digest.update(f"{name}:{info.dtype}:{info.shape}:{info.nbytes}".encode())
+    digest.update(weight_sample_digest(infos).encode())
+    for row in rows:  # packed, not JSON: a million-row corpus has hundreds of millions of tokens
+        for ids in (row.prompt_ids, *row.choice_ids):
+            digest.update(array("q", [row.request.index, len(ids), *ids]).tobytes())
+        digest.update((row.error or "").encode() + b"\0")
     settings = options.answer_settings()
     settings["dtype"] = compute_dtype
     digest.update(json.dumps(settings, sort_keys=True).encode())
@@ -147,8 +163,10 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
     """Plan `rows` (runnable ones); `generated`: row index -> tokens a previous run already generated."""
     costs = row_costs(rows, generated)
     # Sliding-window caches would count the padding between prefix and suffix: such models do not share.
-    shared = shared_prefix_tokens([row.prompt_ids for row in rows],
-                                  sharing_allowed=not any(prepared.sizes.sliding_windows))
+    # The kept positions and shortest sequence of the first pass (score.py), so plan and run share the same prefix.
+    shortest = min((shortest_first_pass_sequence(row) for row in rows), default=0)
+    shared = shared_prefix_tokens([row.prompt_ids for row in rows], own_tokens=kept_positions(rows),
+                                  sharing_allowed=not any(prepared.sizes.sliding_windows), shortest_sequence=shortest)
     compute_dtype = compute_dtype_for(options, device)
     budget = int(options.memory_gb * 1e9) if options.memory_gb else measure.available_memory_bytes(device)
     plan = make_plan(
@@ -166,7 +184,8 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
 
 def detect_device(options: JobOptions) -> str:
     if options.device:
-        return options.device
+        from batchrun.devices import check_device
+        return check_device(options.device)
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
         return "cpu"
     from batchrun.devices import default_device
@@ -180,7 +199,7 @@ def prepare_job(spec_path: Path, options: JobOptions) -> PreparedJob:
     rows = encode_requests(prepared.tokenizer, spec.requests, raw=options.raw,
                            context_length=prepared.context_length)
     dtype = compute_dtype_for(options, device)
-    return PreparedJob(spec, options, prepared, rows, fingerprint(spec, prepared.checkpoint, options, dtype),
+    return PreparedJob(spec, options, prepared, rows, fingerprint(spec, prepared.checkpoint, options, dtype, rows),
                        device, dtype)
 
 

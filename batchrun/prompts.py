@@ -44,8 +44,7 @@ def render_text(tokenizer, request: Request, raw: bool) -> str:
     if uses_chat_template(tokenizer, raw):
         messages = [{"role": role, "content": content} for role, content in request.messages]
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    if request.prompt is not None:
-        return request.prompt
+    # Plain text: the system message (if any) and the prompt, or a messages row's contents, a blank line apart.
     return "\n\n".join(content for _, content in request.messages)
 
 
@@ -89,3 +88,25 @@ def too_long_message(row: EncodedRow, context_length: int) -> str:
     what = "the longest choice" if row.is_choice else "max_new_tokens"
     return (f"prompt has {prompt} tokens; with {extra} more for {what} it needs {prompt + extra}, "
             f"but the model's context is {context_length} tokens (batchrun never truncates a prompt)")
+
+
+def choice_sequences(row: EncodedRow) -> list[list[int]]:
+    """Single-token choices share one sequence (the prompt); otherwise one sequence per choice."""
+    if _one_sequence(row):
+        return [list(row.prompt_ids)]
+    return [list(row.prompt_ids) + list(c) for c in row.choice_ids]
+
+
+def shortest_first_pass_sequence(row: EncodedRow) -> int:
+    """Length of the shortest sequence the first pass computes for `row` (see choice_sequences)."""
+    return len(row.prompt_ids) + (0 if _one_sequence(row) else min(len(c) for c in row.choice_ids))
+
+
+def _one_sequence(row: EncodedRow) -> bool:
+    return all(len(c) == 1 for c in row.choice_ids)  # also generation rows (no choices)
+
+
+def kept_positions(rows: Sequence[EncodedRow]) -> int:
+    """Positions at the end of each sequence whose logits a first pass keeps: the last prompt token, and for choice
+    rows every choice token but the last (so the longest choice + 1 when scoring choices)."""
+    return 1 + max((len(c) for row in rows for c in row.choice_ids), default=0)

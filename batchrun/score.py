@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from batchrun.prefill import decode, drop_finished, merge_for_decode, prefill
-from batchrun.prompts import EncodedRow
+from batchrun.prompts import EncodedRow, choice_sequences, kept_positions
 
 
 @dataclass
@@ -29,13 +29,6 @@ class Answer:
 
 
 # -- choice rows ---------------------------------------------------------------------------------
-def choice_sequences(row: EncodedRow) -> list[list[int]]:
-    """Single-token choices share one sequence (the prompt); otherwise one sequence per choice."""
-    if all(len(c) == 1 for c in row.choice_ids):
-        return [list(row.prompt_ids)]
-    return [list(row.prompt_ids) + list(c) for c in row.choice_ids]
-
-
 def score_choices(handle, rows: Sequence[EncodedRow], pad_id: int, *, micro_batch: int | None = None,
                   share_prefix: bool = True) -> list[Answer]:
     """All choices of all rows in one pass; log-likelihood of each choice's tokens after the prompt."""
@@ -44,8 +37,7 @@ def score_choices(handle, rows: Sequence[EncodedRow], pad_id: int, *, micro_batc
     for row in rows:
         firsts.append(len(seqs))
         seqs.extend(choice_sequences(row))
-    longest_choice = max(len(c) for row in rows for c in row.choice_ids)
-    keep = longest_choice + 1  # logits of the last prompt token and every choice token but the last
+    keep = kept_positions(rows)
     logprobs, _ = prefill(handle, seqs, pad_id, keep=keep, micro_batch=micro_batch, use_cache=False,
                           share_prefix=share_prefix)  # per sequence [keep, V]
     return [_choice_answer(row, logprobs, first) for first, row in zip(firsts, rows)]
@@ -170,11 +162,11 @@ class GreedyBatch:
             seq.text = self.tokenizer.decode(seq.generated[:-1], skip_special_tokens=True)
             return
         text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
-        for stop in request.stop:
-            cut = text.find(stop)
-            if cut != -1:
-                seq.finish, seq.text = "stop", text[:cut]
-                return
+        # The earliest match wins, whatever the order of the stop list: one token can complete two stops at once.
+        cuts = [cut for cut in (text.find(stop) for stop in request.stop) if cut != -1]
+        if cuts:
+            seq.finish, seq.text = "stop", text[:min(cuts)]
+            return
         if len(seq.generated) >= request.max_new_tokens:
             seq.finish, seq.text = "length", text
 

@@ -298,9 +298,10 @@ def _sliding_windows(text: dict, num_layers: int) -> tuple[list[int | None], lis
     if text.get("use_sliding_window") is True:  # Qwen-style: layers from max_window_layers on slide
         first_sliding = text.get("max_window_layers") or 0
         return [window if layer >= first_sliding else None for layer in range(num_layers)], []
-    return [None] * num_layers, [
-        f"sliding_window={window} without saying which layers use it: KV sized as full attention"
-    ]
+    # A window and nothing saying which layers use it (Mistral-7B-v0.1, Phi-3-mini-4k): transformers' caches then
+    # slide on every layer, and so must the plan (its KV sizes, and no shared prefix, which sliding caches refuse).
+    return [window] * num_layers, [f"sliding_window={window} without layer types: every layer slides, as in "
+                                   "transformers' caches"]
 
 
 def _text_config(config: dict) -> dict:

@@ -175,7 +175,8 @@ def _check_rows(rows: Iterator[tuple[int, object]], numbering: _Numbering, job: 
             if earlier[0] != number:
                 unit = numbering.unit
                 hint = f" (a row without an id gets its {unit} number)" if defaulted or earlier[1] else ""
-                raise RowProblem(f"duplicate id {_show(row_id)}: {unit} {earlier[0]} has the same id{hint}")
+                shown, row_id = _show(row_id), None  # the id is the earlier row's: name this one by its location
+                raise RowProblem(f"duplicate id {shown}: {unit} {earlier[0]} has the same id{hint}")
             requests.append(_request(row, index, row_id, location, job))
         except RowProblem as problem:
             invalid.append(InvalidRow(index=index, id=row_id, location=location, reason=str(problem)))

@@ -17,7 +17,8 @@ import sqlite_utils
 
 from batchrun import store_migrations
 from batchrun import faults
-from batchrun.store_locks import HOST, effective_job_state, lock_holder_alive, process_identity, run_seconds
+from batchrun.store_locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, effective_job_state, lock_holder_alive,
+                                  process_identity, run_seconds)
 from batchrun.store_rows import ROW_UPDATE_SQL, RowResult, row_result_from_db, row_update_params
 
 __all__ = ["JobLocked", "JobNotFound", "RowResult", "Store", "StoreError", "integrity_ok"]
@@ -215,6 +216,10 @@ class Store:
         with self._write("refresh the job lock") as conn:
             self._record_progress(conn, job_id, 0)
 
+    def heartbeat_while_running(self, job_id: str, every_s: float = HEARTBEAT_EVERY_S) -> LockHeartbeat:
+        """A context in which a thread refreshes this process's lock on the job every `every_s` seconds."""
+        return LockHeartbeat(self.path, job_id, self._require_current_run(job_id), every_s)
+
     # ---- locks and runs ------------------------------------------------------------------------
 
     def acquire(self, job_id: str) -> None:
@@ -283,20 +288,26 @@ class Store:
 
     def previous_run(self, job_id: str) -> dict | None:
         """The last run before the current one; end_state 'interrupted' if its process died mid-run."""
+        runs = self.previous_runs(job_id)
+        return runs[-1] if runs else None
+
+    def previous_runs(self, job_id: str) -> list[dict]:
+        """Every run before the current one, oldest first (end_state as in previous_run)."""
         current = self._current_run.get(job_id)
         with self._read():
             sql = "select * from runs where job_id = ?" + (" and run_no < ?" if current is not None else "")
             params = (job_id, current) if current is not None else (job_id,)
-            runs = list(self.db.query(sql + " order by run_no desc limit 1", params))
+            runs = list(self.db.query(sql + " order by run_no", params))
             lock = self._lock_row(job_id)
-        if not runs:
-            return None
-        run = runs[0]
-        if run["end_state"] == "running" and self._live_run_no(job_id, lock) != run["run_no"]:
-            run["end_state"] = "interrupted"
+        live_run_no = self._live_run_no(job_id, lock)
         keys = ("run_no", "pid", "host", "started_at", "ended_at", "end_state", "batch_size",
                 "planned_peak_bytes", "passes", "memory_cgroup", "oom_kills_at_start")
-        return {key: run[key] for key in keys}
+        found = []
+        for run in runs:
+            if run["end_state"] == "running" and live_run_no != run["run_no"]:
+                run["end_state"] = "interrupted"
+            found.append({key: run[key] for key in keys})
+        return found
 
     # ---- reading state -------------------------------------------------------------------------
 

@@ -1,17 +1,22 @@
 """Runs and locks: whether the process named in a lock still lives (so a crashed run is taken over), run durations."""
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import sqlite3
+import threading
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Mapping
 
 HOST = socket.gethostname()
+log = logging.getLogger("batchrun")
 
 # A process on another machine cannot be signalled; its lock counts as held while its heartbeat
-# (refreshed on every pass and every committed batch) is younger than this.
+# (refreshed by LockHeartbeat while the job runs, and on every commit) is younger than this.
 FOREIGN_LOCK_STALE_AFTER_S = 2 * 3600
+HEARTBEAT_EVERY_S = 60.0
 
 
 def process_identity(pid: int) -> str | None:
@@ -36,8 +41,18 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # exists, owned by another user
-    return True
+        pass  # exists, owned by another user
+    # A killed process its parent has not reaped yet (a supervisor restarting the job before wait()) still takes
+    # signals, but runs nothing: a zombie holds no lock.
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False  # no /proc (macOS, Windows), or gone: the caller's signal check decides
+    return stat[stat.rindex(")") + 2 :].split()[0] in ("Z", "X")
 
 
 def lock_holder_alive(lock: Mapping, *, held_by_this_process: bool, now: datetime | None = None) -> bool:
@@ -73,3 +88,41 @@ def run_seconds(run: Mapping, *, live: bool, now: datetime) -> float:
 def effective_job_state(stored: str, held_by_live_process: bool) -> str:
     # A job left 'running' by a process that died (kill -9, OOM, power cut) is resumable, not running.
     return "interrupted" if stored == "running" and not held_by_live_process else stored
+
+
+class LockHeartbeat:
+    """While a job runs, refresh its lock's heartbeat and the run's last sign of life every `every_s` seconds, on a
+    thread with its own connection: one pass of a large model can outlast FOREIGN_LOCK_STALE_AFTER_S, and without
+    it another host would take a live job over. A failed refresh is logged, not fatal (the next one may succeed)."""
+
+    def __init__(self, db_path: Path, job_id: str, run_no: int, every_s: float = HEARTBEAT_EVERY_S):
+        self.db_path, self.job_id, self.run_no, self.every_s = db_path, job_id, run_no, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat_until_stopped, name="batchrun-heartbeat", daemon=True)
+
+    def __enter__(self) -> LockHeartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _beat_until_stopped(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.beat()
+            except sqlite3.Error as error:
+                log.warning("could not refresh the lock of job %s: %s", self.job_id, error)
+
+    def beat(self) -> None:
+        now = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+        conn = sqlite3.connect(str(self.db_path), timeout=30.0)
+        try:
+            with conn:
+                conn.execute("update locks set heartbeat_at = ? where job_id = ? and pid = ? and host = ?",
+                             (now, self.job_id, os.getpid(), HOST))
+                conn.execute("update runs set last_active_at = ? where job_id = ? and run_no = ?",
+                             (now, self.job_id, self.run_no))
+        finally:
+            conn.close()

@@ -333,11 +333,16 @@ def test_layer_types_override_any_pattern():
     assert sizes_from_config(config).sliding_windows == [512, None, 512, None]
 
 
-def test_window_without_layer_information_is_sized_as_full_attention_and_said_so():
+def test_window_without_layer_information_slides_on_every_layer_as_transformers_caches_do():
+    from transformers import MistralConfig
+    from transformers.cache_utils import DynamicCache
+
     config = dict(TINY_CONFIG, sliding_window=4096)  # Mistral-7B-v0.1 style
     sizes = sizes_from_config(config)
-    assert sizes.sliding_windows == [None, None]
+    assert sizes.sliding_windows == [4096, 4096]
     assert any("sliding_window=4096" in note for note in sizes.assumptions)
+    # what the runtime builds from such a config: the plan must not share a prefix these caches cannot hold
+    assert DynamicCache(config=MistralConfig(num_hidden_layers=2, sliding_window=4096)).is_sliding == [True, True]
 
 
 def test_silent_tie_setting_is_estimated_untied_and_noted():

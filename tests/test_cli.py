@@ -156,6 +156,18 @@ def test_an_unknown_linear_kernel_is_refused_by_name_without_a_traceback(spec, m
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("command", ["plan", "submit"])
+def test_a_device_torch_cannot_use_is_refused_in_one_line(spec, model, command):
+    import torch
+
+    unusable = "cuda" if not torch.cuda.is_available() else "cuda:99"
+    for device, reason in (("foo", "not a device torch knows"), (unusable, "this torch .* cannot use cuda here|only")):
+        result = invoke(command, spec, "--model", model, "--device", device)
+        assert result.exit_code == 1, result.output
+        assert re.search(rf"^Error: --device {device}: ({reason})", result.output, re.M), result.output
+        assert "Traceback" not in result.output
+
+
 def test_plan_json_has_every_field_a_script_needs(tmp_path, model):
     spec = write_jsonl(tmp_path / "mixed.jsonl", [{"id": i, "prompt": p, "max_new_tokens": 4}
                                                   for i, p in enumerate(PROMPTS)] + ["not json"])

@@ -137,6 +137,29 @@ def test_multi_token_choices_are_scored_over_all_their_tokens(tmp_path, tiny_che
         assert all(got[c] == pytest.approx(p, abs=1e-4) for c, p in expected.items())
 
 
+@pytest.mark.parametrize("choices", [("yes", "no"), ("very positive indeed", "no")])
+def test_plan_shares_the_prefix_the_run_shares(tmp_path, tiny_checkpoint, monkeypatch, choices):
+    """Rows with the same prompt share all of it but the positions whose logits the pass keeps (the longest choice
+    + 1 when a choice has several tokens): the plan sizes memory for the prefix the run really shares."""
+    from batchrun import prefill as prefill_module
+
+    shared_at_run = []
+    real = prefill_module.SharedPrefix.__init__
+
+    def record(self, model, prefix, device):
+        shared_at_run.append(len(prefix))
+        real(self, model, prefix, device)
+
+    monkeypatch.setattr(prefill_module.SharedPrefix, "__init__", record)
+    prompt = "Review: " + " ".join(REVIEWS) + "\nIs it positive or negative?"
+    spec = write_jsonl(tmp_path / "same.jsonl", [{"id": i, "prompt": prompt, "choices": list(choices)}
+                                                 for i in range(4)])
+    planned = []
+    submit(spec, options=JobOptions(model=str(tiny_checkpoint("llama"))), output=tmp_path / "o.parquet",
+           db=tmp_path / "j.db", on_plan=planned.append)
+    assert shared_at_run and planned[0].shared_prefix_tokens == shared_at_run[0] > 16
+
+
 def test_rerun_resumes_and_recomputes_nothing(tmp_path, tiny_checkpoint):
     spec = generation_spec(tmp_path)
     first = submit(spec, options=JobOptions(model=str(tiny_checkpoint("llama"))), output=tmp_path / "a.parquet",
@@ -155,6 +178,47 @@ def test_changed_setting_is_a_new_job(tmp_path, tiny_checkpoint):
     other = submit(spec, options=JobOptions(model=model, system="Be brief."), output=tmp_path / "b.parquet",
                    db=tmp_path / "j.db")
     assert other.job_id != first.job_id and other.rows_computed_now == len(REVIEWS)
+
+
+def _copy_checkpoint(source, target, *, weights=None, chat_template=None):
+    """A copy of `source` at `target`, with its tensors passed through `weights` and/or its chat template replaced."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    if weights is not None:
+        for shard in target.glob("*.safetensors"):
+            save_file({name: weights(name, t) for name, t in load_file(shard).items()}, shard, metadata={"format": "pt"})
+    if chat_template is not None:
+        for name in ("chat_template.jinja", "chat_template.json"):
+            (target / name).unlink(missing_ok=True)
+        config = json.loads((target / "tokenizer_config.json").read_text())
+        config["chat_template"] = chat_template
+        (target / "tokenizer_config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_job_is_the_model_not_its_path(tmp_path, tiny_checkpoint):
+    """Same config and shapes, other weights (a fine-tune) or another chat template: a new job, never the first
+    model's answers. The same checkpoint copied elsewhere: the same job, resumed."""
+    spec = generation_spec(tmp_path, max_new_tokens=3)
+    base = tiny_checkpoint("llama")
+
+    def job(model, name):
+        return submit(spec, options=JobOptions(model=str(model)), output=tmp_path / f"{name}.parquet",
+                      db=tmp_path / "j.db")
+
+    first = job(base, "base")
+    copied = job(_copy_checkpoint(base, tmp_path / "copy"), "copy")
+    assert (copied.job_id, copied.rows_computed_now) == (first.job_id, 0)
+    tuned = _copy_checkpoint(base, tmp_path / "tuned",
+                             weights=lambda name, t: t + 0.01 if name.endswith("layers.1.mlp.down_proj.weight") else t)
+    fine_tune = job(tuned, "tuned")
+    assert fine_tune.job_id != first.job_id and fine_tune.rows_computed_now == len(REVIEWS)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    templated = job(_copy_checkpoint(base, tmp_path / "templated", chat_template=template), "templated")
+    assert templated.job_id not in (first.job_id, fine_tune.job_id) and templated.rows_computed_now == len(REVIEWS)
 
 
 def test_existing_output_is_not_overwritten_without_force(tmp_path, tiny_checkpoint):
@@ -185,11 +249,15 @@ def test_too_long_prompt_is_an_errored_row_never_truncated(tmp_path, tiny_checkp
 
 def test_skip_invalid_records_bad_rows_and_runs_the_rest(tmp_path, tiny_checkpoint):
     spec = tmp_path / "mixed.jsonl"
-    spec.write_text('{"id": "ok", "prompt": "Hi", "max_new_tokens": 2}\n{"id": "bad", "prompt": 5}\nnot json\n')
+    spec.write_text('{"id": "ok", "prompt": "Hi", "max_new_tokens": 2}\n{"id": "bad", "prompt": 5}\nnot json\n'
+                    '{"id": "ok", "prompt": "Hello", "max_new_tokens": 2}\n')
     summary, out = run(spec, tmp_path, tiny_checkpoint("llama"), "mixed", skip_invalid=True)
-    assert [r["finish_reason"] for r in out] == ["length", "error", "error"] or out[0]["finish_reason"] == "stop"
+    assert [r["finish_reason"] for r in out][1:] == ["error"] * 3 and out[0]["finish_reason"] in ("length", "stop")
     assert "mixed.jsonl:2" in out[1]["error"] and "mixed.jsonl:3" in out[2]["error"]
-    assert summary.rows_done == 1 and summary.rows_errored == 2
+    # The duplicate keeps no id of its own: output ids stay unique, so a join on id finds one row.
+    assert out[3]["id"] == f"{spec}:4" and "duplicate id 'ok'" in out[3]["error"]
+    assert [r["id"] for r in out][:2] == ["ok", "bad"] and len({r["id"] for r in out}) == 4
+    assert summary.rows_done == 1 and summary.rows_errored == 3
 
 
 def test_stop_string_ends_generation_and_is_cut(tmp_path, tiny_checkpoint):

@@ -197,6 +197,9 @@ def test_shared_prefix_tokens_follow_the_executor_rules():
     assert shared_prefix_tokens([head[:10] + [1], head[:10] + [2]]) == 0  # below MIN_SHARED_PREFIX
     assert shared_prefix_tokens([head + [1]]) == 0  # nothing to share with
     assert shared_prefix_tokens([head + [1], head + [2]], sharing_allowed=False) == 0  # sliding windows
+    # Choice rows keep the logits of the longest choice + 1 positions; multi-token choices ride after the prompt.
+    assert shared_prefix_tokens([head, head], own_tokens=3) == 37
+    assert shared_prefix_tokens([head, head], own_tokens=3, shortest_sequence=42) == 39
 
 
 def test_published_70b_calibration_at_4k_context():

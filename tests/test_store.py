@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -287,6 +288,26 @@ def test_a_live_holder_blocks_and_a_killed_one_is_taken_over(store, db_path):
     assert store.status(job_id)["state"] == "done"
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to tell a zombie apart")
+def test_a_killed_holder_its_parent_has_not_reaped_yet_is_taken_over(store, db_path):
+    """A supervisor whose child was killed may start the job again before it wait()s: the zombie holds nothing."""
+    job_id = make_job(store)
+    holder = start_python(HOLDER, str(db_path), job_id)
+    try:
+        assert holder.stdout.readline().strip() == "locked", holder.stderr.read()
+        os.kill(holder.pid, signal.SIGKILL)
+        for _ in range(100):  # until the kernel has made it a zombie (not reaped: no wait() yet)
+            if Path(f"/proc/{holder.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.02)
+        assert store.status(job_id)["state"] == "interrupted"
+        store.acquire(job_id)
+        store.release(job_id, "done")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_live_pid_that_is_a_different_process_does_not_hold_the_lock(store, db_path):
     job_id = make_job(store)
     bystander = start_python("import sys; sys.stdin.read()")
@@ -333,6 +354,21 @@ def test_heartbeat_refreshes_our_lock_and_run(store, db_path):
         conn.execute("update locks set heartbeat_at = ?", (long_ago,))
         conn.execute("update runs set last_active_at = ?", (long_ago,))
     store.heartbeat(job_id)
+    conn = sqlite3.connect(db_path)
+    assert conn.execute("select heartbeat_at from locks").fetchone()[0] > long_ago
+    assert conn.execute("select last_active_at from runs").fetchone()[0] > long_ago
+
+
+def test_a_running_job_keeps_its_lock_fresh_between_commits(store, db_path):
+    """A pass can outlast FOREIGN_LOCK_STALE_AFTER_S: the lock is refreshed on a timer, not only by commits."""
+    job_id = make_job(store)
+    store.acquire(job_id)
+    long_ago = "2001-01-01T00:00:00+00:00"
+    with sqlite3.connect(db_path) as conn:
+        conn.execute("update locks set heartbeat_at = ?", (long_ago,))
+        conn.execute("update runs set last_active_at = ?", (long_ago,))
+    with store.heartbeat_while_running(job_id, every_s=0.05):
+        time.sleep(0.5)  # no commit meanwhile
     conn = sqlite3.connect(db_path)
     assert conn.execute("select heartbeat_at from locks").fetchone()[0] > long_ago
     assert conn.execute("select last_active_at from runs").fetchone()[0] > long_ago

@@ -1,0 +1,30 @@
+"""What text a row becomes without a chat template (--raw, or a base model's tokenizer)."""
+from types import SimpleNamespace
+
+from batchrun.prompts import render_text
+from batchrun.spec import read_spec
+from tests.test_spec import write_jsonl
+
+NO_TEMPLATE = SimpleNamespace(chat_template=None)
+
+
+def rendered(tmp_path, rows, **options):
+    spec = read_spec(write_jsonl(tmp_path, rows), **options)
+    return [render_text(NO_TEMPLATE, request, raw=True) for request in spec.requests]
+
+
+def test_raw_prompt_row_keeps_its_system_message(tmp_path):
+    rows = [{"prompt": "Is this good?", "system": "Answer in French."}, {"prompt": "Is this good?"},
+            {"messages": [{"role": "system", "content": "Answer in French."},
+                          {"role": "user", "content": "Is this good?"}]}]
+    assert rendered(tmp_path, rows) == ["Answer in French.\n\nIs this good?", "Is this good?",
+                                        "Answer in French.\n\nIs this good?"]
+
+
+def test_raw_prompt_row_gets_the_jobs_system_option(tmp_path):
+    assert rendered(tmp_path, [{"prompt": "Is this good?"}], system="Be brief.") == ["Be brief.\n\nIs this good?"]
+
+
+def test_raw_prompt_is_sent_exactly_as_written(tmp_path):
+    prompt = "  Review:\n\n  great  \n"
+    assert rendered(tmp_path, [{"prompt": prompt}]) == [prompt]
