@@ -189,7 +189,8 @@ def _copy_checkpoint(source, target, *, weights=None, chat_template=None):
     shutil.copytree(source, target)
     if weights is not None:
         for shard in target.glob("*.safetensors"):
-            save_file({name: weights(name, t) for name, t in load_file(shard).items()}, shard, metadata={"format": "pt"})
+            tensors = {name: weights(name, t) for name, t in load_file(shard).items()}
+            save_file(tensors, shard, metadata={"format": "pt"})
     if chat_template is not None:
         for name in ("chat_template.jinja", "chat_template.json"):
             (target / name).unlink(missing_ok=True)
