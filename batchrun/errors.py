@@ -17,9 +17,9 @@ class OutputRefused(FileExistsError):
 def user_errors() -> tuple[type[BaseException], ...]:
     from batchrun.checkpoint import CheckpointError
     from batchrun.default import DefaultModelError
-    from batchrun.output import OutputError, OutputExists
+    from batchrun.output import OutputError, OutputExists, OutputFormatUnknown
     from batchrun.spec import SpecError
     from batchrun.store import JobLocked, JobNotFound, StoreError
 
     return (SpecError, CheckpointError, DefaultModelError, PlanRefused, OutputRefused, OutputExists,
-            OutputError, JobLocked, JobNotFound, StoreError, SettingRefused)
+            OutputError, OutputFormatUnknown, JobLocked, JobNotFound, StoreError, SettingRefused)

@@ -17,14 +17,15 @@ from transformers.utils import logging as transformers_logging
 from batchrun import faults
 from batchrun.errors import OutputRefused, PlanRefused
 from batchrun.oom import batch_cap_after_oom, killed_by_oom, memory_cgroup_dir, oom_kill_count
-from batchrun.output import default_output_path, write_parquet
+from batchrun.output import (OutputError, check_output_writable, default_output_path, output_format,
+                             write_results)
 from batchrun.paths import default_db_path
 from batchrun.plan import Candidate
 from batchrun.prepare import JobOptions, PreparedJob, plan_rows, prepare_job
 from batchrun.prompts import EncodedRow
 from batchrun.runtime import open_model
 from batchrun.score import Answer, GreedyBatch, eos_token_ids, generation_answer, score_choices
-from batchrun.store import RowResult, Store, StoreError
+from batchrun.store import JobNotFound, RowResult, Store, StoreError
 
 log = logging.getLogger("batchrun")
 
@@ -74,25 +75,23 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
     options = options or JobOptions()
     spec_path = Path(spec_path)
     output_path = Path(output) if output else default_output_path(spec_path)
+    check_output_writable(output_path)  # before any work, not after the night's run
+    output_fmt = output_format(output_path)
     prepared = prepare_job(spec_path, options)
     store = Store(Path(db) if db else default_db_path())
     try:
+        if output_path.exists() and not force:
+            _refuse_existing_output(store, prepared.fingerprint, output_path)
         job_id = store.ensure_job(prepared.fingerprint, spec_path=str(spec_path), model=prepared.model.name,
                                   settings=options.answer_settings(),
                                   rows=_all_row_ids(prepared))
-        if output_path.exists() and not force:
-            if not store.pending_indices(job_id):
-                raise OutputRefused(f"job {job_id} is complete and {output_path} already exists, left untouched; "
-                                    f"pass --force to rewrite it, or export with `batchrun results {job_id} -o FILE`")
-            raise OutputRefused(f"{output_path} exists; pass --force to overwrite it "
-                                f"(answers so far are kept in the database: `batchrun results {job_id}`)")
         store.acquire(job_id)
         state = "failed"
         try:
             with store.heartbeat_while_running(job_id):
                 summary = _run(prepared, store, job_id, quiet=quiet, on_plan=on_plan)
-            summary.output = str(write_parquet(output_path, store.results(job_id), force=force))
-            state = "done"
+            state = "done"  # every answer is committed; a failed write below loses none of them
+            summary.output = str(_write_output(store, job_id, output_path, output_fmt, force))
             return summary
         except KeyboardInterrupt:
             state = "interrupted"
@@ -101,6 +100,26 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
             _release(store, job_id, state)
     finally:
         store.close()
+
+
+def _refuse_existing_output(store: Store, fingerprint: str, output_path: Path) -> None:
+    try:
+        job_id = store.find_job(fingerprint)
+    except JobNotFound:  # a new job: nothing recorded, nothing to point at
+        raise OutputRefused(f"{output_path} exists; pass --force to overwrite it, or -o another file") from None
+    if not store.pending_indices(job_id):
+        raise OutputRefused(f"job {job_id} is complete and {output_path} already exists, left untouched; "
+                            f"pass --force to rewrite it, or export with `batchrun results {job_id} -o FILE`")
+    raise OutputRefused(f"{output_path} exists; pass --force to overwrite it, or -o another file (answers so far "
+                        f"are kept in the database: `batchrun results {job_id} -o FILE`)")
+
+
+def _write_output(store: Store, job_id: str, path: Path, fmt: str, force: bool) -> Path:
+    try:
+        return write_results(path, store.results(job_id), fmt, model=store.status(job_id)["model"], force=force)
+    except OutputError as error:
+        raise OutputError(path, f"{error.reason}. Every answer is kept in the database: "
+                                f"`batchrun results {job_id} -o FILE` writes them") from None
 
 
 def _release(store: Store, job_id: str, state: str) -> None:

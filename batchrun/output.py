@@ -32,14 +32,54 @@ class OutputError(OSError):
     """Writing an answers file failed (disk full, permissions); the previous file, if any, is unchanged."""
 
     def __init__(self, path: Path, reason: object):
-        self.path = Path(path)
+        self.path, self.reason = Path(path), reason
         super().__init__(f"could not write {path}: {reason}; the previous file, if any, is unchanged")
+
+
+class OutputFormatUnknown(ValueError):
+    """An output name whose extension says neither Parquet nor JSONL, and no --format."""
+
+
+FORMATS_BY_SUFFIX = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
+                     ".json": "jsonl"}
 
 
 def default_output_path(spec_path: Path) -> Path:
     """Beside the spec: docs.jsonl -> docs.answers.parquet."""
     spec_path = Path(spec_path)
     return spec_path.with_name(f"{spec_path.stem}.answers.parquet")
+
+
+def output_format(path: Path, fmt: str | None = None, *, format_option: bool = False) -> str:
+    """'parquet' or 'jsonl': `fmt` if given, else the extension's (any case); an unknown one is refused rather than
+    written as Parquet under a name that says otherwise. `format_option`: the command has --format to suggest."""
+    if fmt:
+        return fmt
+    found = FORMATS_BY_SUFFIX.get(Path(path).suffix.lower())
+    if found is None:
+        raise OutputFormatUnknown(f"{path}: cannot tell the format from the extension; name it .parquet or .jsonl "
+                                  "(OpenAI batch-output lines)" + (", or give --format" if format_option else ""))
+    return found
+
+
+def check_output_writable(path: Path) -> None:
+    """Before any work: a file can be created where `path` goes, so a night's run does not end unwritable."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputError(path, "it is a directory (checked before running)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.parent / f"{_temp_prefix(path)}{HOST}-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as error:
+        raise OutputError(path, f"{error.strerror or error} (checked before running)") from None
+
+
+def write_results(path: Path, results: Sequence[RowResult], fmt: str, *, model: str, force: bool = False) -> Path:
+    if fmt == "jsonl":
+        return write_jsonl(path, results, model=model, force=force)
+    return write_parquet(path, results, force=force)
 
 
 def atomic_write(path: Path, write: Callable[[Path], None], *, force: bool = False) -> Path:

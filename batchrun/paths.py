@@ -15,7 +15,15 @@ def state_dir() -> Path:
     else:
         cache_root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
         path = Path(cache_root) / "batchrun"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        from batchrun.errors import SettingRefused
+
+        where = f"{HOME_ENV}={explicit}" if explicit else str(path)
+        reason = "a file, not a directory" if path.is_file() else error.strerror or error
+        raise SettingRefused(f"{where}: cannot be used as batchrun's state directory ({reason})"
+                             f"; set {HOME_ENV} to a writable directory") from None
     return path
 
 

@@ -29,9 +29,14 @@ def format_rate(bytes_per_s: float | None) -> str:
 
 
 def format_duration(seconds: float | None) -> str:
-    """How a person says it: "2.5 s", "42 s", "3 min", "3.4 h", "2.3 days"."""
+    """How a person says it: "35 ms", "2.5 s", "42 s", "3 min", "3.4 h", "2.3 days"."""
     if seconds is None:
         return "unknown"
+    if seconds <= 0:
+        return "0 s"
+    if seconds < 0.95:  # a tiny model's pass: "0.0 s" would say nothing
+        milliseconds = seconds * 1000
+        return f"{milliseconds:.2g} ms" if milliseconds < 10 else f"{round(milliseconds)} ms"
     if seconds < 10:
         return f"{seconds:.1f} s"
     if seconds < 60:

@@ -334,6 +334,9 @@ def _stop(value: object, what: str = "stop") -> tuple[str, ...]:
 
 
 def _positive_int(value: object, what: str) -> int:
+    # A whole float (5.0, 1e2) is the integer it spells: Parquet columns with nulls and JSON exponents arrive so.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise RowProblem(f"{what} must be a positive integer, got {_kind(value)}")
     if value <= 0:

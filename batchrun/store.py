@@ -211,11 +211,6 @@ class Store:
             cursor = self.db.execute("select idx, token_ids_json, logprob from partial where job_id = ?", (job_id,))
             return {idx: (json.loads(token_ids), logprob or 0.0) for idx, token_ids, logprob in cursor}
 
-    def heartbeat(self, job_id: str) -> None:
-        """Show the lock holder is alive during a long stretch without commits (only matters across hosts)."""
-        with self._write("refresh the job lock") as conn:
-            self._record_progress(conn, job_id, 0)
-
     def heartbeat_while_running(self, job_id: str, every_s: float = HEARTBEAT_EVERY_S) -> LockHeartbeat:
         """A context in which a thread refreshes this process's lock on the job every `every_s` seconds."""
         return LockHeartbeat(self.path, job_id, self._require_current_run(job_id), every_s)

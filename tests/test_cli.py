@@ -94,9 +94,65 @@ def test_submit_refuses_to_overwrite_output_without_force(tmp_path, spec, model)
     assert result.stderr.startswith("Error: ") and "--force" in result.stderr and str(out) in result.stderr
     assert "Traceback" not in result.output
     assert out.read_bytes() == b"yesterday's answers"
+    assert invoke("jobs", "--db", tmp_path / "j.db").stdout == "no jobs yet\n"  # a refused new job leaves no trace
     forced = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db", "--output", out, "--force")
     assert forced.exit_code == 0, forced.output
     assert pq.read_table(out).num_rows == 6
+
+
+def test_an_unwritable_output_is_refused_before_the_run(tmp_path, spec, model):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for output, reason in ((blocker / "answers.parquet", "could not write"), (tmp_path, "it is a directory"),
+                           (tmp_path / "answers.csv", "cannot tell the format from the extension")):
+        result = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db", "--output", output)
+        assert result.exit_code == 1 and result.stderr.startswith(f"Error: {output}"[:7]), result.output
+        assert reason in result.stderr and "Traceback" not in result.output
+        assert "lower bound" not in result.stderr  # refused before the plan, so before any work
+    assert invoke("jobs", "--db", tmp_path / "j.db").stdout == "no jobs yet\n"
+
+
+def test_submit_writes_openai_batch_jsonl_for_a_jsonl_name(tmp_path, spec, model):
+    out = tmp_path / "answers.JSONL"
+    submitted(spec, model, tmp_path / "j.db", "--output", out)
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["custom_id"] for line in lines] == [str(i) for i in range(6)]
+    assert all(line["response"]["status_code"] == 200 for line in lines)
+
+
+def test_a_failed_write_after_the_run_keeps_the_job_done_and_says_where_the_answers_are(tmp_path, spec, model,
+                                                                                      monkeypatch):
+    from batchrun import output
+
+    def disk_full(path, write, *, force=False):
+        raise output.OutputError(path, "No space left on device")
+
+    monkeypatch.setattr(output, "atomic_write", disk_full)
+    result = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db", "--output", tmp_path / "a.parquet")
+    assert result.exit_code == 1 and "No space left on device" in result.stderr
+    job_id = re.search(r"`batchrun results ([0-9a-f]{16}) -o FILE`", result.stderr).group(1)
+    status = json.loads(invoke("status", "--db", tmp_path / "j.db", "--json").stdout)
+    assert (status["id"], status["state"], status["rows_done"]) == (job_id, "done", 6)
+
+
+def test_escapes_typed_in_text_options_mean_what_they_do_in_a_json_spec(spec, model, monkeypatch):
+    """`--stop "\\n"` in a shell passes a backslash and an n: it must stop at a newline, as "\\n" does in JSONL."""
+    from batchrun import execute
+
+    seen = {}
+
+    def capture(spec_path, *, options, **kw):
+        seen["options"] = options
+        raise KeyboardInterrupt  # as if Ctrl-C came during the run
+
+    monkeypatch.setattr(execute, "submit", capture)
+    result = invoke("submit", spec, "--model", model, "--stop", "\\n", "--stop", "END", "--system", "Be brief.\\tOK",
+                    "--template", "Review: {text}\\nIs it positive?")
+    options = seen["options"]
+    assert options.stop == ("\n", "END") and options.system == "Be brief.\tOK"
+    assert options.template == "Review: {text}\nIs it positive?"
+    assert result.exit_code == 130 and "Interrupted; committed passes are kept" in result.stderr
+    assert "Traceback" not in result.output and "Aborted" not in result.output
 
 
 def test_submit_bad_spec_lists_every_bad_row_and_runs_nothing(tmp_path, model):
@@ -229,6 +285,7 @@ def test_status_and_jobs_of_a_finished_job(tmp_path, spec, model):
     assert text.exit_code == 0, text.output
     assert f"job {job_id}: done" in text.stdout and "rows     6 done, 0 errored, 0 pending of 6" in text.stdout
     assert str(model) in text.stdout and str(spec) in text.stdout
+    assert "eta      none, every row is finished" in text.stdout
 
     listing = invoke("jobs", "--db", db)
     assert re.match(rf"{job_id}\s+done\s+6/6\s", listing.stdout)
@@ -275,6 +332,11 @@ def test_results_export_parquet_and_openai_batch_jsonl(tmp_path, model):
     assert again.exit_code == 1 and "--force" in again.stderr
     forced = invoke("results", "--db", db, "--output", tmp_path / "batch.jsonl", "--format", "parquet", "--force")
     assert forced.exit_code == 0 and pq.read_table(tmp_path / "batch.jsonl").num_rows == 3
+    # the extension decides in any case; one that names no format is refused, not written as Parquet
+    assert invoke("results", "--db", db, "--output", tmp_path / "b.NDJSON").exit_code == 0
+    assert json.loads((tmp_path / "b.NDJSON").read_text().splitlines()[0])["custom_id"] == "a"
+    csv = invoke("results", "--db", db, "--output", tmp_path / "b.csv")
+    assert csv.exit_code == 1 and "name it .parquet or .jsonl" in csv.stderr and not (tmp_path / "b.csv").exists()
 
 
 # ---- disk ----------------------------------------------------------------------------------------------

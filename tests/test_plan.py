@@ -550,7 +550,7 @@ def test_resident_eta_counts_loading_once_and_compute_per_pass():
 
 @pytest.mark.parametrize("seconds, text", [
     (2.46, "2.5 s"), (42, "42 s"), (180, "3 min"), (3.4 * 3600, "3.4 h"), (2.3 * 86400, "2.3 days"),
-    (None, "unknown"),
+    (None, "unknown"), (0, "0 s"), (0.0012, "1.2 ms"), (0.035, "35 ms"), (0.5, "500 ms"),
 ])
 def test_durations_read_the_way_people_say_them(seconds, text):
     assert format_duration(seconds) == text

@@ -147,6 +147,15 @@ def test_non_positive_max_new_tokens(tmp_path, value):
     assert only_problem(path) == f"{path}:line 1: max_new_tokens must be a positive integer, got {value}"
 
 
+def test_whole_numbers_written_as_floats_are_token_limits(tmp_path):
+    """A Parquet column with nulls comes back as doubles (5.0), and JSON may write 1e2: both spell an integer."""
+    path = tmp_path / "jobs.parquet"
+    pq.write_table(pa.table({"prompt": ["a", "b", "c"], "max_new_tokens": pa.array([5.0, None, 1e2])}), path)
+    spec = read_spec(path, max_new_tokens=7)
+    assert [r.max_new_tokens for r in spec.requests] == [5, 7, 100]
+    assert all(type(r.max_new_tokens) is int for r in spec.requests)
+
+
 def test_row_with_choices_and_generation_settings_is_refused(tmp_path):
     path = write_jsonl(tmp_path, [{"prompt": "x", "choices": ["a", "b"], "max_new_tokens": 4}])
     assert "a row is either a choice row (choices) or a generation row" in only_problem(path)
