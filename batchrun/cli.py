@@ -168,16 +168,25 @@ def plan(spec, models, as_json, **kw):
         sys.exit(1)  # scripts can tell "no model can run this job as asked" from the exit code
 
 
+def _existing_store(db: Path | None):
+    """The progress database to read from; a missing one is an error, not a new empty file."""
+    from batchrun.store import JobNotFound, Store
+
+    path = db or default_db_path()
+    if not Path(path).exists():
+        raise JobNotFound(f"no jobs recorded in {path} yet (no database there)")
+    return Store(path)
+
+
 @cli.command()
 @click.argument("job", required=False)
 @click.option("--db", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True)
 def status(job, db, as_json):
-    """Progress of JOB (default: the most recent), also while it runs elsewhere."""
+    """Progress of JOB (default: the one run last), also while it runs elsewhere."""
     from batchrun.plan import format_duration
-    from batchrun.store import Store
 
-    store = Store(db or default_db_path())
+    store = _existing_store(db)
     try:
         info = store.status(store.find_job(job))
     finally:
@@ -206,7 +215,11 @@ def jobs(db, as_json):
     """List jobs, newest first."""
     from batchrun.store import Store
 
-    store = Store(db or default_db_path())
+    path = db or default_db_path()
+    if not Path(path).exists():  # a look at the jobs creates no database
+        click.echo("[]" if as_json else "no jobs yet")
+        return
+    store = Store(path)
     try:
         listing = store.jobs()
     finally:
@@ -231,9 +244,8 @@ def jobs(db, as_json):
 def results(job, output, fmt, db, force):
     """Export JOB's answers so far (partial while it runs): Parquet, or OpenAI batch-output JSONL."""
     from batchrun.output import output_format, write_results
-    from batchrun.store import Store
 
-    store = Store(db or default_db_path())
+    store = _existing_store(db)
     try:
         job_id = store.find_job(job)
         rows = store.results(job_id)

@@ -346,10 +346,13 @@ class Store:
         ]
 
     def find_job(self, ref: str | None) -> str:
-        """A job id from a full id, a unique prefix of the id or fingerprint, or None for the newest job."""
+        """A job id from a full id, a unique prefix of the id or fingerprint, or None for the job run last (or
+        created last, if none has run since): the one a user just resumed, not an older one created later."""
         with self._read():
             recent = list(self.db.query(
-                "select id, fingerprint, spec_path, created_at from jobs order by created_at desc, rowid desc"
+                "select id, fingerprint, spec_path, created_at, coalesce((select max(started_at) from runs "
+                "where runs.job_id = jobs.id), created_at) as active_at from jobs "
+                "order by max(active_at, created_at) desc, rowid desc"
             ))
         if ref is None:
             if not recent:

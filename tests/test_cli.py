@@ -12,6 +12,7 @@ from click.testing import CliRunner, Result
 
 from batchrun.cli import cli
 from batchrun.output import read_parquet_results
+from batchrun.store import Store
 
 PROMPTS = ["Summarise: the parcel came late.", "Summarise: great soup.", "Summarise: the app crashes.",
            "Summarise: friendly staff.", "Summarise: too loud.", "Summarise: fair price."]
@@ -293,9 +294,15 @@ def test_status_and_jobs_of_a_finished_job(tmp_path, spec, model):
 
 
 def test_status_without_jobs_is_a_clear_error(tmp_path):
-    empty = invoke("status", "--db", tmp_path / "empty.db")
+    missing = tmp_path / "nowhere" / "none.db"
+    empty = invoke("status", "--db", missing)
     assert empty.exit_code == 1 and "Error: no jobs recorded" in empty.stderr
-    assert invoke("jobs", "--db", tmp_path / "empty.db").stdout == "no jobs yet\n"
+    assert invoke("jobs", "--db", missing).stdout == "no jobs yet\n"
+    assert json.loads(invoke("jobs", "--db", missing, "--json").stdout) == []
+    gone = invoke("results", "nope", "--db", missing, "--output", tmp_path / "x.parquet")
+    assert gone.exit_code == 1 and "Error: no jobs recorded" in gone.stderr
+    assert not (tmp_path / "nowhere").exists()  # reading creates no database
+    Store(tmp_path / "empty.db").close()
     unknown = invoke("results", "nope", "--db", tmp_path / "empty.db", "--output", tmp_path / "x.parquet")
     assert unknown.exit_code == 1 and 'Error: no job matches "nope"' in unknown.stderr
 

@@ -247,6 +247,10 @@ def test_find_job_by_prefix_fingerprint_or_newest(store):
         store.find_job("abc")
     with pytest.raises(JobNotFound, match=f'no job matches "zzz".*{second}'):
         store.find_job("zzz")
+    time.sleep(0.01)  # timestamps have millisecond resolution
+    store.acquire(first)  # resuming the older job makes it the one `status` shows by default
+    assert store.find_job(None) == first
+    store.release(first, "done")
 
 
 # ---- locks and runs ------------------------------------------------------------------------------
