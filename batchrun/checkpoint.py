@@ -24,8 +24,9 @@ __all__ = [
 ]
 
 # Everything a run needs besides the weights; shards are fetched in a second step, only those the index names,
-# so a repository that also ships a consolidated copy of the weights is not downloaded twice.
-HUB_METADATA_PATTERNS = ["*.json", "tokenizer*", "*.model", "*.jinja", "*.txt"]
+# so a repository that also ships a consolidated copy of the weights is not downloaded twice. The repository's own
+# Python (*.py) comes too: nothing runs it without --trust-remote-code, and with it the model cannot load without.
+HUB_METADATA_PATTERNS = ["*.json", "tokenizer*", "*.model", "*.jinja", "*.txt", "*.tiktoken", "*.py"]
 _HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchrun.checkpoint import TensorInfo
+from batchrun.checkpoint import CheckpointError, TensorInfo
 from batchrun.weights import SAFETENSORS_DTYPES, Recipe, coalesce, read_into, realize, tensor_from_bytes
 
 
@@ -60,6 +60,9 @@ class LayerLoader:
         self._staging: torch.Tensor | None = None
         self._lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # slot -> the compute that last read it (CUDA); its own lock: a release must not wait for a load in progress
+        self._slot_busy_until: dict[int, torch.cuda.Event] = {}
+        self._busy_lock = threading.Lock()
         self._widen_pool: ThreadPoolExecutor | None = None
         self.bytes_read = 0
 
@@ -82,6 +85,11 @@ class LayerLoader:
             buf = self._buffer(slot, name, like)
             cached = self._read_targets[key] = (buf, memoryview(buf.view(-1).view(torch.uint8)[-nbytes:].numpy()))
         return cached
+
+    def slot_in_use_until(self, slot: int, event: torch.cuda.Event) -> None:
+        """The compute stream reads `slot` until `event`: the next asynchronous copy into it waits for that."""
+        with self._busy_lock:
+            self._slot_busy_until[slot] = event
 
     def forget_slot(self, slot: int) -> None:
         """Free a retired slot's buffers (nothing may be loading into it or computing from it)."""
@@ -141,6 +149,12 @@ class LayerLoader:
             for path, start, end in contiguous_runs(read):
                 self._advise_dropped(path, start, end - start)
             ready = self._load_staged(staged, prefix, metas, slot, tensors) if staged else None
+            missing = sorted(set(metas) - set(tensors))
+            if missing:  # left on the meta device, a parameter would compute on uninitialised memory
+                recipes = self.layer_recipes[index]
+                where = recipes[0].sources[0].file.parent if recipes else "the checkpoint"
+                raise CheckpointError(f"{where}: decoder layer {index} has no tensor in the checkpoint for "
+                                      + ", ".join(prefix + name for name in missing))
         except BaseException:
             wait(widenings)  # a failed load gives its slot back: nothing may still be writing into it
             raise
@@ -187,13 +201,20 @@ class LayerLoader:
             cursor += length
         stream_ctx = torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else _null_context()
         with stream_ctx:
+            with self._busy_lock:
+                busy = self._slot_busy_until.pop(slot, None)
+            if busy is not None:  # released by the forward thread while its kernels may still be reading
+                self._copy_stream.wait_event(busy)
             for recipe in recipes:
                 produced = realize(recipe, [raw[i.name] for i in recipe.sources], self.model, self.config)
                 for target, value in produced.items():
                     name = target[len(prefix):]
                     buf = self._buffer(slot, name, metas[name])
+                    if tuple(value.shape) != tuple(buf.shape):  # never reshape: same size, other layout is wrong
+                        raise CheckpointError(f"{recipe.sources[0].file}: {target} has shape {tuple(value.shape)} in "
+                                              f"the checkpoint, but the model expects {tuple(buf.shape)}")
                     # copy_ casts to the compute dtype; on CUDA it overlaps with compute on the main stream
-                    buf.copy_(value.reshape(buf.shape), non_blocking=self._copy_stream is not None)
+                    buf.copy_(value, non_blocking=self._copy_stream is not None)
                     tensors[name] = buf
         if self._copy_stream is None:
             return None

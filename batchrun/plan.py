@@ -295,6 +295,10 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     weights = (resident if mode == "resident"
                else streamed_weights(sizes, compute_dtype, prefetch, device, prefetch_depth))
     fixed_bytes = weights.bytes + runtime_overhead_bytes
+    if mode == "streamed" and sizes.quantization:
+        blockers.append(f"the checkpoint is quantized ({sizes.quantization}): streaming reads unquantized safetensors "
+                        "only (packed weights need their scales); run it resident (--streaming never) if it fits, or "
+                        "use an unquantized checkpoint")
     if mode == "resident" and resident_need > budget:
         blockers.append(f"resident run does not fit: {resident_sum}, over the {format_bytes(budget)} budget; "
                         "allow streaming (auto or always)")

@@ -52,6 +52,7 @@ class CheckpointSizes:
     source: str  # "headers" | "estimate"
     decoder_prefix: str | None = None  # e.g. "model.layers"; None for an estimate
     assumptions: list[str] = field(default_factory=list)  # config fields the sizes had to assume
+    quantization: str | None = None  # the config's quantization_config quant_method (packed weights plus scales)
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -133,7 +134,15 @@ def checkpoint_sizes(checkpoint: str | os.PathLike, trust_remote_code: bool = Fa
         num_layers=num_layers, layer_bytes=layer_bytes, non_decoder_bytes=sum(i.nbytes for i in outside),
         layer_params=layer_params, non_decoder_params=sum(i.numel for i in outside),
         tied_embeddings=bool(tied), estimated=False, source="headers", decoder_prefix=prefix, **arch.size_fields(),
+        quantization=_quant_method(config),
     )
+
+
+def _quant_method(config: dict) -> str | None:
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return None
+    return str(quantization.get("quant_method", "unknown method")) if isinstance(quantization, dict) else "unknown"
 
 
 # Layer tensors whose shape the config fixes in every architecture transformers ships under these exact names (the

@@ -99,6 +99,13 @@ class StreamedModel:
         self.dtype = resolve_dtype(dtype, self.device)
         keep_heap_flat()  # before the first weight is allocated, so no heap grows under the model
         self.config = AutoConfig.from_pretrained(self.checkpoint, trust_remote_code=trust_remote_code)
+        quantization = getattr(self.config, "quantization_config", None)
+        if quantization:  # from_config would build plain layers: packed weights read without their scales
+            method = (quantization.get("quant_method") if isinstance(quantization, dict)
+                      else getattr(quantization, "quant_method", None))
+            raise CheckpointError(f"{self.checkpoint}: quantized checkpoint ({method or 'unknown method'}); "
+                                  "streaming reads unquantized safetensors only: run it resident or use an "
+                                  "unquantized checkpoint")
         self.num_layers = text_config(self.config).num_hidden_layers
         self.max_seq_len = max_seq_len or getattr(text_config(self.config), "max_position_embeddings", None)
         self.tokenizer = load_tokenizer(self.checkpoint, trust_remote_code)
@@ -356,6 +363,10 @@ class StreamedModel:
         layer = self.layers[index]
         for name in weights.tensors:
             _assign(layer, name, self._meta_params[index][name])
+        if self.device.type == "cuda":  # the layer's kernels may still be queued: the next copy into its slot waits
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self.loader.slot_in_use_until(weights.slot, done)
         self.slots.give(weights.slot)
 
     # -- public surface ------------------------------------------------------------------------

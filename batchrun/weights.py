@@ -98,7 +98,11 @@ def read_into(fd: int, target: memoryview, offset: int, path) -> None:
     """Fill `target` from the file at `offset` with large positional reads (no memory map, no page faults)."""
     done = 0
     while done < len(target):
-        n = os.preadv(fd, [target[done:]], offset + done)
+        try:
+            n = os.preadv(fd, [target[done:]], offset + done)
+        except OSError as error:  # a failing disk or a file gone from a network mount: name the file, not a traceback
+            raise CheckpointError(f"{path}: could not read bytes {offset + done}..{offset + len(target)} "
+                                  f"({error.strerror or error})") from error
         if n == 0:
             raise CheckpointError(f"{path}: file ended while reading bytes {offset + done}..{offset + len(target)}; "
                                   "the shard is truncated")

@@ -419,3 +419,17 @@ def test_unknown_repository_error_names_it_and_never_the_token(tmp_path, monkeyp
         message = str(error.value)
         assert f"repository {repo} not found / not cached" in message
         assert "hf_SECRET_token_123" not in message
+
+
+def test_hub_metadata_download_brings_remote_code_and_tokenizer_files_but_no_weights():
+    """With --trust-remote-code a Hub model needs its configuration_*.py and modeling_*.py; tiktoken tokenizers
+    ship their vocabulary as *.tiktoken. Shards come in a second step, only those the index names."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from batchrun.checkpoint import HUB_METADATA_PATTERNS
+
+    files = ["config.json", "configuration_acme.py", "modeling_acme.py", "tokenizer.json", "qwen.tiktoken",
+             "tokenizer.model", "chat_template.jinja", "model.safetensors.index.json",
+             "model-00001-of-00002.safetensors", "consolidated.safetensors", "README.md"]
+    kept = set(filter_repo_objects(files, allow_patterns=HUB_METADATA_PATTERNS))
+    assert kept == set(files) - {"model-00001-of-00002.safetensors", "consolidated.safetensors", "README.md"}

@@ -128,3 +128,18 @@ def test_trusting_remote_code_lifts_the_refusal(tmp_path, tiny_checkpoint):
     (candidate,) = json.loads(result.stdout)["candidates"]
     # Trusted, the config is read and planned like any other (the weights are the tiny llama's).
     assert candidate["mode"] is not None and candidate["blockers"] == [], candidate
+
+
+def test_a_quantized_checkpoint_is_not_streamed_as_if_it_were_plain(tmp_path, tiny_checkpoint):
+    """Packed weights read without their scales would give wrong answers: the plan and the streamer refuse."""
+    from batchrun import StreamedModel
+    from batchrun.checkpoint import CheckpointError
+
+    model = copy_model(tiny_checkpoint("llama"), tmp_path / "fp8")
+    edit_config(model, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    spec = mixed_job(tmp_path / "job.jsonl")
+    result = CliRunner().invoke(cli, ["plan", str(spec), "--model", str(model), "--streaming", "always", "--json"])
+    (candidate,) = json.loads(result.stdout)["candidates"]
+    assert candidate["fits"] is False and any("quantized (fp8)" in b for b in candidate["blockers"]), candidate
+    with pytest.raises(CheckpointError, match="quantized checkpoint \\(fp8\\)"):
+        StreamedModel(model, device="cpu")

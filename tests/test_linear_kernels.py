@@ -115,6 +115,22 @@ def test_a_strided_bfloat16_input_reaches_the_matmul_contiguous(kernel, monkeypa
     assert (got.float() - float32).abs().max().item() <= 0.05 * float32.abs().max().item()  # bfloat16 rounding
 
 
+def test_a_routed_model_is_freed_when_its_last_reference_goes():
+    """No reference cycle through the routing: a closed model's weights go at once, not at the next cyclic GC."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        linear_kernels.route_linears(model, "onednn")
+        weight = weakref.ref(model[0].weight)
+        del model
+        assert weight() is None
+    finally:
+        gc.enable()
+
+
 def test_subclasses_of_linear_keep_their_own_forward():
     class Scaled(torch.nn.Linear):
         def forward(self, inputs):

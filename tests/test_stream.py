@@ -153,6 +153,54 @@ def test_bf16_checkpoint_streams_into_float32(tmp_path, tiny_checkpoint):
         assert (streamed(ids).logits - expected).abs().max().item() <= TOLERANCE
 
 
+def _edited_copy(source: Path, target: Path, edit) -> Path:
+    """A copy of a single-shard checkpoint whose tensors pass through edit(dict of name -> tensor)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    tensors = load_file(target / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+def test_a_layer_tensor_missing_from_the_checkpoint_is_an_error_not_uninitialised_memory(tmp_path, tiny_checkpoint):
+    name = "model.layers.1.self_attn.q_proj.weight"
+    path = _edited_copy(tiny_checkpoint("llama"), tmp_path / "missing", lambda tensors: tensors.pop(name))
+    with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
+        with pytest.raises(CheckpointError, match=f"decoder layer 1 has no tensor in the checkpoint for {name}"):
+            streamed(sample_ids(streamed.config.vocab_size))
+
+
+def test_a_layer_tensor_of_the_right_size_but_wrong_shape_is_refused_not_reshaped(tmp_path, tiny_checkpoint):
+    name = "model.layers.0.mlp.down_proj.weight"  # [64, 128] in the model
+
+    def transpose(tensors):
+        tensors[name] = tensors[name].t().contiguous()
+
+    path = _edited_copy(tiny_checkpoint("llama"), tmp_path / "transposed", transpose)
+    with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
+        with pytest.raises(CheckpointError, match=rf"{name} has shape \(128, 64\) in the checkpoint, but the model "
+                                                  rf"expects \(64, 128\)"):
+            streamed(sample_ids(streamed.config.vocab_size))
+
+
+def test_a_disk_error_names_the_file(tmp_path, tiny_checkpoint, monkeypatch):
+    import errno
+    import os
+
+    from batchrun import weights
+
+    def failing_disk(*args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    with StreamedModel(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32) as streamed:
+        monkeypatch.setattr(weights.os, "preadv", failing_disk)
+        with pytest.raises(CheckpointError, match=r"model\.safetensors: could not read bytes \d+\.\.\d+ "
+                                                  r"\(Input/output error\)"):
+            streamed(sample_ids(streamed.config.vocab_size))
+
+
 def test_contiguous_runs_merge_back_to_back_ranges_of_one_file_only():
     from batchrun.loader import contiguous_runs
 
