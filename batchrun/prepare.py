@@ -22,8 +22,8 @@ from batchrun.prompts import EncodedRow, encode_requests, kept_positions, shorte
 from batchrun.spec import JobSpec, read_spec
 from batchrun.tokenizer import load_tokenizer
 
-# Settings that change answers: they are part of a job's identity. Batch size, memory budget,
-# streaming policy and prefetch do not change answers, so a job resumes whatever they are.
+# Settings that can change answers, recorded with a job. Its identity is what they do to its rows (fingerprint):
+# batch size, memory budget, streaming policy and prefetch change no row, so a job resumes whatever they are.
 ANSWER_SETTINGS = ("template", "id_column", "choices", "system", "max_new_tokens", "stop", "raw", "dtype")
 ASSUMED_BANDWIDTH = 1.0e9  # bytes/s: the low end of cold sequential reads measured on this kind of machine
 
@@ -102,13 +102,14 @@ def read_job_spec(spec_path: Path, options: JobOptions) -> JobSpec:
                      skip_invalid=options.skip_invalid)
 
 
-def fingerprint(spec: JobSpec, checkpoint: Path, options: JobOptions, compute_dtype: str,
-                rows: Sequence[EncodedRow]) -> str:
-    """Spec bytes + model identity + the tokens it will see + answer-changing settings.
+def fingerprint(spec: JobSpec, checkpoint: Path, compute_dtype: str, rows: Sequence[EncodedRow]) -> str:
+    """Spec bytes + model identity + every row as it will run + the compute dtype.
 
     The model is its config, generation config (end-of-sequence ids), tensor headers and the first bytes of every
     tensor's data: a fine-tune with the same config and shapes is another job, not a resume of the base model's.
-    The rows' token ids stand for the tokenizer and chat template, whichever files they come from."""
+    A row is its id, token ids (which stand for the tokenizer, chat template, system message, template and --raw),
+    choices, token limit and stop strings: an option that changes no row (--max-new-tokens on a spec of choice
+    rows, --choices where every row has its own) keeps the job, one that changes any row makes a new one."""
     digest = hashlib.sha256()
     digest.update(spec.content_sha256.encode())
     digest.update((checkpoint / "config.json").read_bytes())
@@ -119,13 +120,17 @@ def fingerprint(spec: JobSpec, checkpoint: Path, options: JobOptions, compute_dt
     for name, info in sorted(infos.items()):
         digest.update(f"{name}:{info.dtype}:{info.shape}:{info.nbytes}".encode())
     digest.update(weight_sample_digest(infos).encode())
-    for row in rows:  # packed, not JSON: a million-row corpus has hundreds of millions of tokens
-        for ids in (row.prompt_ids, *row.choice_ids):
-            digest.update(array("q", [row.request.index, len(ids), *ids]).tobytes())
-        digest.update((row.error or "").encode() + b"\0")
-    settings = options.answer_settings()
-    settings["dtype"] = compute_dtype
-    digest.update(json.dumps(settings, sort_keys=True).encode())
+    for row in rows:
+        request = row.request
+        generates = not row.is_choice
+        digest.update(json.dumps([request.index, request.id, request.choices, row.error,
+                                  request.max_new_tokens if generates else None,
+                                  request.stop if generates else None]).encode())
+        for ids in (row.prompt_ids, *row.choice_ids):  # packed: a big corpus has hundreds of millions of tokens
+            digest.update(array("q", [len(ids), *ids]).tobytes())
+    for bad in spec.invalid:  # recorded as errored rows (--skip-invalid): their ids and reasons are answers too
+        digest.update(json.dumps([bad.index, bad.id, bad.location, bad.reason]).encode())
+    digest.update(json.dumps({"dtype": compute_dtype}).encode())
     return digest.hexdigest()
 
 
@@ -199,7 +204,7 @@ def prepare_job(spec_path: Path, options: JobOptions) -> PreparedJob:
     rows = encode_requests(prepared.tokenizer, spec.requests, raw=options.raw,
                            context_length=prepared.context_length)
     dtype = compute_dtype_for(options, device)
-    return PreparedJob(spec, options, prepared, rows, fingerprint(spec, prepared.checkpoint, options, dtype, rows),
+    return PreparedJob(spec, options, prepared, rows, fingerprint(spec, prepared.checkpoint, dtype, rows),
                        device, dtype)
 
 

@@ -171,6 +171,23 @@ def test_rerun_resumes_and_recomputes_nothing(tmp_path, tiny_checkpoint):
     assert pq.read_table(tmp_path / "a.parquet").equals(pq.read_table(tmp_path / "b.parquet"))
 
 
+def test_a_setting_that_changes_no_row_keeps_the_job(tmp_path, tiny_checkpoint):
+    """--max-new-tokens cannot change a choice row, --choices cannot change rows that set their own."""
+    spec = choice_spec(tmp_path)
+    model = str(tiny_checkpoint("llama"))
+    first = submit(spec, options=JobOptions(model=model), output=tmp_path / "a.parquet", db=tmp_path / "j.db")
+    again = submit(spec, options=JobOptions(model=model, max_new_tokens=99, choices=("yes", "no")),
+                   output=tmp_path / "b.parquet", db=tmp_path / "j.db")
+    assert (again.job_id, again.rows_computed_now) == (first.job_id, 0)
+    generation = write_jsonl(tmp_path / "open.jsonl", [{"id": i, "prompt": f"Summarise: {text}"}
+                                                        for i, text in enumerate(REVIEWS)])  # the option's limit
+    short = submit(generation, options=JobOptions(model=model, max_new_tokens=3), output=tmp_path / "c.parquet",
+                   db=tmp_path / "j.db")
+    longer = submit(generation, options=JobOptions(model=model, max_new_tokens=4), output=tmp_path / "d.parquet",
+                    db=tmp_path / "j.db")
+    assert longer.job_id != short.job_id and longer.rows_computed_now == len(REVIEWS)
+
+
 def test_changed_setting_is_a_new_job(tmp_path, tiny_checkpoint):
     spec = generation_spec(tmp_path)
     model = str(tiny_checkpoint("llama"))
