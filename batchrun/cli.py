@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -19,17 +20,20 @@ def _csv(value: str | None) -> tuple[str, ...] | None:
     return items
 
 
-_ESCAPES = {"\\n": "\n", "\\t": "\t", "\\r": "\r"}
+_STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 
-def _unescape(value: str | None) -> str | None:
-    """\\n, \\t and \\r typed in a shell argument mean a newline, tab and carriage return, as they do in a JSON
-    spec: `--stop "\\n"` would otherwise wait for a backslash followed by n, and never stop."""
-    if value is None:
-        return None
-    for typed, meant in _ESCAPES.items():
-        value = value.replace(typed, meant)
-    return value
+def _stop_string(value: str) -> str:
+    """A stop string typed in a shell: \\n, \\t, \\r mean newline, tab, carriage return and \\\\ one backslash, as in
+    a JSON spec; `--stop "\\n"` would otherwise wait for a backslash followed by n, and never stop. Other backslashes
+    stay as typed. Only stop strings: a template or system message keeps its backslashes (LaTeX, Windows paths)."""
+    return re.sub(r"\\(.)", lambda m: _STOP_ESCAPES.get(m.group(1), m.group(0)), value)
+
+
+def _warn_typed_newline(option: str, value: str | None) -> None:
+    if value is not None and "\\n" in value:
+        click.echo(f"Warning: {option} holds a backslash followed by n, kept as typed; for a line break type a real "
+                   "newline (in bash: $'...\\n...')", err=True)
 
 
 def job_options(fn):
@@ -38,15 +42,14 @@ def job_options(fn):
         click.option("--model", "-m", "models", multiple=True,
                      help="Checkpoint directory or Hugging Face repo id (default: SmolLM2-135M-Instruct). "
                           "`plan` accepts several to compare."),
-        click.option("--template", help='Corpus mode: build prompts from columns, e.g. "Review: {text}\\nIs it '
-                                        'positive?" (\\n, \\t: newline, tab).'),
+        click.option("--template", help='Corpus mode: build prompts from columns, e.g. "Review: {text}".'),
         click.option("--id-column", help="Column holding row ids in corpus mode."),
         click.option("--choices", help="Comma-separated choices for rows that set none."),
-        click.option("--system", help="System message for rows that set none (\\n, \\t: newline, tab)."),
+        click.option("--system", help="System message for rows that set none."),
         click.option("--max-new-tokens", type=int, default=16, show_default=True,
                      help="Token limit for generation rows that set none."),
         click.option("--stop", multiple=True,
-                     help='Stop string for generation rows (repeatable; "\\n" is a newline).'),
+                     help='Stop string for generation rows (repeatable; "\\n", "\\t", "\\\\" as in JSON).'),
         click.option("--raw", is_flag=True, help="Send prompts as plain text, without the chat template."),
         click.option("--skip-invalid", is_flag=True, help="Record bad rows as errors and run the rest."),
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
@@ -79,9 +82,11 @@ def build_options(model: str | None, kw: dict):
         parse_streaming(kw["streaming"])
     except ValueError as exc:
         raise click.BadParameter(str(exc))  # the message already names --streaming (or the env variable)
-    return JobOptions(model=model, template=_unescape(kw["template"]), id_column=kw["id_column"],
-                      choices=_csv(kw["choices"]), system=_unescape(kw["system"]),
-                      max_new_tokens=kw["max_new_tokens"], stop=tuple(_unescape(s) for s in kw["stop"]) or None,
+    _warn_typed_newline("--template", kw["template"])
+    _warn_typed_newline("--system", kw["system"])
+    return JobOptions(model=model, template=kw["template"], id_column=kw["id_column"],
+                      choices=_csv(kw["choices"]), system=kw["system"],
+                      max_new_tokens=kw["max_new_tokens"], stop=tuple(_stop_string(s) for s in kw["stop"]) or None,
                       raw=kw["raw"], dtype=kw["dtype"],
                       skip_invalid=kw["skip_invalid"], device=kw["device"], batch_size=kw["batch_size"],
                       memory_gb=kw["memory_gb"], streaming=kw["streaming"], prefetch=not kw["no_prefetch"],
@@ -215,6 +220,9 @@ def jobs(db, as_json):
     """List jobs, newest first."""
     from batchrun.store import Store
 
+    if db is not None and not Path(db).exists():  # a mistyped --db is said so, not listed as empty
+        from batchrun.store import JobNotFound
+        raise JobNotFound(f"no database at {db}")
     path = db or default_db_path()
     if not Path(path).exists():  # a look at the jobs creates no database
         click.echo("[]" if as_json else "no jobs yet")

@@ -75,7 +75,7 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
     options = options or JobOptions()
     spec_path = Path(spec_path)
     output_path = Path(output) if output else default_output_path(spec_path)
-    check_output_writable(output_path)  # before any work, not after the night's run
+    check_output_writable(output_path, spec_path)  # before any work, not after the night's run
     output_fmt = output_format(output_path)
     prepared = prepare_job(spec_path, options)
     store = Store(Path(db) if db else default_db_path())
@@ -102,6 +102,12 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
         store.close()
 
 
+def _export_command(store: Store, job_id: str) -> str:
+    """The command that writes a job's answers, naming the database unless it is the default one."""
+    db = "" if store.path.resolve() == default_db_path().resolve() else f" --db {store.path}"
+    return f"`batchrun results {job_id}{db} -o FILE`"
+
+
 def _refuse_existing_output(store: Store, fingerprint: str, output_path: Path) -> None:
     try:
         job_id = store.find_job(fingerprint)
@@ -109,9 +115,9 @@ def _refuse_existing_output(store: Store, fingerprint: str, output_path: Path) -
         raise OutputRefused(f"{output_path} exists; pass --force to overwrite it, or -o another file") from None
     if not store.pending_indices(job_id):
         raise OutputRefused(f"job {job_id} is complete and {output_path} already exists, left untouched; "
-                            f"pass --force to rewrite it, or export with `batchrun results {job_id} -o FILE`")
+                            f"pass --force to rewrite it, or export with {_export_command(store, job_id)}")
     raise OutputRefused(f"{output_path} exists; pass --force to overwrite it, or -o another file (answers so far "
-                        f"are kept in the database: `batchrun results {job_id} -o FILE`)")
+                        f"are kept in the database: {_export_command(store, job_id)})")
 
 
 def _write_output(store: Store, job_id: str, path: Path, fmt: str, force: bool) -> Path:
@@ -119,7 +125,7 @@ def _write_output(store: Store, job_id: str, path: Path, fmt: str, force: bool) 
         return write_results(path, store.results(job_id), fmt, model=store.status(job_id)["model"], force=force)
     except OutputError as error:
         raise OutputError(path, f"{error.reason}. Every answer is kept in the database: "
-                                f"`batchrun results {job_id} -o FILE` writes them") from None
+                                f"{_export_command(store, job_id)} writes them") from None
 
 
 def _release(store: Store, job_id: str, state: str) -> None:

@@ -62,18 +62,28 @@ def output_format(path: Path, fmt: str | None = None, *, format_option: bool = F
     return found
 
 
-def check_output_writable(path: Path) -> None:
-    """Before any work: a file can be created where `path` goes, so a night's run does not end unwritable."""
+def check_output_writable(path: Path, spec_path: Path | None = None) -> None:
+    """Before any work: a file can be created where `path` goes, so a night's run does not end unwritable. Leaves
+    nothing behind: directories still to be made are only checked to be makeable (the write makes them)."""
     path = Path(path)
+    if spec_path is not None and path.resolve() == Path(spec_path).resolve():
+        raise OutputError(path, "it is the job spec itself; name another output file")
     if path.is_dir():
         raise OutputError(path, "it is a directory (checked before running)")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    existing = path.parent.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputError(path, f"{existing} is a file, not a directory (checked before running)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputError(path, f"{existing} is not writable (checked before running)")
+    if existing == path.parent.absolute():  # the directory exists: prove a file can really be made there
         probe = path.parent / f"{_temp_prefix(path)}{HOST}-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as error:
-        raise OutputError(path, f"{error.strerror or error} (checked before running)") from None
+        try:
+            probe.touch()
+            probe.unlink()
+        except OSError as error:
+            raise OutputError(path, f"{error.strerror or error} (checked before running)") from None
 
 
 def write_results(path: Path, results: Sequence[RowResult], fmt: str, *, model: str, force: bool = False) -> Path:

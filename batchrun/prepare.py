@@ -150,7 +150,8 @@ def row_costs(rows: Sequence[EncodedRow], prefixes: dict[int, int] | None = None
 def compute_dtype_for(options: JobOptions, device: str) -> str:
     if options.dtype and options.dtype != "auto":
         return options.dtype
-    return "float32" if device == "cpu" else "bfloat16"
+    kind = device.split(":")[0]  # "cpu:0" is the CPU too
+    return {"cpu": "float32", "mps": "float16"}.get(kind, "bfloat16")  # as devices.default_dtype
 
 
 def bandwidth_for(checkpoint: Path, options: JobOptions) -> Bandwidth:

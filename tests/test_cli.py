@@ -104,13 +104,18 @@ def test_submit_refuses_to_overwrite_output_without_force(tmp_path, spec, model)
 def test_an_unwritable_output_is_refused_before_the_run(tmp_path, spec, model):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    for output, reason in ((blocker / "answers.parquet", "could not write"), (tmp_path, "it is a directory"),
+    for output, reason in ((blocker / "answers.parquet", f"{blocker} is a file, not a directory"),
+                           (blocker / "deeper" / "answers.parquet", f"{blocker} is a file, not a directory"),
+                           (tmp_path, "it is a directory"), (spec, "it is the job spec itself"),
                            (tmp_path / "answers.csv", "cannot tell the format from the extension")):
         result = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db", "--output", output)
         assert result.exit_code == 1 and result.stderr.startswith(f"Error: {output}"[:7]), result.output
         assert reason in result.stderr and "Traceback" not in result.output
         assert "lower bound" not in result.stderr  # refused before the plan, so before any work
-    assert invoke("jobs", "--db", tmp_path / "j.db").stdout == "no jobs yet\n"
+    assert not (tmp_path / "j.db").exists()
+    bad_spec = write_jsonl(tmp_path / "bad.jsonl", ["not json"])  # refused after the output check: no trace left
+    refused = invoke("submit", bad_spec, "--model", model, "--db", tmp_path / "j.db", "-o", tmp_path / "new" / "a.pq")
+    assert refused.exit_code == 1 and not (tmp_path / "new").exists()
 
 
 def test_submit_writes_openai_batch_jsonl_for_a_jsonl_name(tmp_path, spec, model):
@@ -131,13 +136,16 @@ def test_a_failed_write_after_the_run_keeps_the_job_done_and_says_where_the_answ
     monkeypatch.setattr(output, "atomic_write", disk_full)
     result = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db", "--output", tmp_path / "a.parquet")
     assert result.exit_code == 1 and "No space left on device" in result.stderr
-    job_id = re.search(r"`batchrun results ([0-9a-f]{16}) -o FILE`", result.stderr).group(1)
+    # the export command names the database it was given, so it works when copied
+    job_id = re.search(rf"`batchrun results ([0-9a-f]{{16}}) --db {re.escape(str(tmp_path / 'j.db'))} -o FILE`",
+                       result.stderr).group(1)
     status = json.loads(invoke("status", "--db", tmp_path / "j.db", "--json").stdout)
     assert (status["id"], status["state"], status["rows_done"]) == (job_id, "done", 6)
 
 
-def test_escapes_typed_in_text_options_mean_what_they_do_in_a_json_spec(spec, model, monkeypatch):
-    """`--stop "\\n"` in a shell passes a backslash and an n: it must stop at a newline, as "\\n" does in JSONL."""
+def test_typed_escapes_in_stop_strings_mean_what_they_do_in_a_json_spec(spec, model, monkeypatch):
+    """`--stop "\\n"` in a shell passes a backslash and an n: it must stop at a newline, as "\\n" does in JSONL. A
+    template or system message keeps its backslashes (LaTeX, Windows paths), with a warning for a typed \\n."""
     from batchrun import execute
 
     seen = {}
@@ -147,11 +155,13 @@ def test_escapes_typed_in_text_options_mean_what_they_do_in_a_json_spec(spec, mo
         raise KeyboardInterrupt  # as if Ctrl-C came during the run
 
     monkeypatch.setattr(execute, "submit", capture)
-    result = invoke("submit", spec, "--model", model, "--stop", "\\n", "--stop", "END", "--system", "Be brief.\\tOK",
-                    "--template", "Review: {text}\\nIs it positive?")
+    result = invoke("submit", spec, "--model", model, "--stop", "\\n", "--stop", "a\\\\nb\\q", "--system",
+                    "C:\\temp", "--template", "$\\theta$ {text}\\nIs it positive?")
     options = seen["options"]
-    assert options.stop == ("\n", "END") and options.system == "Be brief.\tOK"
-    assert options.template == "Review: {text}\nIs it positive?"
+    assert options.stop == ("\n", "a\\nb\\q")  # a typed double backslash is one; an unknown escape stays
+    assert options.system == "C:\\temp" and options.template == "$\\theta$ {text}\\nIs it positive?"
+    assert "Warning: --template holds a backslash followed by n, kept as typed" in result.stderr
+    assert "--system holds" not in result.stderr
     assert result.exit_code == 130 and "Interrupted; committed passes are kept" in result.stderr
     assert "Traceback" not in result.output and "Aborted" not in result.output
 
@@ -297,8 +307,8 @@ def test_status_without_jobs_is_a_clear_error(tmp_path):
     missing = tmp_path / "nowhere" / "none.db"
     empty = invoke("status", "--db", missing)
     assert empty.exit_code == 1 and "Error: no jobs recorded" in empty.stderr
-    assert invoke("jobs", "--db", missing).stdout == "no jobs yet\n"
-    assert json.loads(invoke("jobs", "--db", missing, "--json").stdout) == []
+    listing = invoke("jobs", "--db", missing)  # a mistyped --db is not an empty list
+    assert listing.exit_code == 1 and f"Error: no database at {missing}" in listing.stderr
     gone = invoke("results", "nope", "--db", missing, "--output", tmp_path / "x.parquet")
     assert gone.exit_code == 1 and "Error: no jobs recorded" in gone.stderr
     assert not (tmp_path / "nowhere").exists()  # reading creates no database

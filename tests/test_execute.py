@@ -324,3 +324,12 @@ def test_default_model_answers_equal_reference(tmp_path, default_checkpoint, str
     for i, text in enumerate(REVIEWS[:2]):
         answer, finish = reference_generation(model, tokenizer, f"Summarise in a few words: {text}", 6)
         assert (by_id[f"g{i}"]["answer"], by_id[f"g{i}"]["finish_reason"]) == (answer, finish)
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", "float32"), ("cpu:0", "float32"), ("mps", "float16"),
+                                           ("cuda", "bfloat16"), ("cuda:1", "bfloat16")])
+def test_the_default_compute_dtype_follows_the_device_kind(device, dtype):
+    from batchrun.prepare import compute_dtype_for
+
+    assert compute_dtype_for(JobOptions(), device) == dtype
+    assert compute_dtype_for(JobOptions(dtype="bfloat16"), device) == "bfloat16"
