@@ -177,7 +177,7 @@ def _existing_store(db: Path | None):
     """The progress database to read from; a missing one is an error, not a new empty file."""
     from batchrun.store import JobNotFound, Store
 
-    path = db or default_db_path()
+    path = db or default_db_path(create=False)  # reading makes no state directory either
     if not Path(path).exists():
         raise JobNotFound(f"no jobs recorded in {path} yet (no database there)")
     return Store(path)
@@ -223,7 +223,7 @@ def jobs(db, as_json):
     if db is not None and not Path(db).exists():  # a mistyped --db is said so, not listed as empty
         from batchrun.store import JobNotFound
         raise JobNotFound(f"no database at {db}")
-    path = db or default_db_path()
+    path = db or default_db_path(create=False)
     if not Path(path).exists():  # a look at the jobs creates no database
         click.echo("[]" if as_json else "no jobs yet")
         return

@@ -7,14 +7,17 @@ from pathlib import Path
 HOME_ENV = "BATCHRUN_HOME"
 
 
-def state_dir() -> Path:
-    """The state directory: $BATCHRUN_HOME, else the user's cache directory + /batchrun. Created on demand."""
+def state_dir(create: bool = True) -> Path:
+    """The state directory: $BATCHRUN_HOME, else the user's cache directory + /batchrun. Created on demand
+    (`create=False`: where it is, for commands that only read)."""
     explicit = os.environ.get(HOME_ENV)
     if explicit:
         path = Path(explicit).expanduser()
     else:
         cache_root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
         path = Path(cache_root) / "batchrun"
+    if not create:
+        return path
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -27,5 +30,5 @@ def state_dir() -> Path:
     return path
 
 
-def default_db_path() -> Path:
-    return state_dir() / "batchrun.db"
+def default_db_path(create: bool = True) -> Path:
+    return state_dir(create) / "batchrun.db"

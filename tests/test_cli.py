@@ -303,6 +303,16 @@ def test_status_and_jobs_of_a_finished_job(tmp_path, spec, model):
     assert [job["id"] for job in json.loads(invoke("jobs", "--db", db, "--json").stdout)] == [job_id]
 
 
+def test_reading_commands_create_no_state_directory(tmp_path, monkeypatch):
+    home = tmp_path / "fresh-home"
+    monkeypatch.setenv("BATCHRUN_HOME", str(home))
+    assert invoke("jobs").stdout == "no jobs yet\n"
+    for command in (["status"], ["results", "-o", tmp_path / "x.parquet"]):
+        result = invoke(*command)
+        assert result.exit_code == 1 and "Error: no jobs recorded" in result.stderr
+    assert not home.exists()
+
+
 def test_status_without_jobs_is_a_clear_error(tmp_path):
     missing = tmp_path / "nowhere" / "none.db"
     empty = invoke("status", "--db", missing)
