@@ -18,7 +18,7 @@ import sqlite_utils
 from batchrun import store_migrations
 from batchrun import faults
 from batchrun.store_locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, effective_job_state, lock_holder_alive,
-                                  process_identity, run_seconds)
+                                  mark_alive, process_identity, run_seconds)
 from batchrun.store_rows import ROW_UPDATE_SQL, RowResult, row_result_from_db, row_update_params
 
 __all__ = ["JobLocked", "JobNotFound", "RowResult", "Store", "StoreError", "integrity_ok"]
@@ -163,7 +163,7 @@ class Store:
             conn.executemany(
                 "delete from partial where job_id = ? and idx = ?", [(job_id, r.idx) for r in results]
             )
-            self._record_progress(conn, job_id, passes)
+            mark_alive(conn, job_id, self._current_run.get(job_id), passes)
 
     def record_errors(self, job_id: str, results: Sequence[RowResult]) -> None:
         """Save rows that failed before any pass (invalid input, prompt too long)."""
@@ -203,7 +203,7 @@ class Store:
                 "token_count = excluded.token_count, logprob = excluded.logprob, updated_at = excluded.updated_at",
                 upserts,
             )
-            self._record_progress(conn, job_id, passes, now)
+            mark_alive(conn, job_id, self._current_run.get(job_id), passes, now)
 
     def partial_tokens(self, job_id: str) -> dict[int, tuple[list[int], float]]:
         """idx -> (tokens generated so far, their summed logprob) for rows interrupted mid-generation."""
@@ -281,13 +281,8 @@ class Store:
         finally:
             _HELD_IN_THIS_PROCESS.discard(self._lock_key(job_id))
 
-    def previous_run(self, job_id: str) -> dict | None:
-        """The last run before the current one; end_state 'interrupted' if its process died mid-run."""
-        runs = self.previous_runs(job_id)
-        return runs[-1] if runs else None
-
     def previous_runs(self, job_id: str) -> list[dict]:
-        """Every run before the current one, oldest first (end_state as in previous_run)."""
+        """Every run before the current one, oldest first; end_state 'interrupted' for one whose process died."""
         current = self._current_run.get(job_id)
         with self._read():
             sql = "select * from runs where job_id = ?" + (" and run_no < ?" if current is not None else "")
@@ -403,21 +398,6 @@ class Store:
                 yield conn
             finally:
                 _rollback_quietly(conn)
-
-    def _record_progress(self, conn: sqlite3.Connection, job_id: str, passes: int, now: str | None = None) -> None:
-        """Count passes on the job and this run, and refresh our lock's heartbeat, in the caller's transaction."""
-        now = now or _now()
-        conn.execute("update jobs set passes_done = passes_done + ? where id = ?", (passes, job_id))
-        run_no = self._current_run.get(job_id)
-        if run_no is not None:
-            conn.execute(
-                "update runs set passes = passes + ?, last_active_at = ? where job_id = ? and run_no = ?",
-                (passes, now, job_id, run_no),
-            )
-        conn.execute(
-            "update locks set heartbeat_at = ? where job_id = ? and pid = ? and host = ?",
-            (now, job_id, os.getpid(), HOST),
-        )
 
     def _require_job(self, conn: sqlite3.Connection, job_id: str) -> dict:
         cursor = conn.execute("select * from jobs where id = ?", (job_id,))

@@ -1,4 +1,5 @@
-"""Runs and locks: whether the process named in a lock still lives (so a crashed run is taken over), run durations."""
+"""Runs and locks: whether the process named in a lock still lives (so a crashed run is taken over), its heartbeat
+and progress marks, run durations."""
 from __future__ import annotations
 
 import logging
@@ -19,6 +20,16 @@ FOREIGN_LOCK_STALE_AFTER_S = 2 * 3600
 HEARTBEAT_EVERY_S = 60.0
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the command name (field 3 on), None where /proc is unavailable or the pid is gone.
+    Field 2 (the name) may hold spaces and parentheses: the fields are counted after the last ')'."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()
+
+
 def process_identity(pid: int) -> str | None:
     """'<boot id>:<start time in ticks>' on Linux, unique to one process across pid reuse and reboots.
 
@@ -26,13 +37,11 @@ def process_identity(pid: int) -> str | None:
     """
     try:
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    # Field 2 (the command name) may hold spaces and parentheses: count fields after the last ')'.
-    # starttime is field 22 overall, the 20th after the name.
-    start_ticks = stat[stat.rindex(")") + 2 :].split()[19]
-    return f"{boot_id}:{start_ticks}"
+    fields = _stat_fields(pid)
+    # starttime is field 22 overall, the 20th after the name
+    return None if fields is None else f"{boot_id}:{fields[19]}"
 
 
 def pid_alive(pid: int) -> bool:
@@ -48,11 +57,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def _is_zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False  # no /proc (macOS, Windows), or gone: the caller's signal check decides
-    return stat[stat.rindex(")") + 2 :].split()[0] in ("Z", "X")
+    fields = _stat_fields(pid)  # None (no /proc, or gone): the caller's signal check decides
+    return fields is not None and fields[0] in ("Z", "X")
 
 
 def lock_holder_alive(lock: Mapping, *, held_by_this_process: bool, now: datetime | None = None) -> bool:
@@ -116,13 +122,21 @@ class LockHeartbeat:
                 log.warning("could not refresh the lock of job %s: %s", self.job_id, error)
 
     def beat(self) -> None:
-        now = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
         conn = sqlite3.connect(str(self.db_path), timeout=30.0)
         try:
             with conn:
-                conn.execute("update locks set heartbeat_at = ? where job_id = ? and pid = ? and host = ?",
-                             (now, self.job_id, os.getpid(), HOST))
-                conn.execute("update runs set last_active_at = ? where job_id = ? and run_no = ?",
-                             (now, self.job_id, self.run_no))
+                mark_alive(conn, self.job_id, self.run_no, passes=0)
         finally:
             conn.close()
+
+
+def mark_alive(conn: sqlite3.Connection, job_id: str, run_no: int | None, passes: int, now: str | None = None) -> None:
+    """In the caller's transaction: count `passes` on the job and its run `run_no`, and refresh this process's lock
+    heartbeat and the run's last sign of life."""
+    now = now or datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    conn.execute("update jobs set passes_done = passes_done + ? where id = ?", (passes, job_id))
+    if run_no is not None:
+        conn.execute("update runs set passes = passes + ?, last_active_at = ? where job_id = ? and run_no = ?",
+                     (passes, now, job_id, run_no))
+    conn.execute("update locks set heartbeat_at = ? where job_id = ? and pid = ? and host = ?",
+                 (now, job_id, os.getpid(), HOST))

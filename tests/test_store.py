@@ -163,7 +163,7 @@ def test_commit_batch_saves_rows_drops_their_partials_and_counts_passes(store):
     assert store.pending_indices(job_id) == [1, 2, 3, 4]
     assert store.status(job_id)["passes"] == 3
     store.release(job_id, "interrupted")
-    assert store.previous_run(job_id)["passes"] == 3
+    assert store.previous_runs(job_id)[-1]["passes"] == 3
     (saved,) = store.results(job_id)
     assert (saved.answer, saved.token_ids, saved.id) == ("yes", [5, 6], "doc-0")
 
@@ -285,7 +285,7 @@ def test_a_live_holder_blocks_and_a_killed_one_is_taken_over(store, db_path):
     time.sleep(0.05)
     assert store.status(job_id)["elapsed_seconds"] == after_crash["elapsed_seconds"]  # a dead run's clock stopped
     store.acquire(job_id)
-    previous = store.previous_run(job_id)
+    previous = store.previous_runs(job_id)[-1]
     assert (previous["end_state"], previous["pid"], previous["batch_size"], previous["planned_peak_bytes"]) == (
         "interrupted", holder.pid, 32, 5_000_000)
     store.release(job_id, "done")
@@ -399,14 +399,14 @@ def test_racing_processes_cannot_both_take_the_lock(store, db_path, tmp_path):
 
 def test_release_closes_the_run_and_previous_run_reports_it(store):
     job_id = make_job(store)
-    assert store.previous_run(job_id) is None
+    assert store.previous_runs(job_id) == []
     store.acquire(job_id)
     store.record_run_plan(job_id, batch_size=8, planned_peak_bytes=1024)
     store.release(job_id, "failed")
     assert store.status(job_id)["state"] == "failed" and store.db["locks"].count == 0
     store.acquire(job_id)
-    assert store.previous_run(job_id)["end_state"] == "failed"
-    assert store.previous_run(job_id)["batch_size"] == 8
+    assert store.previous_runs(job_id)[-1]["end_state"] == "failed"
+    assert store.previous_runs(job_id)[-1]["batch_size"] == 8
     with pytest.raises(ValueError, match="run end state"):
         store.release(job_id, "finished")
 
