@@ -149,7 +149,7 @@ def submit(spec, models, output, db, force, quiet, as_json, **kw):
     else:
         click.echo(f"job {summary.job_id}: {summary.rows_done} answered, {summary.rows_errored} errored "
                    f"of {summary.rows_total}; {summary.rows_computed_now} computed now in {summary.passes_now} "
-                   f"passes, {summary.seconds:.1f} s -> {summary.output}")
+                   f"pass{'' if summary.passes_now == 1 else 'es'}, {summary.seconds:.1f} s -> {summary.output}")
 
 
 @cli.command()

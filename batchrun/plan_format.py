@@ -145,8 +145,8 @@ def _job_summary(report: Mapping) -> str:
         parts.append(f"{report['prompt_tokens_total']:,} prompt tokens (longest {report['prompt_tokens_max']:,})")
     if report.get("new_tokens_max"):
         parts.append(f"up to {report['new_tokens_max']} new tokens per row")
-    if report.get("too_long_rows"):
-        parts.append(f"{len(report['too_long_rows'])} too long for the context")
+    if report.get("unrunnable_rows"):  # too long for the context, or refused by the chat template: errored rows
+        parts.append(f"{len(report['unrunnable_rows'])} cannot run (errored rows; `--json` says why)")
     return "; ".join(parts)
 
 

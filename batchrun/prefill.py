@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from batchrun import prefix_attention
 from batchrun.batching import prefill_groups, shared_prefix_tokens
@@ -151,10 +151,25 @@ def _with_room(tensor: torch.Tensor, tokens: int) -> torch.Tensor:
     return room
 
 
+class WindowLayer(DynamicSlidingWindowLayer):
+    """A sliding-window layer that holds only its window after a prefill. transformers keeps the window as a view of
+    the whole prompt's keys and values, which stay alive until the first decode step; the plan counts the window."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        result = super().update(key_states, value_states, *args, **kwargs)
+        if key_states.shape[-2] > 1 and self.keys.untyped_storage().nbytes() > self.keys.nbytes:
+            self.keys, self.values = self.keys.clone(), self.values.clone()  # a prefill's tail: free the prompt
+        return result
+
+
 def roomy_cache(model):
-    """A DynamicCache whose full-attention layers decode in place (RoomyLayer); sliding windows are left as they are."""
+    """A DynamicCache whose full-attention layers decode in place (RoomyLayer) and whose sliding-window layers keep
+    no more than their window (WindowLayer)."""
     cache = DynamicCache(config=model.config)
     cache.layers = [RoomyLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    for layer in cache.layers:
+        if type(layer) is DynamicSlidingWindowLayer:
+            layer.__class__ = WindowLayer  # same state, one method more: no constructor arguments to keep in step
     return cache
 
 

@@ -25,6 +25,7 @@ from batchrun.tokenizer import load_tokenizer
 # Settings that can change answers, recorded with a job. Its identity is what they do to its rows (fingerprint):
 # batch size, memory budget, streaming policy and prefetch change no row, so a job resumes whatever they are.
 ANSWER_SETTINGS = ("template", "id_column", "choices", "system", "max_new_tokens", "stop", "raw", "dtype")
+DEFAULT_MODEL_LABEL = "default (SmolLM2-135M-Instruct)"  # shown, stored and written for jobs run without --model
 ASSUMED_BANDWIDTH = 1.0e9  # bytes/s: the low end of cold sequential reads measured on this kind of machine
 
 
@@ -76,8 +77,6 @@ class PreparedJob:
     compute_dtype: str
 
 
-def model_name(options: JobOptions) -> str:
-    return options.model or "default (SmolLM2-135M-Instruct)"
 
 
 def resolve_model(model: str | None, options: JobOptions) -> Path:
@@ -93,7 +92,7 @@ def prepare_model(model: str | None, options: JobOptions) -> PreparedModel:
     tokenizer = load_tokenizer(checkpoint, options.trust_remote_code)
     if tokenizer is None:
         raise CheckpointError(f"{checkpoint}: the checkpoint ships no tokenizer, so text prompts cannot be encoded")
-    return PreparedModel(model or "default", checkpoint, sizes, tokenizer, sizes.max_position_embeddings)
+    return PreparedModel(model or DEFAULT_MODEL_LABEL, checkpoint, sizes, tokenizer, sizes.max_position_embeddings)
 
 
 def read_job_spec(spec_path: Path, options: JobOptions) -> JobSpec:
@@ -168,11 +167,13 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
               generated: dict[int, int] | None = None) -> Candidate:
     """Plan `rows` (runnable ones); `generated`: row index -> tokens a previous run already generated."""
     costs = row_costs(rows, generated)
-    # Sliding-window caches would count the padding between prefix and suffix: such models do not share.
-    # The kept positions and shortest sequence of the first pass (score.py), so plan and run share the same prefix.
+    # Sliding-window caches would count the padding between prefix and suffix: such models do not share (nor do
+    # those whose config leaves open which layers slide). The kept positions and shortest sequence of the first pass
+    # (score.py), so plan and run share the same prefix.
+    may_slide = any(prepared.sizes.sliding_windows) or prepared.sizes.windows_unknown
     shortest = min((shortest_first_pass_sequence(row) for row in rows), default=0)
     shared = shared_prefix_tokens([row.prompt_ids for row in rows], own_tokens=kept_positions(rows),
-                                  sharing_allowed=not any(prepared.sizes.sliding_windows), shortest_sequence=shortest)
+                                  sharing_allowed=not may_slide, shortest_sequence=shortest)
     compute_dtype = compute_dtype_for(options, device)
     budget = int(options.memory_gb * 1e9) if options.memory_gb else measure.available_memory_bytes(device)
     plan = make_plan(
@@ -221,7 +222,7 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
         try:
             prepared = prepare_model(model, options)
         except CheckpointError as exc:
-            report["candidates"].append({"model": model or "default", "mode": None, "fits": False,
+            report["candidates"].append({"model": model or DEFAULT_MODEL_LABEL, "mode": None, "fits": False,
                                          "reason": "the checkpoint cannot be used", "blockers": [str(exc)],
                                          "caveats": []})
             continue
@@ -232,8 +233,8 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
             report["prompt_tokens_total"] = sum(len(r.prompt_ids) for r in rows)
             report["prompt_tokens_max"] = max((len(r.prompt_ids) for r in rows), default=0)
             report["new_tokens_max"] = max((r.request.max_new_tokens for r in rows if not r.is_choice), default=0)
-            report["too_long_rows"] = [{"location": r.request.location, "reason": r.error} for r in rows if r.error]
+            report["unrunnable_rows"] = [{"location": r.request.location, "reason": r.error} for r in rows if r.error]
         candidate = plan_rows(prepared, runnable, options, device).to_json()
-        candidate["model"] = model or "default (SmolLM2-135M-Instruct)"
+        candidate["model"] = model or DEFAULT_MODEL_LABEL
         report["candidates"].append(candidate)
     return report

@@ -7,7 +7,9 @@ Decisions (also in the README):
 - A messages row without a chat template (or in raw mode) is rendered as its contents joined by
   blank lines: there is no neutral way to invent a template, and raw mode means "no template".
 - Nothing is ever truncated: a row that does not fit the context becomes an errored row saying
-  how many tokens it has and what the context is.
+  how many tokens it has and what the context is. So does a row the model's chat template refuses
+  (some templates raise on a system message or on roles that do not alternate), and one whose
+  prompt encodes to no tokens: the job's other rows still run.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ class EncodedRow:
     request: Request
     prompt_ids: tuple[int, ...]
     choice_ids: tuple[tuple[int, ...], ...]  # token ids of each choice (empty for generation rows)
-    error: str | None = None  # set when the row cannot run (too long, empty choice tokens)
+    error: str | None = None  # set when the row cannot run (too long, no tokens, refused by the chat template)
 
     @property
     def is_choice(self) -> bool:
@@ -52,7 +54,13 @@ def encode_requests(tokenizer, requests: Sequence[Request], *, raw: bool = False
                     context_length: int | None = None) -> list[EncodedRow]:
     """Tokenize every request in batched calls; flag rows that exceed the context."""
     templated = uses_chat_template(tokenizer, raw)
-    texts = [render_text(tokenizer, r, raw) for r in requests]
+    texts, refusals = [], {}
+    for request in requests:
+        try:
+            texts.append(render_text(tokenizer, request, raw))
+        except Exception as exc:  # the model's own template refuses the row ("System role not supported")
+            refusals[request.index] = f"the model's chat template refuses this row: {exc}"
+            texts.append("")
     # A chat template already writes BOS and friends; adding them again would double them.
     add_special = not templated
     prompt_ids: list[list[int]] = []
@@ -63,11 +71,13 @@ def encode_requests(tokenizer, requests: Sequence[Request], *, raw: bool = False
     rows = []
     for request, ids in zip(requests, prompt_ids):
         choices = ()
-        error = None
+        error = refusals.get(request.index)
+        if error is None and not ids:
+            error = "the prompt encodes to no tokens"
         if request.choices:
             choices = tuple(_choice_ids(tokenizer, c, choice_cache) for c in request.choices)
             empty = [c for c, t in zip(request.choices, choices) if not t]
-            if empty:
+            if empty and error is None:
                 error = f"choice {empty[0]!r} encodes to no tokens"
         row = EncodedRow(request, tuple(ids), choices, error)
         if error is None and context_length is not None and row.needed_tokens() > context_length:

@@ -97,6 +97,7 @@ class GreedyBatch:
                  prefixes: dict[int, tuple[list[int], float]] | None = None, *, micro_batch: int | None = None,
                  decode_micro_batch: int | None = None, share_prefix: bool = True):
         self.handle, self.tokenizer, self.eos_ids, self.pad_id = handle, tokenizer, eos_ids, pad_id
+        self.special_ids = special_token_ids(tokenizer)
         self.micro_batch, self.share_prefix = micro_batch, share_prefix
         # Decoding regroups the prefill's micro-batches (prefill.merge_for_decode); None: all in one.
         self.decode_micro_batch = decode_micro_batch
@@ -157,7 +158,10 @@ class GreedyBatch:
 
     def _check_finished(self, seq: Sequence_) -> None:
         request = seq.row.request
-        if seq.generated[-1] in self.eos_ids:
+        # A stop that is a special token's text ("<|im_start|>") never shows in the text, which drops those tokens:
+        # it stops at the token itself.
+        stop_ids = {self.special_ids[stop] for stop in request.stop if stop in self.special_ids}
+        if seq.generated[-1] in self.eos_ids or seq.generated[-1] in stop_ids:
             seq.finish = "stop"
             seq.text = self.tokenizer.decode(seq.generated[:-1], skip_special_tokens=True)
             return
@@ -179,6 +183,11 @@ def generation_answer(seq: Sequence_) -> Answer:
     return Answer(idx=seq.row.request.index, answer=seq.text, choice_probs=None, score=None,
                   logprob=seq.logprob, prompt_tokens=len(seq.row.prompt_ids), output_tokens=len(seq.generated),
                   finish_reason=seq.finish or "length", token_ids=list(seq.generated))
+
+
+def special_token_ids(tokenizer) -> dict[str, int]:
+    """Text -> id of the tokens that decoding with skip_special_tokens drops."""
+    return dict(zip(getattr(tokenizer, "all_special_tokens", ()), getattr(tokenizer, "all_special_ids", ())))
 
 
 def eos_token_ids(model_config, generation_config, tokenizer) -> set[int]:

@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from batchrun import faults
 from batchrun.checkpoint import CheckpointError, load_config, read_tensor_infos, resolve_checkpoint
@@ -114,6 +114,8 @@ class StreamedModel:
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype,
                                                           trust_remote_code=trust_remote_code)
         self.model.eval()
+        if (self.checkpoint / "generation_config.json").is_file():  # from_config reads only config.json: its EOS list
+            self.model.generation_config = GenerationConfig.from_pretrained(self.checkpoint)  # is what stops rows
         self.layers_path, self.layers = find_decoder_stack(self.model, self.num_layers)
         recipes = build_recipes(self.model, infos)
         layer_recipes, resident = self._split_recipes(recipes)

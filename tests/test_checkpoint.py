@@ -333,16 +333,23 @@ def test_layer_types_override_any_pattern():
     assert sizes_from_config(config).sliding_windows == [512, None, 512, None]
 
 
-def test_window_without_layer_information_slides_on_every_layer_as_transformers_caches_do():
-    from transformers import MistralConfig
+def test_window_without_layer_information_is_planned_as_full_attention_without_prefix_sharing():
+    from transformers import Gemma2Config, MistralConfig
     from transformers.cache_utils import DynamicCache
 
-    config = dict(TINY_CONFIG, sliding_window=4096)  # Mistral-7B-v0.1 style
+    from batchrun.sizes import kv_bytes_for_sequence
+
+    config = dict(TINY_CONFIG, sliding_window=4)  # Mistral-7B-v0.1 and gemma-2 configs say no more than this
     sizes = sizes_from_config(config)
-    assert sizes.sliding_windows == [4096, 4096]
-    assert any("sliding_window=4096" in note for note in sizes.assumptions)
-    # what the runtime builds from such a config: the plan must not share a prefix these caches cannot hold
-    assert DynamicCache(config=MistralConfig(num_hidden_layers=2, sliding_window=4096)).is_sliding == [True, True]
+    assert sizes.windows_unknown and sizes.sliding_windows == [None, None]
+    assert any("sliding_window=4" in note and "no shared prompt prefix" in note for note in sizes.assumptions)
+    # What the runtime builds from such configs differs by model class: every layer slides (Mistral), or every other
+    # one (Gemma 2). Sized as full attention, the plan's KV is never below either's.
+    assert DynamicCache(config=MistralConfig(num_hidden_layers=2, sliding_window=4)).is_sliding == [True, True]
+    assert DynamicCache(config=Gemma2Config(num_hidden_layers=2, sliding_window=4)).is_sliding == [True, False]
+    per_token = kv_bytes_for_sequence(sizes, 4, 1)
+    assert kv_bytes_for_sequence(sizes, 4, 100) == 100 * per_token  # full: 2 layers x 100 positions
+    assert kv_bytes_for_sequence(sizes, 4, 100) > (4 + 100) * per_token // 2  # the Gemma 2 reading: 4 + 100
 
 
 def test_silent_tie_setting_is_estimated_untied_and_noted():

@@ -59,7 +59,7 @@ def test_submit_prints_plan_progress_and_a_one_line_summary(tmp_path, spec, mode
     out = tmp_path / "answers.parquet"
     result = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db", "--output", out)
     assert result.exit_code == 0, result.output
-    summary = re.fullmatch(r"job ([0-9a-f]{16}): 6 answered, 0 errored of 6; 6 computed now in (\d+) passes, "
+    summary = re.fullmatch(r"job ([0-9a-f]{16}): 6 answered, 0 errored of 6; 6 computed now in (\d+) pass(?:es)?, "
                            r"[0-9.]+ s -> (.+)\n", result.stdout)
     assert summary, result.stdout
     assert Path(summary.group(3)) == out and pq.read_table(out).num_rows == 6
@@ -379,3 +379,19 @@ def test_disk_measures_a_checkpoint_directory(tmp_path, model):
     measured = json.loads(invoke("disk", "--model", checkpoint, "--json").stdout)
     assert measured["bytes_per_s"] > 0 and measured["basis"] == "measured"
     assert str(checkpoint) in measured["how"]
+
+
+def test_plan_shares_no_prefix_when_the_config_does_not_say_which_layers_slide(tmp_path, model):
+    """A window without layer types (Mistral-7B-v0.1, gemma-2) may slide on any layer; sliding caches share nothing."""
+    import shutil
+
+    windowed = shutil.copytree(model, tmp_path / "windowed")
+    config = json.loads((windowed / "config.json").read_text())
+    (windowed / "config.json").write_text(json.dumps(config | {"sliding_window": 4096}))
+    head = "Read the following customer note carefully and say in a few words what the customer wants. " * 4
+    spec = write_jsonl(tmp_path / "shared.jsonl", [{"id": i, "prompt": head + p, "max_new_tokens": 4}
+                                                   for i, p in enumerate(PROMPTS)])
+    plain, slid = (json.loads(invoke("plan", spec, "--model", m, "--raw", "--json").stdout)["candidates"][0]
+                   for m in (model, windowed))
+    assert plain["shared_prefix_tokens"] > 0 and slid["shared_prefix_tokens"] == 0
+    assert any("sliding_window=4096 without layer types" in note for note in slid["caveats"])

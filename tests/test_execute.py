@@ -333,3 +333,54 @@ def test_the_default_compute_dtype_follows_the_device_kind(device, dtype):
 
     assert compute_dtype_for(JobOptions(), device) == dtype
     assert compute_dtype_for(JobOptions(dtype="bfloat16"), device) == "bfloat16"
+
+
+@pytest.mark.parametrize("streaming", ["never", "always"])
+def test_eos_ids_from_generation_config_stop_rows_in_both_modes(tmp_path, tiny_checkpoint, streaming):
+    """generation_config.json may list EOS ids config.json lacks (Llama 3's <|eot_id|>): both modes stop there."""
+    import shutil
+
+    path = shutil.copytree(tiny_checkpoint("llama"), tmp_path / "llama")
+    model, tokenizer = reference_model(path)
+    with torch.inference_mode():
+        ids = torch.tensor([prompt_ids(tokenizer, f"Summarise: {REVIEWS[0]}")])
+        greedy = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+    stop_at = next(i for i in range(1, len(greedy)) if greedy[i] not in greedy[:i])
+    eos_ids = [tokenizer.eos_token_id, greedy[stop_at]]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
+    spec = write_jsonl(tmp_path / "one.jsonl", [{"id": 0, "prompt": f"Summarise: {REVIEWS[0]}", "max_new_tokens": 6}])
+    _, rows = run(spec, tmp_path, path, "eos", streaming=streaming)
+    assert rows[0]["finish_reason"] == "stop"
+    assert rows[0]["answer"] == tokenizer.decode(greedy[:stop_at], skip_special_tokens=True)
+
+
+REFUSES_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                  "{{ raise_exception('System role not supported') }}{% endif %}"
+                  "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>")
+
+
+def test_rows_the_chat_template_refuses_or_that_encode_to_nothing_are_errored_rows(tmp_path, tiny_checkpoint):
+    """A template that raises on one row (Gemma's "System role not supported") must not sink the job's other rows."""
+    import shutil
+
+    path = shutil.copytree(tiny_checkpoint("llama"), tmp_path / "llama")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = REFUSES_SYSTEM
+    tokenizer.save_pretrained(path)
+    rows = [{"id": "plain", "prompt": "Summarise: it works", "max_new_tokens": 3},
+            {"id": "sys", "prompt": "Summarise: it works", "system": "Be brief.", "max_new_tokens": 3},
+            {"id": "sys-choice", "prompt": "Good?", "system": "Be brief.", "choices": ["yes", "no"]}]
+    _, out = run(write_jsonl(tmp_path / "t.jsonl", rows), tmp_path, path, "tpl")
+    by_id = {r["id"]: r for r in out}
+    assert by_id["plain"]["finish_reason"] in ("length", "stop") and by_id["plain"]["error"] is None
+    for row_id in ("sys", "sys-choice"):
+        assert by_id[row_id]["finish_reason"] == "error"
+        assert "chat template refuses this row: System role not supported" in by_id[row_id]["error"]
+
+    empty = [{"id": "empty", "messages": [{"role": "user", "content": ""}], "max_new_tokens": 3},
+             {"id": "fine", "prompt": "Summarise: it works", "max_new_tokens": 3}]
+    _, out = run(write_jsonl(tmp_path / "e.jsonl", empty), tmp_path, path, "empty", raw=True)
+    by_id = {r["id"]: r for r in out}
+    assert by_id["empty"]["finish_reason"] == "error" and "encodes to no tokens" in by_id["empty"]["error"]
+    assert by_id["fine"]["error"] is None

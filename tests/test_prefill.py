@@ -204,6 +204,26 @@ def test_decode_steps_write_into_the_room_kept_for_them(tiny_checkpoint, share):
         assert layer._room is None and layer.keys.shape[0] == 2
 
 
+@pytest.mark.parametrize("kind", ["streamed", "resident"])
+def test_sliding_window_layers_hold_only_their_window_after_a_prefill(tiny_checkpoint, kind):
+    """transformers keeps a window as a view of the whole prompt's keys: the plan counts the window, so the prompt's
+    keys and values must not outlive the prefill. Decoding from the trimmed cache still equals plain transformers."""
+    with open_handle(kind, tiny_checkpoint("gemma3")) as handle:
+        window = handle.model.config.sliding_window
+        seqs = sequences(handle.model.config.vocab_size, shared=4 * window, count=3)
+        got, states = prefill(handle, seqs, 0, keep=1, micro_batch=2, use_cache=True, share_prefix=False)
+        sliding = [layer for state in states for layer in state.cache.layers if layer.is_sliding]
+        assert sliding and all(layer.keys.shape[-2] < window for layer in sliding)
+        assert all(t.untyped_storage().nbytes() == t.nbytes for layer in sliding for t in (layer.keys, layer.values))
+        tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
+        for _ in range(3):
+            stepped = decode(handle, states, tokens)
+            for i in tokens:
+                seqs[i] = seqs[i] + [tokens[i]]
+                assert (stepped[i] - plain_logprobs(handle, seqs[i], 1)[-1]).abs().max().item() <= 1e-4
+            tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}
+
+
 @pytest.mark.parametrize("decode_groups", [None, 2])
 def test_streamed_decode_passes_leave_the_loader_a_core_and_prefills_use_every_core(tiny_checkpoint, decode_groups):
     """A decode pass computes less per layer than reading the next takes: on the CPU its forward runs on one thread

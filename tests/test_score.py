@@ -4,23 +4,26 @@ from types import SimpleNamespace
 import pytest
 
 from batchrun.prompts import EncodedRow
-from batchrun.score import GreedyBatch, Sequence_
+from batchrun.score import GreedyBatch, Sequence_, special_token_ids
 from batchrun.spec import Request
 
-EOS = 0
+EOS, TURN = 0, 1
 
 
 class CharTokenizer:
-    """Token i is the character chr(i); token 0 is end-of-sequence (a special token, dropped from text)."""
+    """Token i is the character chr(i); tokens 0 (end-of-sequence) and 1 (a chat turn) are special: dropped from
+    text, and spelled "</s>" and "<|im_start|>"."""
+    all_special_tokens, all_special_ids = ["</s>", "<|im_start|>"], [EOS, TURN]
 
     def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == EOS))
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i in self.all_special_ids))
 
 
-def finish(text: str, stop=(), max_new_tokens=16, eos=False):
+def finish(text: str | list[int], stop=(), max_new_tokens=16, eos=False):
     request = Request(0, 0, "spec.jsonl:1", (("user", "q"),), "q", None, max_new_tokens, tuple(stop))
-    seq = Sequence_(EncodedRow(request, (1, 2), ()), generated=[ord(c) for c in text] + ([EOS] if eos else []))
-    batch = SimpleNamespace(eos_ids={EOS}, tokenizer=CharTokenizer())
+    tokens = [ord(c) for c in text] if isinstance(text, str) else text
+    seq = Sequence_(EncodedRow(request, (1, 2), ()), generated=tokens + ([EOS] if eos else []))
+    batch = SimpleNamespace(eos_ids={EOS}, tokenizer=CharTokenizer(), special_ids=special_token_ids(CharTokenizer()))
     GreedyBatch._check_finished(batch, seq)
     return seq.finish, seq.text
 
@@ -42,3 +45,9 @@ def test_stop_strings(text, stop, expected):
 def test_end_of_sequence_and_limit():
     assert finish("done", eos=True) == ("stop", "done")
     assert finish("abcd", max_new_tokens=4) == ("length", "abcd")
+
+
+def test_a_stop_spelled_like_a_special_token_stops_at_that_token():
+    # decoded text drops special tokens, so "<|im_start|>" can never be found in it: the token itself stops the row
+    assert finish([ord("y"), ord("e"), ord("s"), TURN], stop=("<|im_start|>",)) == ("stop", "yes")
+    assert finish([ord("y"), TURN, ord("s")], stop=("###",)) == (None, None)  # other special tokens run on
