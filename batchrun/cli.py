@@ -1,9 +1,12 @@
 """The batchrun command line: thin click commands over the library."""
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -95,6 +98,34 @@ def build_options(model: str | None, kw: dict):
                       trust_remote_code=kw["trust_remote_code"])
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (docker stop, systemd, Slurm, a closed terminal): unwound like Ctrl-C, so the run is marked
+    interrupted, its lock released and a half-written output removed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_unwind():
+    """SIGTERM and SIGHUP raise Stopped while a command runs; a signal the caller ignores (nohup) stays ignored."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                previous[signum] = signal.signal(signum, _raise_stopped)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 class FriendlyErrors(click.Group):
     """Known failures print one clear line, never a traceback."""
 
@@ -102,15 +133,18 @@ class FriendlyErrors(click.Group):
         from batchrun.errors import user_errors
 
         try:
-            return super().invoke(ctx)
+            with stop_signals_unwind():
+                return super().invoke(ctx)
         except user_errors() as exc:
             click.echo(f"Error: {exc}", err=True)
             sys.exit(1)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             resume = ("; committed passes are kept: run the same command again to resume"
                       if ctx.invoked_subcommand == "submit" else "")
-            click.echo(f"\nInterrupted{resume}.", err=True)
-            sys.exit(130)  # the shell's code for a command ended by Ctrl-C
+            signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+            how = "Interrupted" if signum == signal.SIGINT else f"Stopped by {signal.Signals(signum).name}"
+            click.echo(f"\n{how}{resume}.", err=True)
+            sys.exit(128 + signum)  # the shell's code for a command ended by that signal (130 for Ctrl-C)
 
 
 @click.group(cls=FriendlyErrors)
@@ -251,15 +285,17 @@ def jobs(db, as_json):
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
 def results(job, output, fmt, db, force):
     """Export JOB's answers so far (partial while it runs): Parquet, or OpenAI batch-output JSONL."""
-    from batchrun.output import output_format, write_results
+    from batchrun.output import check_output_writable, output_format, write_results
 
     store = _existing_store(db)
     try:
         job_id = store.find_job(job)
         rows = store.results(job_id)
-        model = store.status(job_id)["model"]
+        status = store.status(job_id)
     finally:
         store.close()
+    model = status["model"]
+    check_output_writable(output, status["spec_path"], store.path)
     fmt = output_format(output, fmt, format_option=True)
     path = write_results(output, rows, fmt, model=model, force=force)
     click.echo(f"{len(rows)} rows -> {path}")

@@ -17,8 +17,8 @@ from transformers.utils import logging as transformers_logging
 from batchrun import faults
 from batchrun.errors import OutputRefused, PlanRefused
 from batchrun.oom import batch_cap_after_oom, killed_by_oom, memory_cgroup_dir, oom_kill_count
-from batchrun.output import (OutputError, check_output_writable, default_output_path, output_format,
-                             write_results)
+from batchrun.output import (OutputError, OutputExists, check_output_writable, default_output_path,
+                             output_format, write_results)
 from batchrun.paths import default_db_path
 from batchrun.plan import Candidate
 from batchrun.prepare import JobOptions, PreparedJob, plan_rows, prepare_job
@@ -75,10 +75,11 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
     options = options or JobOptions()
     spec_path = Path(spec_path)
     output_path = Path(output) if output else default_output_path(spec_path)
-    check_output_writable(output_path, spec_path)  # before any work, not after the night's run
+    db_path = Path(db) if db else default_db_path()
+    check_output_writable(output_path, spec_path, db_path)  # before any work, not after the night's run
     output_fmt = output_format(output_path)
     prepared = prepare_job(spec_path, options)
-    store = Store(Path(db) if db else default_db_path())
+    store = Store(db_path)
     try:
         if output_path.exists() and not force:
             _refuse_existing_output(store, prepared.fingerprint, output_path)
@@ -126,6 +127,9 @@ def _write_output(store: Store, job_id: str, path: Path, fmt: str, force: bool) 
     except OutputError as error:
         raise OutputError(path, f"{error.reason}. Every answer is kept in the database: "
                                 f"{_export_command(store, job_id)} writes them") from None
+    except OutputExists:  # made meanwhile, by another run or by hand: this run's answers are not lost either
+        raise OutputRefused(f"{path} appeared while the job ran and is left untouched; every answer is kept in the "
+                            f"database: {_export_command(store, job_id)} writes them") from None
 
 
 def _release(store: Store, job_id: str, state: str) -> None:

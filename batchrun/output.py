@@ -53,21 +53,29 @@ def default_output_path(spec_path: Path) -> Path:
 def output_format(path: Path, fmt: str | None = None, *, format_option: bool = False) -> str:
     """'parquet' or 'jsonl': `fmt` if given, else the extension's (any case); an unknown one is refused rather than
     written as Parquet under a name that says otherwise. `format_option`: the command has --format to suggest."""
-    if fmt:
-        return fmt
     found = FORMATS_BY_SUFFIX.get(Path(path).suffix.lower())
+    if fmt:
+        if found not in (None, fmt):  # JSONL under a .parquet name would fool every reader that trusts the name
+            raise OutputFormatUnknown(f"{path}: the name says {found} but --format {fmt} was given; name the file "
+                                      f"for the format (.{'parquet' if fmt == 'parquet' else 'jsonl'})")
+        return fmt
     if found is None:
         raise OutputFormatUnknown(f"{path}: cannot tell the format from the extension; name it .parquet or .jsonl "
                                   "(OpenAI batch-output lines)" + (", or give --format" if format_option else ""))
     return found
 
 
-def check_output_writable(path: Path, spec_path: Path | None = None) -> None:
+def check_output_writable(path: Path, spec_path: Path | None = None, db_path: Path | None = None) -> None:
     """Before any work: a file can be created where `path` goes, so a night's run does not end unwritable. Leaves
-    nothing behind: directories still to be made are only checked to be makeable (the write makes them)."""
+    nothing behind: directories still to be made are only checked to be makeable (the write makes them). Never the
+    job's own spec or database, even with --force: they are what a resume needs."""
     path = Path(path)
     if spec_path is not None and path.resolve() == Path(spec_path).resolve():
         raise OutputError(path, "it is the job spec itself; name another output file")
+    if db_path is not None:
+        db = Path(db_path).resolve()
+        if path.resolve() in (db, *(db.with_name(db.name + s) for s in ("-wal", "-shm", "-journal"))):
+            raise OutputError(path, "it is the job database (--db); name another output file")
     if path.is_dir():
         raise OutputError(path, "it is a directory (checked before running)")
     existing = path.parent.absolute()

@@ -118,6 +118,30 @@ def test_an_unwritable_output_is_refused_before_the_run(tmp_path, spec, model):
     assert refused.exit_code == 1 and not (tmp_path / "new").exists()
 
 
+def test_the_jobs_own_spec_and_database_are_never_an_output_even_with_force(tmp_path, spec, model):
+    db = tmp_path / "j.db"
+    refused = invoke("submit", spec, "--model", model, "--db", db, "-o", db, "--force")
+    assert refused.exit_code == 1 and "it is the job database" in refused.stderr, refused.output
+    assert not db.exists()  # refused before any work
+    done = submitted(spec, model, db)
+    spec_bytes, db_bytes = spec.read_bytes(), db.read_bytes()
+    for output, reason in ((spec, "it is the job spec itself"), (db, "it is the job database"),
+                           (Path(f"{db}-wal"), "it is the job database")):
+        result = invoke("results", done["job_id"], "--db", db, "-o", output, "--force", "--format", "jsonl")
+        assert result.exit_code == 1 and reason in result.stderr, result.output
+    assert spec.read_bytes() == spec_bytes and db.read_bytes() == db_bytes
+
+
+def test_results_refuse_a_format_the_file_name_contradicts(tmp_path, spec, model):
+    done = submitted(spec, model, tmp_path / "j.db")
+    result = invoke("results", done["job_id"], "--db", tmp_path / "j.db", "-o", tmp_path / "a.parquet",
+                    "--format", "jsonl")
+    assert result.exit_code == 1 and "the name says parquet but --format jsonl" in result.stderr, result.output
+    assert not (tmp_path / "a.parquet").exists()
+    ok = invoke("results", done["job_id"], "--db", tmp_path / "j.db", "-o", tmp_path / "a.txt", "--format", "jsonl")
+    assert ok.exit_code == 0 and (tmp_path / "a.txt").read_text().count("\n") == 6
+
+
 def test_submit_writes_openai_batch_jsonl_for_a_jsonl_name(tmp_path, spec, model):
     out = tmp_path / "answers.JSONL"
     submitted(spec, model, tmp_path / "j.db", "--output", out)

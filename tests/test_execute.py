@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from batchrun.errors import OutputRefused
 from batchrun.execute import submit
 from batchrun.prepare import JobOptions
 from batchrun.store import Store
@@ -384,3 +385,18 @@ def test_rows_the_chat_template_refuses_or_that_encode_to_nothing_are_errored_ro
     by_id = {r["id"]: r for r in out}
     assert by_id["empty"]["finish_reason"] == "error" and "encodes to no tokens" in by_id["empty"]["error"]
     assert by_id["fine"]["error"] is None
+
+
+def test_an_output_made_while_the_job_ran_is_kept_and_the_answers_are_exportable(tmp_path, tiny_checkpoint):
+    out, spec = tmp_path / "answers.parquet", generation_spec(tmp_path, max_new_tokens=2)
+
+    def someone_writes_the_output(plan):  # after the pre-run check, before the final write
+        out.write_bytes(b"theirs")
+
+    with pytest.raises(OutputRefused, match="appeared while the job ran.*batchrun results"):
+        submit(spec, options=JobOptions(model=str(tiny_checkpoint("llama"))), output=out, db=tmp_path / "j.db",
+               on_plan=someone_writes_the_output)
+    assert out.read_bytes() == b"theirs"
+    with Store(tmp_path / "j.db") as store:
+        (job,) = store.jobs()
+        assert store.status(job["id"])["state"] == "done"

@@ -179,6 +179,31 @@ def test_a_second_run_of_a_running_job_is_refused_naming_the_holder_and_a_dead_h
     assert "the previous run (pid %d) stopped without finishing" % first.pid in third.stderr
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_unwind_like_ctrl_c_and_the_job_resumes(tmp_path, tiny_checkpoint, isolated_state, signum):
+    """docker stop, systemd, Slurm and a closed terminal send these: the run is marked interrupted, the lock freed."""
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("needs /proc to see that the run is paused")
+    spec = mixed_job(tmp_path / "job.jsonl")
+    db, output = tmp_path / "progress.db", tmp_path / "answers.parquet"
+    args = submit_args(spec, tiny_checkpoint("llama"), db, output, *JOB_OPTIONS)
+    first = start(args, batchrun_env(isolated_state, BATCHRUN_STOP_AT="layer:1"))
+    try:
+        wait_until_stopped(first)
+        first.send_signal(signum)
+        first.send_signal(signal.SIGCONT)
+    finally:
+        stopped = finish(first, args)
+    assert stopped.returncode == 128 + signum, stopped.describe()
+    assert f"Stopped by {signal.Signals(signum).name}; committed passes are kept" in stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    with sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True) as conn:
+        assert conn.execute("select end_state from runs").fetchall() == [("interrupted",)]
+        assert conn.execute("select count(*) from locks").fetchone() == (0,)
+    resumed = run(args, batchrun_env(isolated_state))
+    assert resumed.returncode == 0 and resumed.summary["rows_done"] == 12, resumed.describe()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A hub token is a secret: never in logs, the database or the answers
 
