@@ -146,12 +146,12 @@ def _release(store: Store, job_id: str, state: str) -> None:
 def _all_row_ids(prepared: PreparedJob) -> list[tuple[int, object]]:
     ids = [(r.request.index, r.request.id) for r in prepared.rows]
     # An invalid row whose id could not be read is named by its location ("spec.jsonl:12").
-    ids += [(bad.index, bad.id if bad.id is not None else bad.location) for bad in prepared.spec.invalid]
+    ids += [(bad.index, bad.output_id) for bad in prepared.spec.invalid]
     return sorted(ids)
 
 
 def _record_refused_rows(prepared: PreparedJob, store: Store, job_id: str, pending: set[int]) -> None:
-    errors = [error_result(bad.index, bad.id if bad.id is not None else bad.location, f"{bad.location}: {bad.reason}")
+    errors = [error_result(bad.index, bad.output_id, f"{bad.location}: {bad.reason}")
               for bad in prepared.spec.invalid if bad.index in pending]
     errors += [error_result(r.request.index, r.request.id, r.error, len(r.prompt_ids))
                for r in prepared.rows if r.error and r.request.index in pending]

@@ -184,8 +184,9 @@ def read_parquet_results(path: Path) -> list[dict]:
 def openai_batch_line(result: RowResult, *, model: str, created: int) -> dict:
     """One OpenAI Batch output line for a result.
 
-    A choice row's content is the chosen label, its probabilities ride in the body as `choice_probs`, and
-    its finish_reason is reported as "stop", a value OpenAI clients accept.
+    A choice row's content is the chosen label, its probabilities ride in the body as `choice_probs` (and a numeric
+    one's `score`), and its finish_reason is reported as "stop", a value OpenAI clients accept. A generated answer's
+    summed log-probability rides as `logprob`: the Parquet columns, under the names they have there.
     """
     line_id, custom_id = f"batch_req_{result.idx}", str(result.id)
     if result.failed:
@@ -209,8 +210,9 @@ def openai_batch_line(result: RowResult, *, model: str, created: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
-    if result.choice_probs is not None:
-        body["choice_probs"] = result.choice_probs
+    for extra in ("choice_probs", "score", "logprob"):
+        if getattr(result, extra) is not None:
+            body[extra] = getattr(result, extra)
     response = {"status_code": 200, "request_id": f"req_{result.idx}", "body": body}
     return {"id": line_id, "custom_id": custom_id, "response": response, "error": None}
 

@@ -326,7 +326,9 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     oversize = sum(1 for batch in batches if _padded_tokens(own_rows, batch) > max_tokens)
     if oversize:
         caveats.append(f"{oversize} row(s) larger than the {max_tokens:,}-token batch budget run in a batch of "
-                       "their own")
+                       f"their own (the budget less {MEMORY_HEADROOM_SHARE:.0%} headroom leaves "
+                       f"{format_bytes(max(batch_free_bytes, 0))} for sequences beside the weights and runtime; a "
+                       "larger --memory batches more rows a pass)")
     peak_batch_bytes = max((_batch_peak_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
                                               prefix_bytes) for b in batches), default=largest_row_bytes)
     passes = passes_for(rows, batches)

@@ -14,7 +14,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from batchrun.template import Field, RowProblem, SpecError, parse_template, render_template, template_columns
@@ -27,7 +27,7 @@ NATIVE_KEYS = ("id", "custom_id", "prompt", "messages", "system", "choices", "ma
 OPENAI_KEYS = ("custom_id", "method", "url", "body")
 OPENAI_CHAT_URL = "/v1/chat/completions"
 ROLES = ("system", "user", "assistant")
-MESSAGE_KEYS = ("role", "content")
+MESSAGE_KEYS = ("role", "content", "name")  # an OpenAI message's name is accepted and not sent: templates have no slot
 DEFAULT_MAX_NEW_TOKENS = 16
 _PARQUET_BATCH_ROWS = 8192
 
@@ -47,9 +47,14 @@ class Request:
 @dataclass(frozen=True, slots=True)
 class InvalidRow:
     index: int
-    id: str | int | None  # None when the row is too broken to have one
+    id: str | int | None  # None when the row is too broken to have one (or repeats an earlier row's)
     location: str
     reason: str
+    name: str | int | None = None  # its id in the output: the id, else its location, made unique among the ids
+
+    @property
+    def output_id(self) -> str | int:
+        return self.name if self.name is not None else (self.id if self.id is not None else self.location)
 
 
 @dataclass
@@ -181,7 +186,21 @@ def _check_rows(rows: Iterator[tuple[int, object]], numbering: _Numbering, job: 
         except RowProblem as problem:
             invalid.append(InvalidRow(index=index, id=row_id, location=location, reason=str(problem)))
             problems.append(numbering.problem(number, str(problem)))
-    return requests, invalid, problems
+    return requests, _named(invalid, set(ids_seen)), problems
+
+
+def _named(invalid: list[InvalidRow], ids: set[str]) -> list[InvalidRow]:
+    """Rows without an id of their own are named by their location; a real id spelled the same way keeps it."""
+    named = []
+    for bad in invalid:
+        name = bad.id
+        if name is None:
+            name = bad.location
+            while name in ids:
+                name += " (invalid row)"
+            ids.add(name)
+        named.append(replace(bad, name=name))
+    return named
 
 
 def _row_id(row: dict, number: int, job: _Job) -> tuple[str | int, bool]:
@@ -204,6 +223,8 @@ def _row_id(row: dict, number: int, job: _Job) -> tuple[str | int, bool]:
 
 
 def _checked_id(value: object, what: str) -> str | int:
+    if isinstance(value, float) and value.is_integer():  # an integer id column with a null arrives as floats
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise RowProblem(f"{what} must be a string or an integer, got {_kind(value)}")
     if isinstance(value, str):
@@ -303,10 +324,25 @@ def _messages(value: object, what: str, default_system: str | None, developer_is
             raise RowProblem(f"{where}: a system message may only come first")
         if content is None:
             raise RowProblem(f"{where}.content is missing")
+        if isinstance(content, list):  # OpenAI content parts
+            content = _text_parts(content, f"{where}.content")
         pairs.append((role, _text(content, f"{where}.content", allow_empty=True)))
     if default_system and pairs[0][0] != "system":
         pairs.insert(0, ("system", default_system))
     return tuple(pairs)
+
+
+def _text_parts(parts: list, what: str) -> str:
+    """OpenAI content parts [{"type": "text", "text": ...}], one line each; the models here read text only."""
+    texts = []
+    for position, part in enumerate(parts):
+        if not isinstance(part, dict):
+            raise RowProblem(f"{what}[{position}] must be a content part object, got {_kind(part)}")
+        if part.get("type") != "text":
+            raise RowProblem(f"{what}[{position}] is a {_show(part.get('type'))} part; only text parts can be sent "
+                             "to a text model")
+        texts.append(_text(part.get("text"), f"{what}[{position}].text", allow_empty=True))
+    return "\n".join(texts)
 
 
 def _choices(value: object, what: str) -> tuple[str, ...]:
@@ -408,6 +444,9 @@ def _jsonl_rows(data: bytes, shown: str) -> Iterator[tuple[int, object]]:
     data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark, as Windows editors write
     if re.match(rb"\s*\[", data):
         raise SpecError([f"{shown}: the file holds a JSON array; write one JSON object per line (JSONL)"])
+    if _one_object_over_several_lines(data):
+        raise SpecError([f"{shown}: the file holds one JSON object spread over several lines (pretty-printed); "
+                         "write one JSON object per line (JSONL)"])
     for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue
@@ -427,6 +466,19 @@ def _jsonl_rows(data: bytes, shown: str) -> Iterator[tuple[int, object]]:
             yield number, RowProblem("malformed JSON: nested too deeply")
         except ValueError as error:  # an integer literal beyond Python's digit limit; drop the sys.* advice
             yield number, RowProblem(f"malformed JSON: {str(error).split(';')[0]}")
+
+
+def _one_object_over_several_lines(data: bytes) -> bool:
+    first = next((line for line in data.split(b"\n", 64) if line.strip()), b"")
+    try:
+        json.loads(first)
+        return False  # a JSONL file: its first line is a value of its own
+    except (ValueError, RecursionError):
+        pass
+    try:
+        return isinstance(json.loads(data), dict)
+    except (ValueError, RecursionError):  # also UnicodeDecodeError
+        return False
 
 
 def _parquet_rows(path: Path, shown: str, job: _Job) -> Iterator[tuple[int, object]]:

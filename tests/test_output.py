@@ -100,12 +100,13 @@ def test_jsonl_follows_the_openai_batch_output_format(tmp_path):
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Paris"},
                                 "finish_reason": "length", "logprobs": None}]
     assert body["usage"] == {"prompt_tokens": 20, "completion_tokens": 3, "total_tokens": 23}
-    assert "choice_probs" not in body
+    assert "choice_probs" not in body and "score" not in body and body["logprob"] == -1.25
 
     choice_body = lines[1]["response"]["body"]
     assert choice_body["choices"][0]["message"]["content"] == "positive"
     assert choice_body["choices"][0]["finish_reason"] == "stop"
     assert choice_body["choice_probs"] == {"positive": 0.75, "negative": 0.25}
+    assert (choice_body["score"], choice_body["logprob"]) == (0.75, -0.29)  # what the Parquet columns carry
 
     assert lines[2]["response"] is None
     assert lines[2]["error"] == {"code": "row_failed", "message": "prompt has 9000 tokens; the context holds 8192"}

@@ -62,7 +62,9 @@ def test_line_that_is_not_an_object(tmp_path):
         ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role is 'bot'; use one of system, user"),
         ({"messages": [{"content": "x"}]}, "messages[0].role is missing"),
         ({"messages": [{"role": "user"}]}, "messages[0].content is missing"),
-        ({"messages": [{"role": "user", "content": ["x"]}]}, "messages[0].content must be a string, got a list"),
+        ({"messages": [{"role": "user", "content": ["x"]}]},
+         "messages[0].content[0] must be a content part object, got a string"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content must be a string, got an integer"),
         ({"messages": [{"role": "user", "content": "x", "nmae": "n"}]}, "unknown key 'nmae' in messages[0]"),
         ({"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "s"}]},
          "messages[1]: a system message may only come first"),
@@ -502,10 +504,46 @@ def test_skip_invalid_keeps_the_valid_rows_and_returns_reasons(tmp_path):
     assert [(r.index, r.id) for r in spec.requests] == [(0, "a"), (3, "d")]
     assert spec.invalid == [
         InvalidRow(index=1, id=None, location=f"{path}:2",
-                   reason="malformed JSON: Expecting property name enclosed in double quotes (column 2)"),
-        InvalidRow(index=2, id="c", location=f"{path}:3", reason="prompt must be a string, got an integer (3)"),
+                   reason="malformed JSON: Expecting property name enclosed in double quotes (column 2)",
+                   name=f"{path}:2"),
+        InvalidRow(index=2, id="c", location=f"{path}:3", reason="prompt must be a string, got an integer (3)",
+                   name="c"),
     ]
     assert spec.total_rows == 4
+
+
+def test_an_invalid_row_named_by_its_location_never_takes_a_real_id(tmp_path):
+    path = tmp_path / "spec.jsonl"
+    path.write_text(json.dumps({"id": f"{path}:2", "prompt": "x"}) + "\n{broken\n")
+    spec = read_spec(path, skip_invalid=True)
+    (bad,) = spec.invalid
+    assert bad.output_id == f"{path}:2 (invalid row)" and spec.requests[0].id == f"{path}:2"
+
+
+def test_openai_content_parts_and_message_names_are_read_as_text(tmp_path):
+    body = {"messages": [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                         {"role": "user", "name": "ann", "content": [{"type": "text", "text": "Review: good."},
+                                                                      {"type": "text", "text": "Positive?"}]}]}
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    lines = [{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": body},
+             {"custom_id": "b", "method": "POST", "url": "/v1/chat/completions", "body": image}]
+    spec = read_spec(write_jsonl(tmp_path, lines), skip_invalid=True)
+    assert spec.requests[0].messages == (("system", "Be brief."), ("user", "Review: good.\nPositive?"))
+    assert "is a 'image_url' part; only text parts" in spec.invalid[0].reason
+
+
+def test_whole_number_float_ids_are_the_integers_they_spell(tmp_path):
+    spec = read_spec(write_jsonl(tmp_path, [{"id": 1.0, "prompt": "x"}, {"id": 2.5, "prompt": "y"}]),
+                     skip_invalid=True)
+    assert spec.requests[0].id == 1 and isinstance(spec.requests[0].id, int)
+    assert "must be a string or an integer" in spec.invalid[0].reason
+
+
+def test_a_pretty_printed_json_object_is_named_as_such(tmp_path):
+    path = tmp_path / "spec.jsonl"
+    path.write_text(json.dumps({"id": 1, "prompt": "x"}, indent=2) + "\n")
+    with pytest.raises(SpecError, match="one JSON object spread over several lines"):
+        read_spec(path)
 
 
 def test_fingerprint_follows_the_file_bytes(tmp_path):
