@@ -196,9 +196,9 @@ def _after_previous_run(options: JobOptions, previous: list[dict], notes: list[s
     """After an out-of-memory kill, resume with half the batch rather than die the same way again, and keep that
     limit in every later run of the job. `previous`: the job's earlier runs, oldest first."""
     last = previous[-1] if previous else None
-    if last and last.get("end_state") == "interrupted" and not killed_by_oom(last):
-        notes.append(f"the previous run (pid {last['pid']}) stopped without finishing; "
-                     "resuming from its last committed pass")
+    if last and last.get("end_state") == "died" and not killed_by_oom(last):
+        notes.append(f"the previous run (pid {last['pid']}) ended without finishing (killed, or the machine went "
+                     "down); resuming from its last committed pass")
     capped = batch_cap_after_oom(previous)
     if capped is None:
         return options

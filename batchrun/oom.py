@@ -43,9 +43,10 @@ def oom_kill_count(cgroup: Path | None) -> int | None:
 
 
 def killed_by_oom(previous_run: dict | None, next_run: dict | None = None) -> bool:
-    """True when `previous_run` died without finishing and its cgroup counted an OOM kill after it started: by the
-    start of `next_run` (the run after it, in the same cgroup), or by now when it was the last run."""
-    if not previous_run or previous_run.get("end_state") != "interrupted":
+    """True when `previous_run` died without a word (not a Ctrl-C or SIGTERM, which it reports) and its cgroup
+    counted an OOM kill after it started: by the start of `next_run` (the run after it, in the same cgroup), or by
+    now when it was the last run."""
+    if not previous_run or previous_run.get("end_state") != "died":
         return False
     cgroup, before = previous_run.get("memory_cgroup"), previous_run.get("oom_kills_at_start")
     if not cgroup or before is None:

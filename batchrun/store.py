@@ -25,7 +25,7 @@ __all__ = ["JobLocked", "JobNotFound", "RowResult", "Store", "StoreError", "inte
 
 BUSY_TIMEOUT_S = 30.0  # how long a reader (`status`) or a second writer waits for a running job's commit
 JOB_STATES = ("pending", "running", "interrupted", "done", "failed")
-RUN_END_STATES = ("done", "interrupted", "failed")
+RUN_END_STATES = ("done", "interrupted", "failed")  # what a run says as it ends; one that could not is 'died'
 
 # (database path, job id) pairs whose lock this process holds: tells "our own pid, still running here"
 # apart from "our pid, left behind by an earlier process that had the same pid".
@@ -225,9 +225,9 @@ class Store:
             lock = self._lock_row(job_id)
             if lock is not None and self._holder_alive(job_id, lock):
                 raise JobLocked(job_id, lock["pid"], lock["host"], lock["acquired_at"])
-            # Runs still marked running belong to a dead holder: they ended at their last sign of life.
+            # Runs still marked running belong to a dead holder: they died at their last sign of life.
             conn.execute(
-                "update runs set end_state = 'interrupted', ended_at = coalesce(last_active_at, started_at) "
+                "update runs set end_state = 'died', ended_at = coalesce(last_active_at, started_at) "
                 "where job_id = ? and end_state = 'running'",
                 (job_id,),
             )
@@ -282,7 +282,8 @@ class Store:
             _HELD_IN_THIS_PROCESS.discard(self._lock_key(job_id))
 
     def previous_runs(self, job_id: str) -> list[dict]:
-        """Every run before the current one, oldest first; end_state 'interrupted' for one whose process died."""
+        """Every run before the current one, oldest first; end_state 'died' for one whose process ended without
+        closing it (SIGKILL, the OOM killer, a power cut), 'interrupted' for one stopped by Ctrl-C or SIGTERM."""
         current = self._current_run.get(job_id)
         with self._read():
             sql = "select * from runs where job_id = ?" + (" and run_no < ?" if current is not None else "")
@@ -295,7 +296,7 @@ class Store:
         found = []
         for run in runs:
             if run["end_state"] == "running" and live_run_no != run["run_no"]:
-                run["end_state"] = "interrupted"
+                run["end_state"] = "died"
             found.append({key: run[key] for key in keys})
         return found
 

@@ -73,7 +73,7 @@ def m002_runs_and_locks(db: sqlite_utils.Database) -> None:
             "started_at": str,
             "last_active_at": str,  # where a crashed run's duration ends
             "ended_at": str,
-            "end_state": str,  # running | done | interrupted | failed
+            "end_state": str,  # running | done | interrupted | failed | died (no longer running, never closed)
             "batch_size": int,
             "planned_peak_bytes": int,
             "passes": int,

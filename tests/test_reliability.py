@@ -176,7 +176,7 @@ def test_a_second_run_of_a_running_job_is_refused_naming_the_holder_and_a_dead_h
     third = run(args, batchrun_env(isolated_state))
     assert third.returncode == 0, third.describe()
     assert third.summary["rows_done"] == 12
-    assert "the previous run (pid %d) stopped without finishing" % first.pid in third.stderr
+    assert "the previous run (pid %d) ended without finishing (killed" % first.pid in third.stderr
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])

@@ -111,7 +111,7 @@ def test_killed_after_committed_batches_resumes_without_recomputing_them(tmp_pat
     assert resumed["rows_computed_now"] == 10 - before["rows_done"]
     # The committed batches are not scored again: the two runs together spend the uninterrupted run's passes.
     assert before["passes"] + resumed["passes_now"] == reference["passes_now"]
-    assert any("stopped without finishing" in note for note in resumed["notes"])
+    assert any("ended without finishing (killed" in note for note in resumed["notes"])
     assert_same_answers(tmp_path / "job.parquet", tmp_path / "ref.parquet")
 
 
@@ -193,7 +193,7 @@ def test_within_batch_resume_keeps_generated_tokens(tmp_path, tiny_checkpoint):
     final = job_status(db)
     interruptions = len(kills)
     runs = run_passes(db)
-    assert [end for _, _, end in runs] == ["interrupted"] * interruptions + ["done"]
+    assert [end for _, _, end in runs] == ["died"] * interruptions + ["done"]
     assert sum(passes for _, passes, _ in runs) == final["passes"]
     # Each resume may cost one extra pass (its prefill of prompt + kept tokens); here the prefill also yields
     # the next token, so the committed passes of all runs together are no more than the uninterrupted ones.

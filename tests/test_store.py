@@ -287,7 +287,7 @@ def test_a_live_holder_blocks_and_a_killed_one_is_taken_over(store, db_path):
     store.acquire(job_id)
     previous = store.previous_runs(job_id)[-1]
     assert (previous["end_state"], previous["pid"], previous["batch_size"], previous["planned_peak_bytes"]) == (
-        "interrupted", holder.pid, 32, 5_000_000)
+        "died", holder.pid, 32, 5_000_000)
     store.release(job_id, "done")
     assert store.status(job_id)["state"] == "done"
 
