@@ -280,6 +280,15 @@ def runtime_overhead_bytes() -> int:
     return measured
 
 
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux /proc), None where the system does not say."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 def _probe_digest() -> str:
     return hashlib.sha256(_RUNTIME_PROBE.encode()).hexdigest()[:16]
 

@@ -64,6 +64,7 @@ class PreparedModel:
     sizes: CheckpointSizes
     tokenizer: object
     context_length: int | None
+    tokenizer_bytes: int = 0  # resident memory the tokenizer took as it loaded: a run holds it beside the model
 
 
 @dataclass
@@ -89,10 +90,15 @@ def resolve_model(model: str | None, options: JobOptions) -> Path:
 def prepare_model(model: str | None, options: JobOptions) -> PreparedModel:
     checkpoint = resolve_model(model, options)
     sizes = checkpoint_sizes(checkpoint, trust_remote_code=options.trust_remote_code)
+    before = measure.resident_bytes()
     tokenizer = load_tokenizer(checkpoint, options.trust_remote_code)
+    after = measure.resident_bytes()
     if tokenizer is None:
         raise CheckpointError(f"{checkpoint}: the checkpoint ships no tokenizer, so text prompts cannot be encoded")
-    return PreparedModel(model or DEFAULT_MODEL_LABEL, checkpoint, sizes, tokenizer, sizes.max_position_embeddings)
+    # A 262k-entry vocabulary (Gemma) holds ~330 MB, SmolLM2's a few MB: part of the run's fixed cost.
+    tokenizer_bytes = max(after - before, 0) if before is not None and after is not None else 0
+    return PreparedModel(model or DEFAULT_MODEL_LABEL, checkpoint, sizes, tokenizer, sizes.max_position_embeddings,
+                         tokenizer_bytes)
 
 
 def read_job_spec(spec_path: Path, options: JobOptions) -> JobSpec:
@@ -184,7 +190,8 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
         compute_flops_per_s=measure.compute_rate(compute_dtype, device),
         memory_bytes_per_s=measure.memory_read_rate(compute_dtype, device),
         disk_free_bytes=measure.disk_free_bytes(prepared.checkpoint), checkpoint_is_local=True,
-        runtime_overhead_bytes=measure.runtime_overhead_bytes(), batch_size=options.batch_size,
+        runtime_overhead_bytes=measure.runtime_overhead_bytes() + prepared.tokenizer_bytes,
+        batch_size=options.batch_size,
         context_length=prepared.context_length, shared_prefix_tokens=shared)
     return replace(plan, linear_kernel=measure.linear_kernel(compute_dtype, device))
 

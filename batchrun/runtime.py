@@ -1,6 +1,7 @@
 """One entry point for the executor: a model that runs resident when it fits, streamed when not."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ class ResidentModel:
             copy_out_of_file_mappings(self.model, files)
         self.model.eval()
         self.config = self.model.config
-        self.tokenizer = load_tokenizer(self.checkpoint, trust_remote_code)
+        self._trust_remote_code = trust_remote_code
         self.passes = 0
         self.bytes_read = sum(info.nbytes for info in infos.values())  # every weight, read once at load
         _, self.layers = find_decoder_stack(self.model, text_config(self.config).num_hidden_layers)
@@ -44,6 +45,11 @@ class ResidentModel:
                         for i, layer in enumerate(self.layers)]
         if self.device.type == "cpu":  # see passes.keep_heap_flat
             self._hooks += [layer.register_forward_hook(_return_freed_memory) for layer in self.layers]
+
+    @functools.cached_property
+    def tokenizer(self):
+        """Loaded on first use: the executor brings the one it planned with (a 262k vocabulary's takes ~300 MB)."""
+        return load_tokenizer(self.checkpoint, self._trust_remote_code)
 
     def _count_pass(self, module, args):
         if not self._in_pass:

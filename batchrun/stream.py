@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -108,7 +109,7 @@ class StreamedModel:
                                   "unquantized checkpoint")
         self.num_layers = text_config(self.config).num_hidden_layers
         self.max_seq_len = max_seq_len or getattr(text_config(self.config), "max_position_embeddings", None)
-        self.tokenizer = load_tokenizer(self.checkpoint, trust_remote_code)
+        self._trust_remote_code = trust_remote_code
         infos = read_tensor_infos(self.checkpoint)
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype,
@@ -143,6 +144,11 @@ class StreamedModel:
         self._closed = False
 
     # -- building ------------------------------------------------------------------------------
+    @functools.cached_property
+    def tokenizer(self):
+        """Loaded on first use: the executor brings the one it planned with (a 262k vocabulary's takes ~300 MB)."""
+        return load_tokenizer(self.checkpoint, self._trust_remote_code)
+
     def _split_recipes(self, recipes: dict[str, Recipe]) -> tuple[list[list[Recipe]], list[Recipe]]:
         per_layer: list[list[Recipe]] = [[] for _ in range(self.num_layers)]
         resident: list[Recipe] = []

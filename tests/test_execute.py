@@ -400,3 +400,24 @@ def test_an_output_made_while_the_job_ran_is_kept_and_the_answers_are_exportable
     with Store(tmp_path / "j.db") as store:
         (job,) = store.jobs()
         assert store.status(job["id"])["state"] == "done"
+
+
+@pytest.mark.parametrize("streaming", ["never", "always"])
+def test_a_run_loads_the_tokenizer_once_and_plans_for_its_memory(tmp_path, tiny_checkpoint, monkeypatch, streaming):
+    """Gemma's 262k-entry tokenizer holds ~330 MB: the model handles must not load a second copy, and the plan must
+    count the one the job holds."""
+    from batchrun import prepare, runtime, stream
+
+    def second_copy(*args, **kwargs):
+        raise AssertionError("the model handle loaded its own tokenizer")
+
+    monkeypatch.setattr(stream, "load_tokenizer", second_copy)
+    monkeypatch.setattr(runtime, "load_tokenizer", second_copy)
+    readings = iter([1 << 30, (1 << 30) + (300 << 20)])  # resident memory around the tokenizer's load
+    monkeypatch.setattr(prepare.measure, "resident_bytes", lambda: next(readings, None))
+    planned = []
+    summary = submit(generation_spec(tmp_path, max_new_tokens=2), output=tmp_path / "o.parquet", db=tmp_path / "j.db",
+                     options=JobOptions(model=str(tiny_checkpoint("llama")), streaming=streaming),
+                     on_plan=planned.append)
+    assert summary.rows_done == len(REVIEWS)
+    assert planned[0].runtime_overhead_bytes >= (300 << 20) + prepare.measure.runtime_overhead_bytes()
