@@ -78,8 +78,6 @@ class PreparedJob:
     compute_dtype: str
 
 
-
-
 def resolve_model(model: str | None, options: JobOptions) -> Path:
     if model is None:
         from batchrun.default import default_model
