@@ -175,7 +175,7 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
         cgroup = memory_cgroup_dir()
         store.record_run_plan(job_id, batch_size=plan.batch_size, planned_peak_bytes=plan.peak_memory_bytes,
                               memory_cgroup=str(cgroup) if cgroup else None,
-                              oom_kills_at_start=oom_kill_count(cgroup))
+                              oom_kills_at_start=oom_kill_count(cgroup), planned_passes=plan.passes)
         for note in summary.notes:
             log.warning(note)
         if on_plan is not None:

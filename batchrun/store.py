@@ -17,8 +17,8 @@ import sqlite_utils
 
 from batchrun import store_migrations
 from batchrun import faults
-from batchrun.store_locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, effective_job_state, lock_holder_alive,
-                                  mark_alive, process_identity, run_seconds)
+from batchrun.store_locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, effective_job_state, eta_seconds,
+                                  lock_holder_alive, mark_alive, process_identity, run_seconds)
 from batchrun.store_rows import ROW_UPDATE_SQL, RowResult, row_result_from_db, row_update_params
 
 __all__ = ["JobLocked", "JobNotFound", "RowResult", "Store", "StoreError", "integrity_ok"]
@@ -249,14 +249,16 @@ class Store:
         _HELD_IN_THIS_PROCESS.add(self._lock_key(job_id))
 
     def record_run_plan(self, job_id: str, *, batch_size: int, planned_peak_bytes: int,
-                        memory_cgroup: str | None = None, oom_kills_at_start: int | None = None) -> None:
-        """Note the current run's batch size, planned peak memory and OOM-kill baseline (read after a crash)."""
+                        memory_cgroup: str | None = None, oom_kills_at_start: int | None = None,
+                        planned_passes: int | None = None) -> None:
+        """Note the current run's batch size, planned peak memory, OOM-kill baseline (read after a crash) and
+        planned passes (for status's ETA)."""
         run_no = self._require_current_run(job_id)
         with self._write("record the run plan") as conn:
             conn.execute(
-                "update runs set batch_size = ?, planned_peak_bytes = ?, memory_cgroup = ?, oom_kills_at_start = ? "
-                "where job_id = ? and run_no = ?",
-                (batch_size, planned_peak_bytes, memory_cgroup, oom_kills_at_start, job_id, run_no),
+                "update runs set batch_size = ?, planned_peak_bytes = ?, memory_cgroup = ?, oom_kills_at_start = ?, "
+                "planned_passes = ? where job_id = ? and run_no = ?",
+                (batch_size, planned_peak_bytes, memory_cgroup, oom_kills_at_start, planned_passes, job_id, run_no),
             )
 
     def release(self, job_id: str, end_state: str) -> None:
@@ -316,13 +318,13 @@ class Store:
         now = datetime.now(timezone.utc)
         elapsed = sum(run_seconds(run, live=run["run_no"] == live_run_no, now=now) for run in runs)
         summary = _job_summary(job, counts, live=live_run_no is not None)
-        done, pending = summary["rows_done"], summary["rows_pending"]
+        live = next((run for run in runs if run["run_no"] == live_run_no), None)
         return {
             **summary,
             "partial_rows": partial_rows,
             "partial_tokens": partial_token_count,
             "elapsed_seconds": elapsed,
-            "eta_seconds": pending * elapsed / done if done and elapsed > 0 else None,
+            "eta_seconds": eta_seconds(summary, elapsed, live, now),
             "running_pid": lock["pid"] if live_run_no is not None else None,
             "running_host": lock["host"] if live_run_no is not None else None,
         }

@@ -91,6 +91,18 @@ def run_seconds(run: Mapping, *, live: bool, now: datetime) -> float:
     return max(0.0, (ended - started).total_seconds())
 
 
+def eta_seconds(summary: dict, elapsed: float, live_run: dict | None, now: datetime) -> float | None:
+    """Time left: the running run's passes still to go at its own seconds per pass so far (rows finish in bursts,
+    a generation batch's all at its last pass); else, and for a stopped job, pending rows at the rate so far."""
+    if not summary["rows_pending"]:
+        return None
+    if live_run and live_run.get("planned_passes") and live_run["passes"]:
+        per_pass = run_seconds(live_run, live=True, now=now) / live_run["passes"]
+        return max(live_run["planned_passes"] - live_run["passes"], 0) * per_pass
+    done = summary["rows_done"]
+    return summary["rows_pending"] * elapsed / done if done and elapsed > 0 else None
+
+
 def effective_job_state(stored: str, held_by_live_process: bool) -> str:
     # A job left 'running' by a process that died (kill -9, OOM, power cut) is resumable, not running.
     return "interrupted" if stored == "running" and not held_by_live_process else stored

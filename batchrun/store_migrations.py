@@ -125,6 +125,13 @@ def m004_run_memory_cgroup(db: sqlite_utils.Database) -> None:
     db["runs"].add_column("oom_kills_at_start", int)
 
 
+@migration
+def m005_run_planned_passes(db: sqlite_utils.Database) -> None:
+    # The passes a run's plan needs for the rows it started with: status's ETA counts passes left, not rows (a
+    # generation batch answers all its rows at its last pass).
+    db["runs"].add_column("planned_passes", int)
+
+
 def applied_migrations(db: sqlite_utils.Database) -> set[str]:
     if not db[MIGRATIONS_TABLE].exists():
         return set()

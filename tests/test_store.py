@@ -221,6 +221,25 @@ def test_status_counts_rows_and_estimates_time_left(store):
     assert status["eta_seconds"] == pytest.approx(3 * status["elapsed_seconds"] / 2, rel=0.5)
 
 
+def test_a_running_job_with_a_plan_estimates_time_left_from_passes_not_rows(store):
+    """A generation batch answers all its rows at its last pass: after 4 of 20 planned passes no row may be done, and
+    after the first batch's last pass the rows' rate would say the job is nearly over."""
+    job_id = make_job(store, n=4)
+    store.acquire(job_id)
+    store.record_run_plan(job_id, batch_size=2, planned_peak_bytes=1, planned_passes=20)
+    for _ in range(4):
+        store.save_partial(job_id, {0: ([1], -1.0)})  # a decode pass: no row finished
+    time.sleep(0.05)
+    status = store.status(job_id)
+    assert status["rows_done"] == 0 and status["passes"] == 4
+    assert status["eta_seconds"] == pytest.approx(16 * status["elapsed_seconds"] / 4, rel=0.5)
+    store.commit_batch(job_id, [answer(0), answer(1), answer(2)], passes=6)  # 10 passes: half the plan, 3/4 rows
+    status = store.status(job_id)
+    assert status["eta_seconds"] == pytest.approx(status["elapsed_seconds"], rel=0.5)  # not a third of it
+    store.release(job_id, "interrupted")
+    assert store.status(job_id)["eta_seconds"] == pytest.approx(store.status(job_id)["elapsed_seconds"] / 3)
+
+
 def test_status_of_an_unknown_job_names_it(store):
     with pytest.raises(JobNotFound, match="no job feedfeedfeedfeed"):
         store.status("feedfeedfeedfeed")
