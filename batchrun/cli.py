@@ -1,16 +1,15 @@
 """The batchrun command line: thin click commands over the library."""
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import signal
 import sys
-import threading
 from pathlib import Path
 
 import click
 
+from batchrun.interrupts import Stopped, stop_signals_unwind
 from batchrun.paths import default_db_path
 
 
@@ -96,34 +95,6 @@ def build_options(model: str | None, kw: dict):
                       prefetch_depth=kw["prefetch_depth"], micro_batch=kw["micro_batch"],
                       bandwidth_gbps=kw["bandwidth_gbps"], hf_token=kw["hf_token"],
                       trust_remote_code=kw["trust_remote_code"])
-
-
-class Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP (docker stop, systemd, Slurm, a closed terminal): unwound like Ctrl-C, so the run is marked
-    interrupted, its lock released and a half-written output removed."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_stopped(signum, frame):
-    raise Stopped(signum)
-
-
-@contextlib.contextmanager
-def stop_signals_unwind():
-    """SIGTERM and SIGHUP raise Stopped while a command runs; a signal the caller ignores (nohup) stays ignored."""
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(signum) is not signal.SIG_IGN:
-                previous[signum] = signal.signal(signum, _raise_stopped)
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 class FriendlyErrors(click.Group):
@@ -295,7 +266,8 @@ def results(job, output, fmt, db, force):
     finally:
         store.close()
     model = status["model"]
-    check_output_writable(output, status["spec_path"], store.path)
+    spec_path = Path(status["spec_path"])  # stored absolute now; an older job's relative one names no directory
+    check_output_writable(output, spec_path if spec_path.is_absolute() else None, store.path)
     fmt = output_format(output, fmt, format_option=True)
     path = write_results(output, rows, fmt, model=model, force=force)
     click.echo(f"{len(rows)} rows -> {path}")

@@ -16,6 +16,7 @@ from transformers.utils import logging as transformers_logging
 
 from batchrun import faults
 from batchrun.errors import OutputRefused, PlanRefused
+from batchrun.interrupts import stops_deferred
 from batchrun.oom import batch_cap_after_oom, killed_by_oom, memory_cgroup_dir, oom_kill_count
 from batchrun.output import (OutputError, OutputExists, check_output_writable, default_output_path,
                              output_format, write_results)
@@ -83,7 +84,7 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
     try:
         if output_path.exists() and not force:
             _refuse_existing_output(store, prepared.fingerprint, output_path)
-        job_id = store.ensure_job(prepared.fingerprint, spec_path=str(spec_path), model=prepared.model.name,
+        job_id = store.ensure_job(prepared.fingerprint, spec_path=str(spec_path.resolve()), model=prepared.model.name,
                                   settings=options.answer_settings(),
                                   rows=_all_row_ids(prepared))
         store.acquire(job_id)
@@ -134,9 +135,11 @@ def _write_output(store: Store, job_id: str, path: Path, fmt: str, force: bool) 
 
 def _release(store: Store, job_id: str, state: str) -> None:
     """Release the job. When the run already failed (disk full, ...), a release failing the same way must not
-    hide that first error; the lock left behind is taken over by the next run, as after a crash."""
+    hide that first error; the lock left behind is taken over by the next run, as after a crash. A SIGTERM waits
+    for the release: cut short, it would leave the run looking dead (and maybe killed for lack of memory)."""
     try:
-        store.release(job_id, state)
+        with stops_deferred():
+            store.release(job_id, state)
     except StoreError:
         if state == "done":
             raise

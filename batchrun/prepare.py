@@ -88,6 +88,10 @@ def resolve_model(model: str | None, options: JobOptions) -> Path:
 def prepare_model(model: str | None, options: JobOptions) -> PreparedModel:
     checkpoint = resolve_model(model, options)
     sizes = checkpoint_sizes(checkpoint, trust_remote_code=options.trust_remote_code)
+    # What loading a tokenizer imports (transformers' model code, and torch with it) is the runtime's cost, already
+    # counted: imported before the reading, so the reading is the tokenizer's own memory.
+    import transformers.modeling_utils  # noqa: F401
+    import transformers.models.auto.tokenization_auto  # noqa: F401
     before = measure.resident_bytes()
     tokenizer = load_tokenizer(checkpoint, options.trust_remote_code)
     after = measure.resident_bytes()

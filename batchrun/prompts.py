@@ -54,11 +54,12 @@ def encode_requests(tokenizer, requests: Sequence[Request], *, raw: bool = False
                     context_length: int | None = None) -> list[EncodedRow]:
     """Tokenize every request in batched calls; flag rows that exceed the context."""
     templated = uses_chat_template(tokenizer, raw)
+    refused_by_template = _template_refusals() if templated else ()
     texts, refusals = [], {}
     for request in requests:
         try:
             texts.append(render_text(tokenizer, request, raw))
-        except Exception as exc:  # the model's own template refuses the row ("System role not supported")
+        except refused_by_template as exc:  # the model's template refuses the row ("System role not supported")
             refusals[request.index] = f"the model's chat template refuses this row: {exc}"
             texts.append("")
     # A chat template already writes BOS and friends; adding them again would double them.
@@ -84,6 +85,13 @@ def encode_requests(tokenizer, requests: Sequence[Request], *, raw: bool = False
             row = EncodedRow(request, tuple(ids), choices, too_long_message(row, context_length))
         rows.append(row)
     return rows
+
+
+def _template_refusals() -> tuple[type[Exception], ...]:
+    """What a chat template raises to refuse a row: jinja2's raise_exception, or transformers' checks."""
+    from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
+    return TemplateError, ValueError, TypeError
 
 
 def _choice_ids(tokenizer, choice: str, cache: dict[str, tuple[int, ...]]) -> tuple[int, ...]:

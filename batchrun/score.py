@@ -186,8 +186,12 @@ def generation_answer(seq: Sequence_) -> Answer:
 
 
 def special_token_ids(tokenizer) -> dict[str, int]:
-    """Text -> id of the tokens that decoding with skip_special_tokens drops."""
-    return dict(zip(getattr(tokenizer, "all_special_tokens", ()), getattr(tokenizer, "all_special_ids", ())))
+    """Text -> id of the tokens that decoding with skip_special_tokens drops: the named special tokens and every
+    added token marked special (SmolLM2's <file_sep>, Llama 3's header tokens)."""
+    ids = {str(token.content): index for index, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+           if getattr(token, "special", False)}
+    ids.update(zip(getattr(tokenizer, "all_special_tokens", ()), getattr(tokenizer, "all_special_ids", ())))
+    return ids
 
 
 def eos_token_ids(model_config, generation_config, tokenizer) -> set[int]:

@@ -213,7 +213,7 @@ def _row_id(row: dict, number: int, job: _Job) -> tuple[str | int, bool]:
         if row[job.id_column] is None:
             raise RowProblem(f"id column {job.id_column!r} is null")
         return _checked_id(row[job.id_column], f"id column {job.id_column!r}"), False
-    plain, custom = row.get("id"), row.get("custom_id")
+    plain, custom = _whole(row.get("id")), _whole(row.get("custom_id"))
     if plain is not None and custom is not None and (type(plain) is not type(custom) or plain != custom):
         raise RowProblem(f"id {_show(plain)} and custom_id {_show(custom)} differ; give one of them")
     given = plain if plain is not None else custom
@@ -222,9 +222,13 @@ def _row_id(row: dict, number: int, job: _Job) -> tuple[str | int, bool]:
     return _checked_id(given, "id" if plain is not None else "custom_id"), False
 
 
+def _whole(value: object) -> object:
+    """A whole float (5.0, 1e2) is the integer it spells: Parquet integer columns with nulls arrive as floats."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def _checked_id(value: object, what: str) -> str | int:
-    if isinstance(value, float) and value.is_integer():  # an integer id column with a null arrives as floats
-        value = int(value)
+    value = _whole(value)
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise RowProblem(f"{what} must be a string or an integer, got {_kind(value)}")
     if isinstance(value, str):
@@ -315,6 +319,8 @@ def _messages(value: object, what: str, default_system: str | None, developer_is
             raise RowProblem(f"{where} must be an object with role and content, got {_kind(message)}")
         _refuse_unknown_keys(message, MESSAGE_KEYS, f" in {where}")
         role, content = message.get("role"), message.get("content")
+        if message.get("name") is not None:
+            _text(message["name"], f"{where}.name", allow_empty=True)
         if developer_is_system and role == "developer":  # OpenAI's newer name for the system role
             role = "system"
         if role not in ROLES:
@@ -338,11 +344,13 @@ def _text_parts(parts: list, what: str) -> str:
     for position, part in enumerate(parts):
         if not isinstance(part, dict):
             raise RowProblem(f"{what}[{position}] must be a content part object, got {_kind(part)}")
-        if part.get("type") != "text":
-            raise RowProblem(f"{what}[{position}] is a {_show(part.get('type'))} part; only text parts can be sent "
+        if "type" not in part:
+            raise RowProblem(f"{what}[{position}] has no type; a text part is {{\"type\": \"text\", \"text\": ...}}")
+        if part["type"] != "text":
+            raise RowProblem(f"{what}[{position}] is a {_show(part['type'])} part; only text parts can be sent "
                              "to a text model")
         texts.append(_text(part.get("text"), f"{what}[{position}].text", allow_empty=True))
-    return "\n".join(texts)
+    return "\n".join(text for text in texts if text)
 
 
 def _choices(value: object, what: str) -> tuple[str, ...]:
@@ -370,9 +378,7 @@ def _stop(value: object, what: str = "stop") -> tuple[str, ...]:
 
 
 def _positive_int(value: object, what: str) -> int:
-    # A whole float (5.0, 1e2) is the integer it spells: Parquet columns with nulls and JSON exponents arrive so.
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
+    value = _whole(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise RowProblem(f"{what} must be a positive integer, got {_kind(value)}")
     if value <= 0:
@@ -445,7 +451,7 @@ def _jsonl_rows(data: bytes, shown: str) -> Iterator[tuple[int, object]]:
     if re.match(rb"\s*\[", data):
         raise SpecError([f"{shown}: the file holds a JSON array; write one JSON object per line (JSONL)"])
     if _one_object_over_several_lines(data):
-        raise SpecError([f"{shown}: the file holds one JSON object spread over several lines (pretty-printed); "
+        raise SpecError([f"{shown}: the file holds JSON objects spread over several lines (pretty-printed); "
                          "write one JSON object per line (JSONL)"])
     for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
@@ -469,6 +475,7 @@ def _jsonl_rows(data: bytes, shown: str) -> Iterator[tuple[int, object]]:
 
 
 def _one_object_over_several_lines(data: bytes) -> bool:
+    """Pretty-printed JSON: the file's first value is an object that spans several lines (one or many objects)."""
     first = next((line for line in data.split(b"\n", 64) if line.strip()), b"")
     try:
         json.loads(first)
@@ -476,9 +483,12 @@ def _one_object_over_several_lines(data: bytes) -> bool:
     except (ValueError, RecursionError):
         pass
     try:
-        return isinstance(json.loads(data), dict)
+        text = data.decode("utf-8")
+        start = len(text) - len(text.lstrip())
+        value, end = json.JSONDecoder().raw_decode(text, start)  # reads the first value only, not the whole file
     except (ValueError, RecursionError):  # also UnicodeDecodeError
         return False
+    return isinstance(value, dict) and "\n" in text[start:end]
 
 
 def _parquet_rows(path: Path, shown: str, job: _Job) -> Iterator[tuple[int, object]]:

@@ -132,6 +132,13 @@ def m005_run_planned_passes(db: sqlite_utils.Database) -> None:
     db["runs"].add_column("planned_passes", int)
 
 
+@migration
+def m006_died_runs(db: sqlite_utils.Database) -> None:
+    # Runs closed before runs could end 'died' were all 'interrupted', the silent deaths (OOM kills) among them: they
+    # keep the meaning they had, so an OOM cap found from them is not lost.
+    db.execute("update runs set end_state = 'died' where end_state = 'interrupted'")
+
+
 def applied_migrations(db: sqlite_utils.Database) -> set[str]:
     if not db[MIGRATIONS_TABLE].exists():
         return set()

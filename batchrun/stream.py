@@ -115,8 +115,7 @@ class StreamedModel:
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype,
                                                           trust_remote_code=trust_remote_code)
         self.model.eval()
-        if (self.checkpoint / "generation_config.json").is_file():  # from_config reads only config.json: its EOS list
-            self.model.generation_config = GenerationConfig.from_pretrained(self.checkpoint)  # is what stops rows
+        self._read_generation_config()
         self.layers_path, self.layers = find_decoder_stack(self.model, self.num_layers)
         recipes = build_recipes(self.model, infos)
         layer_recipes, resident = self._split_recipes(recipes)
@@ -144,6 +143,17 @@ class StreamedModel:
         self._closed = False
 
     # -- building ------------------------------------------------------------------------------
+    def _read_generation_config(self) -> None:
+        """from_config reads only config.json; generation_config.json's EOS list is what stops rows. One that does
+        not parse is skipped with a warning, as from_pretrained (the resident path) does."""
+        if not (self.checkpoint / "generation_config.json").is_file():
+            return
+        try:
+            self.model.generation_config = GenerationConfig.from_pretrained(self.checkpoint)
+        except (OSError, ValueError) as error:
+            log.warning("%s/generation_config.json is not usable (%s); using config.json's settings",
+                        self.checkpoint, error)
+
     @functools.cached_property
     def tokenizer(self):
         """Loaded on first use: the executor brings the one it planned with (a 262k vocabulary's takes ~300 MB)."""

@@ -132,6 +132,21 @@ def test_the_jobs_own_spec_and_database_are_never_an_output_even_with_force(tmp_
     assert spec.read_bytes() == spec_bytes and db.read_bytes() == db_bytes
 
 
+def test_results_know_the_jobs_spec_from_any_directory(tmp_path, model, monkeypatch):
+    """A spec given as a relative path is the file in the directory submit ran in, not in the one results runs in."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    write_jsonl(tmp_path / "a" / "job.jsonl", [{"id": 1, "prompt": "Summarise: hi", "max_new_tokens": 2}])
+    monkeypatch.chdir(tmp_path / "a")
+    assert invoke("submit", "job.jsonl", "--model", model, "--db", tmp_path / "j.db").exit_code == 0
+    monkeypatch.chdir(tmp_path / "b")
+    elsewhere = invoke("results", "--db", tmp_path / "j.db", "-o", "job.jsonl")
+    assert elsewhere.exit_code == 0, elsewhere.output  # b/job.jsonl is another file
+    spec_bytes = (tmp_path / "a" / "job.jsonl").read_bytes()
+    real = invoke("results", "--db", tmp_path / "j.db", "-o", "../a/job.jsonl", "--force")
+    assert real.exit_code == 1 and "it is the job spec itself" in real.stderr
+    assert (tmp_path / "a" / "job.jsonl").read_bytes() == spec_bytes
+
+
 def test_results_refuse_a_format_the_file_name_contradicts(tmp_path, spec, model):
     done = submitted(spec, model, tmp_path / "j.db")
     result = invoke("results", done["job_id"], "--db", tmp_path / "j.db", "-o", tmp_path / "a.parquet",

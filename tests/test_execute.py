@@ -421,3 +421,15 @@ def test_a_run_loads_the_tokenizer_once_and_plans_for_its_memory(tmp_path, tiny_
                      on_plan=planned.append)
     assert summary.rows_done == len(REVIEWS)
     assert planned[0].runtime_overhead_bytes >= (300 << 20) + prepare.measure.runtime_overhead_bytes()
+
+
+def test_an_unreadable_generation_config_is_skipped_in_both_modes(tmp_path, tiny_checkpoint, caplog):
+    import shutil
+
+    path = shutil.copytree(tiny_checkpoint("llama"), tmp_path / "llama")
+    (path / "generation_config.json").write_text('{"eos_token_id": [2,')
+    spec = generation_spec(tmp_path, max_new_tokens=2)
+    answers = [[r["answer"] for r in run(spec, tmp_path, path, mode, streaming=mode)[1]]
+               for mode in ("never", "always")]
+    assert answers[0] == answers[1] and len(answers[0]) == len(REVIEWS)
+    assert "generation_config.json is not usable" in caplog.text

@@ -51,3 +51,11 @@ def test_a_stop_spelled_like_a_special_token_stops_at_that_token():
     # decoded text drops special tokens, so "<|im_start|>" can never be found in it: the token itself stops the row
     assert finish([ord("y"), ord("e"), ord("s"), TURN], stop=("<|im_start|>",)) == ("stop", "yes")
     assert finish([ord("y"), TURN, ord("s")], stop=("###",)) == (None, None)  # other special tokens run on
+
+
+def test_added_tokens_marked_special_count_as_special_too():
+    added = SimpleNamespace(content="<file_sep>", special=True)
+    plain = SimpleNamespace(content="hello", special=False)
+    tokenizer = SimpleNamespace(all_special_tokens=["</s>"], all_special_ids=[0],
+                                added_tokens_decoder={7: added, 8: plain})
+    assert special_token_ids(tokenizer) == {"</s>": 0, "<file_sep>": 7}

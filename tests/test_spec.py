@@ -539,11 +539,25 @@ def test_whole_number_float_ids_are_the_integers_they_spell(tmp_path):
     assert "must be a string or an integer" in spec.invalid[0].reason
 
 
-def test_a_pretty_printed_json_object_is_named_as_such(tmp_path):
+@pytest.mark.parametrize("objects", [1, 3])
+def test_pretty_printed_json_objects_are_named_as_such(tmp_path, objects):
     path = tmp_path / "spec.jsonl"
-    path.write_text(json.dumps({"id": 1, "prompt": "x"}, indent=2) + "\n")
-    with pytest.raises(SpecError, match="one JSON object spread over several lines"):
+    path.write_text("".join(json.dumps({"id": i, "prompt": "x"}, indent=2) + "\n" for i in range(objects)))
+    with pytest.raises(SpecError, match="JSON objects spread over several lines") as refused:
         read_spec(path)
+    assert len(refused.value.problems) == 1  # one file-level message, not one per line
+
+
+def test_ids_and_content_parts_edge_cases(tmp_path):
+    rows = [{"id": 1.0, "custom_id": 1, "prompt": "x"},
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "y"}]}]},
+            {"messages": [{"role": "user", "content": [{"text": "z"}]}]},
+            {"messages": [{"role": "user", "name": 3, "content": "z"}]}]
+    spec = read_spec(write_jsonl(tmp_path, rows), skip_invalid=True)
+    assert spec.requests[0].id == 1 and spec.requests[1].messages == (("user", "y"),)
+    assert [bad.reason for bad in spec.invalid] == [
+        'messages[0].content[0] has no type; a text part is {"type": "text", "text": ...}',
+        "messages[0].name must be a string, got an integer (3)"]
 
 
 def test_fingerprint_follows_the_file_bytes(tmp_path):

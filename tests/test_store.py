@@ -89,6 +89,23 @@ def test_a_migration_added_later_runs_once_on_an_existing_database(db_path, monk
     assert names.count("m999_add_note") == 1
 
 
+def test_runs_an_older_version_closed_as_interrupted_keep_their_meaning_of_maybe_killed(db_path, monkeypatch):
+    """Before runs could end 'died', a silent death (an OOM kill) was recorded 'interrupted': after the upgrade those
+    runs still count for the OOM cap; runs closed from now on say which they were."""
+    without_m006 = [m for m in store_migrations.MIGRATIONS if m.__name__ != "m006_died_runs"]
+    monkeypatch.setattr(store_migrations, "MIGRATIONS", without_m006)
+    with Store(db_path) as old:
+        job_id = make_job(old)
+        old.acquire(job_id)
+        old.release(job_id, "interrupted")
+    monkeypatch.undo()
+    with Store(db_path) as upgraded:
+        assert [run["end_state"] for run in upgraded.previous_runs(job_id)] == ["died"]
+        upgraded.acquire(job_id)
+        upgraded.release(job_id, "interrupted")
+        assert [run["end_state"] for run in upgraded.previous_runs(job_id)] == ["died", "interrupted"]
+
+
 def test_a_failing_migration_leaves_no_trace(db_path, monkeypatch):
     Store(db_path).close()
 
