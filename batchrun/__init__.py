@@ -22,6 +22,21 @@ _EXPORTS = {
     "JobOptions": "batchrun.prepare",
     "submit": "batchrun.execute",
     "Store": "batchrun.store",
+    # What a script may catch: `except batchrun.user_errors() as error` catches every failure the CLI prints as
+    # one `Error:` line; each class is also here by name.
+    "user_errors": "batchrun.errors",
+    "SpecError": "batchrun.template",
+    "CheckpointError": "batchrun.checkpoint_files",
+    "DefaultModelError": "batchrun.default",
+    "PlanRefused": "batchrun.errors",
+    "SettingRefused": "batchrun.errors",
+    "OutputRefused": "batchrun.errors",
+    "OutputExists": "batchrun.output",
+    "OutputError": "batchrun.output",
+    "OutputFormatUnknown": "batchrun.output",
+    "JobLocked": "batchrun.store",
+    "JobNotFound": "batchrun.store",
+    "StoreError": "batchrun.store",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -42,8 +42,8 @@ def job_options(fn):
     """Options shared by `plan` and `submit` (spec shaping, model, resources)."""
     decorators = [
         click.option("--model", "-m", "models", multiple=True,
-                     help="Checkpoint directory or Hugging Face repo id (default: SmolLM2-135M-Instruct). "
-                          "`plan` accepts several to compare."),
+                     help="Checkpoint directory or Hugging Face repo id (default: SmolLM2-135M-Instruct, also "
+                          "named `default`). `plan` accepts several to compare."),
         click.option("--template", help='Corpus mode: build prompts from columns, e.g. "Review: {text}".'),
         click.option("--id-column", help="Column holding row ids in corpus mode."),
         click.option("--choices", help="Comma-separated choices for rows that set none."),

@@ -47,6 +47,7 @@ class RunSummary:
     notes: list[str] = field(default_factory=list)
     bytes_read: int = 0  # weight bytes read from the checkpoint by this run (streamed mode)
     pass_seconds: list[float] = field(default_factory=list)  # wall time of each pass of this run
+    empty_answers: int = 0  # generated answers of this run that stopped before any text
 
     @property
     def median_pass_seconds(self) -> float | None:
@@ -189,6 +190,12 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
         summary.mode, summary.batch_size = plan.mode, plan.batch_size
         batches = [[rows[i] for i in batch] for batch in plan.batches]
         _run_batches(prepared, store, job_id, plan, batches, partial, status, quiet, summary)
+        if summary.empty_answers:
+            note = (f"{summary.empty_answers} answer(s) are empty: the row stopped at its first token (EOS or a "
+                    "stop string). A base model (no chat template, or --raw) often begins with a newline: end "
+                    "its prompts with a cue such as 'Answer:'")
+            summary.notes.append(note)
+            log.warning(note)
     final = store.status(job_id)
     summary.rows_done, summary.rows_errored = final["rows_done"], final["rows_errored"]
     summary.seconds = time.monotonic() - started
@@ -244,8 +251,8 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
                 pass_times.append(time.monotonic() - tick)
                 bar.update(len(answers))
             else:
-                _run_generation(model, batch, tokenizer, eos, pad_id, store, job_id, partial, ids, bar, pass_times,
-                                (micro_batch, decode_micro_batch))
+                summary.empty_answers += _run_generation(model, batch, tokenizer, eos, pad_id, store, job_id, partial,
+                                                         ids, bar, pass_times, (micro_batch, decode_micro_batch))
             _show_rate(bar, pass_times, batch)
     finally:
         bar.close()
@@ -255,11 +262,13 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
 
 
 def _run_generation(model, batch, tokenizer, eos, pad_id, store, job_id, partial, ids, bar, pass_times,
-                    micro_batches: tuple[int | None, int | None]) -> None:
+                    micro_batches: tuple[int | None, int | None]) -> int:
+    """Run one generation batch to its end; return how many of its answers stopped before any text."""
     prefixes = {r.request.index: partial[r.request.index] for r in batch if r.request.index in partial}
     prefill_micro, decode_micro = micro_batches
     greedy = GreedyBatch(model, batch, tokenizer, eos, pad_id, prefixes=prefixes, micro_batch=prefill_micro,
                          decode_micro_batch=decode_micro)
+    empty = 0
     if greedy.already_finished:
         store.commit_batch(job_id, [to_row_result(generation_answer(s), ids[s.row.request.index])
                                     for s in greedy.already_finished], passes=0)
@@ -273,6 +282,8 @@ def _run_generation(model, batch, tokenizer, eos, pad_id, store, job_id, partial
         faults.reached("committed")
         pass_times.append(time.monotonic() - tick)
         bar.update(len(finished))
+        empty += sum(1 for r in results if r.answer == "" and r.finish_reason == "stop")
+    return empty
 
 
 def _show_rate(bar, pass_times: list[float], batch) -> None:

@@ -16,9 +16,11 @@ from batchrun import measure
 from batchrun.checkpoint import (CheckpointError, CheckpointSizes, checkpoint_sizes, read_tensor_infos,
                                  resolve_checkpoint)
 from batchrun.checkpoint_files import weight_sample_digest
+from batchrun.errors import SettingRefused
 from batchrun.batching import shared_prefix_tokens
 from batchrun.plan import Bandwidth, Candidate, RowCost, make_plan, parse_streaming
-from batchrun.prompts import EncodedRow, encode_requests, kept_positions, shortest_first_pass_sequence
+from batchrun.prompts import (EncodedRow, encode_requests, kept_positions, shortest_first_pass_sequence,
+                              uses_chat_template)
 from batchrun.spec import JobSpec, read_spec
 from batchrun.tokenizer import load_tokenizer
 
@@ -52,6 +54,24 @@ class JobOptions:
     hf_token: str | None = field(default=None, repr=False)
     trust_remote_code: bool = False
 
+    def __post_init__(self):
+        """The checks the CLI's option types make, for scripts that build options themselves."""
+        if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
+            raise SettingRefused(f"dtype {self.dtype!r}: use float32, bfloat16 or float16 (or None: the device's)")
+        for name in ("batch_size", "micro_batch", "prefetch_depth", "max_new_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise SettingRefused(f"{name} must be a positive integer, got {value!r}")
+        for name in ("memory_gb", "bandwidth_gbps"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise SettingRefused(f"{name} must be a positive number, got {value!r}")
+        if self.streaming is not None:
+            try:
+                parse_streaming(self.streaming)
+            except ValueError as error:
+                raise SettingRefused(str(error)) from None
+
     def answer_settings(self) -> dict:
         values = asdict(self)
         return {k: (list(values[k]) if isinstance(values[k], tuple) else values[k]) for k in ANSWER_SETTINGS}
@@ -78,8 +98,13 @@ class PreparedJob:
     compute_dtype: str
 
 
+def names_default_model(model: str | None) -> bool:
+    """No --model, or `--model default` (to name it beside another model), unless a directory is called that."""
+    return model is None or (model == "default" and not Path(model).exists())
+
+
 def resolve_model(model: str | None, options: JobOptions) -> Path:
-    if model is None:
+    if names_default_model(model):
         from batchrun.default import default_model
         return default_model()
     return resolve_checkpoint(model, hf_token=options.hf_token)
@@ -97,10 +122,10 @@ def prepare_model(model: str | None, options: JobOptions) -> PreparedModel:
     after = measure.resident_bytes()
     if tokenizer is None:
         raise CheckpointError(f"{checkpoint}: the checkpoint ships no tokenizer, so text prompts cannot be encoded")
-    # A 262k-entry vocabulary (Gemma) holds ~330 MB, SmolLM2's a few MB: part of the run's fixed cost.
+    # A 262k-entry vocabulary (Gemma) holds ~310 MB, SmolLM2's ~50 MB: part of the run's fixed cost.
     tokenizer_bytes = max(after - before, 0) if before is not None and after is not None else 0
-    return PreparedModel(model or DEFAULT_MODEL_LABEL, checkpoint, sizes, tokenizer, sizes.max_position_embeddings,
-                         tokenizer_bytes)
+    name = DEFAULT_MODEL_LABEL if names_default_model(model) else model
+    return PreparedModel(name, checkpoint, sizes, tokenizer, sizes.max_position_embeddings, tokenizer_bytes)
 
 
 def read_job_spec(spec_path: Path, options: JobOptions) -> JobSpec:
@@ -195,7 +220,20 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
         runtime_overhead_bytes=measure.runtime_overhead_bytes() + prepared.tokenizer_bytes,
         batch_size=options.batch_size,
         context_length=prepared.context_length, shared_prefix_tokens=shared)
-    return replace(plan, linear_kernel=measure.linear_kernel(compute_dtype, device))
+    caveats = plan.caveats + _glued_choices_caveat(prepared.tokenizer, rows, options.raw)
+    return replace(plan, linear_kernel=measure.linear_kernel(compute_dtype, device), caveats=caveats)
+
+
+def _glued_choices_caveat(tokenizer, rows: Sequence[EncodedRow], raw: bool) -> list[str]:
+    """Without a chat template a choice is scored as the very next text after the prompt: "...one word.positive"."""
+    if uses_chat_template(tokenizer, raw):
+        return []
+    glued = sum(1 for row in rows if row.is_choice and not row.request.messages[-1][1][-1:].isspace()
+                and any(not choice[:1].isspace() for choice in row.request.choices))
+    if not glued:
+        return []
+    return [f"{glued} choice row(s) score each choice as the text right after the prompt (\"...one word.positive\"): "
+            "with no chat template, write choices with the space a continuation begins with (\" positive\")"]
 
 
 def detect_device(options: JobOptions) -> str:
@@ -231,7 +269,8 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
         try:
             prepared = prepare_model(model, options)
         except CheckpointError as exc:
-            report["candidates"].append({"model": model or DEFAULT_MODEL_LABEL, "mode": None, "fits": False,
+            report["candidates"].append({"model": DEFAULT_MODEL_LABEL if names_default_model(model) else model,
+                                         "mode": None, "fits": False,
                                          "reason": "the checkpoint cannot be used", "blockers": [str(exc)],
                                          "caveats": []})
             continue
@@ -244,6 +283,6 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
             report["new_tokens_max"] = max((r.request.max_new_tokens for r in rows if not r.is_choice), default=0)
             report["unrunnable_rows"] = [{"location": r.request.location, "reason": r.error} for r in rows if r.error]
         candidate = plan_rows(prepared, runnable, options, device).to_json()
-        candidate["model"] = model or DEFAULT_MODEL_LABEL
+        candidate["model"] = DEFAULT_MODEL_LABEL if names_default_model(model) else model
         report["candidates"].append(candidate)
     return report

@@ -433,3 +433,50 @@ def test_an_unreadable_generation_config_is_skipped_in_both_modes(tmp_path, tiny
                for mode in ("never", "always")]
     assert answers[0] == answers[1] and len(answers[0]) == len(REVIEWS)
     assert "generation_config.json is not usable" in caplog.text
+
+
+def test_the_default_model_is_also_named_default(tmp_path, default_checkpoint, monkeypatch):
+    """`--model default` names it beside another model in `plan`; a directory called "default" still wins."""
+    from batchrun import prepare
+
+    monkeypatch.setattr("batchrun.default.default_model", lambda: default_checkpoint)
+    monkeypatch.chdir(tmp_path)
+    assert prepare.resolve_model("default", JobOptions()) == default_checkpoint
+    assert prepare.prepare_model("default", JobOptions()).name == prepare.DEFAULT_MODEL_LABEL
+    (tmp_path / "default").mkdir()
+    assert not prepare.names_default_model("default")
+
+
+def test_script_errors_are_exported_and_options_are_checked_like_the_cli_does():
+    import batchrun
+    from batchrun.errors import SettingRefused
+
+    assert batchrun.SpecError in batchrun.user_errors() and batchrun.PlanRefused in batchrun.user_errors()
+    for bad in (dict(dtype="float8"), dict(streaming="sometimes"), dict(batch_size=0), dict(memory_gb=-1.0)):
+        with pytest.raises(SettingRefused):
+            JobOptions(**bad)
+
+
+def test_answers_empty_at_their_first_token_are_counted_and_explained(tmp_path, tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    model, tokenizer = reference_model(path)
+    first = reference_generation(model, tokenizer, f"Summarise: {REVIEWS[0]}", 1)[0]
+    assert first  # its first token has text: make that text the stop
+    rows = [{"id": 0, "prompt": f"Summarise: {REVIEWS[0]}", "max_new_tokens": 3, "stop": [first]}]
+    summary, out = run(write_jsonl(tmp_path / "s.jsonl", rows), tmp_path, path, "empty")
+    assert out[0]["answer"] == "" and out[0]["finish_reason"] == "stop"
+    assert summary.empty_answers == 1 and any("answer(s) are empty" in note for note in summary.notes)
+
+
+def test_the_plan_warns_when_choices_would_glue_to_a_raw_prompt(tmp_path, tiny_checkpoint):
+    from batchrun.prepare import plan_report
+
+    glued = write_jsonl(tmp_path / "g.jsonl", [{"prompt": "Is it good? Answer:", "choices": ["yes", "no"]}])
+    spaced = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "Is it good? Answer:", "choices": [" yes", " no"]}])
+    model = str(tiny_checkpoint("llama"))
+    caveats = {name: plan_report(spec, [model], JobOptions(model=model, raw=True))["candidates"][0]["caveats"]
+               for name, spec in (("glued", glued), ("spaced", spaced))}
+    assert any("text right after the prompt" in c for c in caveats["glued"])
+    assert not any("text right after the prompt" in c for c in caveats["spaced"])
+    templated = plan_report(glued, [model], JobOptions(model=model))["candidates"][0]["caveats"]
+    assert not any("text right after the prompt" in c for c in templated)  # the chat template separates them
