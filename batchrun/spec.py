@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import json
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from batchrun.template import Field, RowProblem, SpecError, parse_template, render_template, template_columns
+from batchrun.spec_files import jsonl_rows, parquet_rows, sha256_of, show
+from batchrun.template import Field, RowProblem, SpecError, parse_template, render_template
 
 __all__ = ["Field", "InvalidRow", "JobSpec", "Request", "SpecError", "parse_template", "read_spec"]
 
@@ -29,7 +28,6 @@ OPENAI_CHAT_URL = "/v1/chat/completions"
 ROLES = ("system", "user", "assistant")
 MESSAGE_KEYS = ("role", "content", "name")  # an OpenAI message's name is accepted and not sent: templates have no slot
 DEFAULT_MAX_NEW_TOKENS = 16
-_PARQUET_BATCH_ROWS = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +104,14 @@ def read_spec(
         if not path.is_file():
             raise SpecError([f"{shown}: not a regular file" if path.exists() else f"{shown}: no such file"])
         data = b"" if is_parquet else path.read_bytes()
-        digest = _sha256_of(path) if is_parquet else hashlib.sha256(data).hexdigest()
+        digest = sha256_of(path) if is_parquet else hashlib.sha256(data).hexdigest()
     except OSError as error:
         raise SpecError([f"{shown}: cannot read the file ({error.strerror or error})"]) from None
     if is_parquet:
-        rows, numbering = _parquet_rows(path, shown, job), _Numbering(shown, "row")
+        rows = parquet_rows(path, shown, job.template, job.id_column, NATIVE_KEYS + OPENAI_KEYS)
+        numbering = _Numbering(shown, "row")
     else:
-        rows, numbering = _jsonl_rows(data, shown), _Numbering(shown, "line")
+        rows, numbering = jsonl_rows(data, shown), _Numbering(shown, "line")
     requests, invalid, problems = _check_rows(rows, numbering, job)
     if not requests and not invalid:
         raise SpecError([f"{shown}: the file is empty (no requests)"])
@@ -180,7 +179,7 @@ def _check_rows(rows: Iterator[tuple[int, object]], numbering: _Numbering, job: 
             if earlier[0] != number:
                 unit = numbering.unit
                 hint = f" (a row without an id gets its {unit} number)" if defaulted or earlier[1] else ""
-                shown, row_id = _show(row_id), None  # the id is the earlier row's: name this one by its location
+                shown, row_id = show(row_id), None  # the id is the earlier row's: name this one by its location
                 raise RowProblem(f"duplicate id {shown}: {unit} {earlier[0]} has the same id{hint}")
             requests.append(_request(row, index, row_id, location, job))
         except RowProblem as problem:
@@ -215,7 +214,7 @@ def _row_id(row: dict, number: int, job: _Job) -> tuple[str | int, bool]:
         return _checked_id(row[job.id_column], f"id column {job.id_column!r}"), False
     plain, custom = _whole(row.get("id")), _whole(row.get("custom_id"))
     if plain is not None and custom is not None and (type(plain) is not type(custom) or plain != custom):
-        raise RowProblem(f"id {_show(plain)} and custom_id {_show(custom)} differ; give one of them")
+        raise RowProblem(f"id {show(plain)} and custom_id {show(custom)} differ; give one of them")
     given = plain if plain is not None else custom
     if given is None:
         return number, True
@@ -234,7 +233,7 @@ def _checked_id(value: object, what: str) -> str | int:
     if isinstance(value, str):
         _text(value, what, allow_empty=False)
     elif not -(2**63) <= value < 2**63:  # ids are stored in SQLite and Parquet integer columns
-        raise RowProblem(f"{what} {_show(value)} does not fit in a 64-bit integer")
+        raise RowProblem(f"{what} {show(value)} does not fit in a 64-bit integer")
     return value
 
 
@@ -272,14 +271,14 @@ def _openai_request(row: dict, index: int, row_id: str | int, location: str, job
     _refuse_unknown_keys(row, OPENAI_KEYS, " in an OpenAI batch line")
     method, url, body = row.get("method"), row.get("url"), row.get("body")
     if method is not None and method != "POST":
-        raise RowProblem(f"method {_show(method)} is not supported; OpenAI batch lines use POST")
+        raise RowProblem(f"method {show(method)} is not supported; OpenAI batch lines use POST")
     if url != OPENAI_CHAT_URL:
-        raise RowProblem(f"url {_show(url)} is not supported; batchrun runs {OPENAI_CHAT_URL} requests only")
+        raise RowProblem(f"url {show(url)} is not supported; batchrun runs {OPENAI_CHAT_URL} requests only")
     if not isinstance(body, dict):
         raise RowProblem(f"body must be an object, got {_kind(body)}")
     count = body.get("n")
     if count is not None and (isinstance(count, bool) or count != 1):
-        raise RowProblem(f"body.n is {_show(count)}; batchrun writes exactly one answer per request")
+        raise RowProblem(f"body.n is {show(count)}; batchrun writes exactly one answer per request")
     if body.get("messages") is None:
         raise RowProblem("body.messages is missing")
     limit, completion_limit = body.get("max_tokens"), body.get("max_completion_tokens")
@@ -324,7 +323,7 @@ def _messages(value: object, what: str, default_system: str | None, developer_is
         if developer_is_system and role == "developer":  # OpenAI's newer name for the system role
             role = "system"
         if role not in ROLES:
-            got = "missing" if role is None else _show(role)
+            got = "missing" if role is None else show(role)
             raise RowProblem(f"{where}.role is {got}; use one of {', '.join(ROLES)}")
         if role == "system" and position > 0:
             raise RowProblem(f"{where}: a system message may only come first")
@@ -347,7 +346,7 @@ def _text_parts(parts: list, what: str) -> str:
         if "type" not in part:
             raise RowProblem(f"{what}[{position}] has no type; a text part is {{\"type\": \"text\", \"text\": ...}}")
         if part["type"] != "text":
-            raise RowProblem(f"{what}[{position}] is a {_show(part['type'])} part; only text parts can be sent "
+            raise RowProblem(f"{what}[{position}] is a {show(part['type'])} part; only text parts can be sent "
                              "to a text model")
         texts.append(_text(part.get("text"), f"{what}[{position}].text", allow_empty=True))
     return "\n".join(text for text in texts if text)
@@ -362,7 +361,7 @@ def _choices(value: object, what: str) -> tuple[str, ...]:
     for choice in value:
         _text(choice, f"each of {what}", allow_empty=False)
         if choice in seen:
-            raise RowProblem(f"{what} has {_show(choice)} twice")
+            raise RowProblem(f"{what} has {show(choice)} twice")
         seen.add(choice)
     return tuple(value)
 
@@ -403,137 +402,14 @@ def _refuse_unknown_keys(mapping: Mapping, known: Sequence[str], context: str) -
         if key not in known and value is not None:
             guess = difflib.get_close_matches(str(key), known, n=1)
             hint = f"did you mean {guess[0]!r}?" if guess else f"known keys: {', '.join(known)}"
-            raise RowProblem(f"unknown key {_show(key)}{context} ({hint})")
+            raise RowProblem(f"unknown key {show(key)}{context} ({hint})")
 
 
 def _kind(value: object) -> str:
     names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
              dict: "an object", type(None): "null"}
     kind = names.get(type(value), f"a {type(value).__name__} value")
-    return f"{kind} ({_show(value)})" if isinstance(value, (int, float)) else kind
-
-
-def _show(value: object, limit: int = 60) -> str:
-    try:
-        text = repr(value)
-    except ValueError:  # integers beyond Python's str() digit limit
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{kind} ({show(value)})" if isinstance(value, (int, float)) else kind
 
 
 # ----------------------------------------------------------------------------------------------- files
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """json.loads keeps the last of doubled keys silently; a doubled field is an error here."""
-    row = dict(pairs)
-    if len(row) != len(pairs):
-        keys = [key for key, _ in pairs]
-        raise _DuplicateKey(next(key for key in keys if keys.count(key) > 1))
-    return row
-
-
-def _sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _jsonl_rows(data: bytes, shown: str) -> Iterator[tuple[int, object]]:
-    """(line number, parsed value or RowProblem) for each non-blank line; line numbers count blank lines."""
-    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark, as Windows editors write
-    if re.match(rb"\s*\[", data):
-        raise SpecError([f"{shown}: the file holds a JSON array; write one JSON object per line (JSONL)"])
-    if _one_object_over_several_lines(data):
-        raise SpecError([f"{shown}: the file holds JSON objects spread over several lines (pretty-printed); "
-                         "write one JSON object per line (JSONL)"])
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as error:
-            bad_byte = f"byte 0x{raw[error.start]:02x} at column {error.start + 1}"
-            yield number, RowProblem(f"not valid UTF-8 ({bad_byte})")
-            continue
-        try:
-            yield number, json.loads(text, object_pairs_hook=_unique_keys)
-        except _DuplicateKey as duplicate:
-            yield number, RowProblem(f"key {_show(duplicate.args[0])} appears twice")
-        except json.JSONDecodeError as error:
-            yield number, RowProblem(f"malformed JSON: {error.msg} (column {error.colno})")
-        except RecursionError:
-            yield number, RowProblem("malformed JSON: nested too deeply")
-        except ValueError as error:  # an integer literal beyond Python's digit limit; drop the sys.* advice
-            yield number, RowProblem(f"malformed JSON: {str(error).split(';')[0]}")
-
-
-def _one_object_over_several_lines(data: bytes) -> bool:
-    """Pretty-printed JSON: the file's first value is an object that spans several lines (one or many objects)."""
-    first = next((line for line in data.split(b"\n", 64) if line.strip()), b"")
-    try:
-        json.loads(first)
-        return False  # a JSONL file: its first line is a value of its own
-    except (ValueError, RecursionError):
-        pass
-    try:
-        text = data.decode("utf-8")
-        start = len(text) - len(text.lstrip())
-        value, end = json.JSONDecoder().raw_decode(text, start)  # reads the first value only, not the whole file
-    except (ValueError, RecursionError):  # also UnicodeDecodeError
-        return False
-    return isinstance(value, dict) and "\n" in text[start:end]
-
-
-def _parquet_rows(path: Path, shown: str, job: _Job) -> Iterator[tuple[int, object]]:
-    """(1-based row number, row dict) for each Parquet row; only the needed columns in corpus mode."""
-    import pyarrow  # imported here so reading a JSONL spec does not pay for pyarrow's import
-    import pyarrow.parquet as parquet
-
-    try:
-        reader = parquet.ParquetFile(path)
-        names = reader.schema_arrow.names
-    except (pyarrow.ArrowException, OSError, ValueError) as error:
-        raise SpecError([f"{shown}: not a readable Parquet file ({error})"]) from None
-    number = 0
-    try:
-        columns = _parquet_columns(names, shown, job)
-        for batch in reader.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=columns):
-            for row in batch.to_pylist():
-                number += 1
-                yield number, row
-    except SpecError:  # a ValueError too, but already worded for the user
-        raise
-    except (pyarrow.ArrowException, OSError, ValueError, OverflowError) as error:
-        raise SpecError([f"{shown}: cannot read Parquet data after row {number} ({error})"]) from None
-    finally:
-        reader.close()
-
-
-def _parquet_columns(names: list[str], shown: str, job: _Job) -> list[str] | None:
-    """The columns to read (None: all), after the checks that would otherwise fail every row alike."""
-    doubled = sorted({name for name in names if names.count(name) > 1})
-    if doubled:
-        raise SpecError([f"{shown}: column {_show(doubled[0])} appears more than once"])
-    if job.template is None:
-        unknown = [name for name in names if name not in NATIVE_KEYS + OPENAI_KEYS]
-        if unknown:
-            guess = difflib.get_close_matches(unknown[0], NATIVE_KEYS + OPENAI_KEYS, n=1)
-            hint = f" (did you mean {guess[0]!r}?)" if guess else " (for a corpus, give a template)"
-            raise SpecError([f"{shown}: unknown column {_show(unknown[0])}{hint}"])
-        return None
-    columns = template_columns(job.template)
-    if job.id_column and job.id_column not in columns:
-        columns.append(job.id_column)
-    for name in columns:
-        if name not in names:
-            named_by = "id_column" if name == job.id_column else "the template"
-            raise SpecError([f"{shown}: no column {_show(name)}, which {named_by} names "
-                             f"(columns: {', '.join(names) or 'none'})"])
-    return columns
