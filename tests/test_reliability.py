@@ -150,17 +150,21 @@ def wait_until_stopped(process: subprocess.Popen, timeout: float = 120.0) -> Non
     pytest.fail("the first run never reached its stop point")
 
 
+def start_paused_in_first_pass(tmp_path, model, home) -> tuple[list[str], Path, subprocess.Popen]:
+    """A run that paused itself inside its first pass, holding the job: deterministic, outside any transaction."""
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("needs /proc to see that the run is paused")
+    db = tmp_path / "progress.db"
+    args = submit_args(mixed_job(tmp_path / "job.jsonl"), model, db, tmp_path / "answers.parquet", *JOB_OPTIONS)
+    first = start(args, batchrun_env(home, BATCHRUN_STOP_AT="layer:1"))
+    wait_until_stopped(first)
+    return args, db, first
+
+
 def test_a_second_run_of_a_running_job_is_refused_naming_the_holder_and_a_dead_holder_blocks_nothing(
         tmp_path, tiny_checkpoint, isolated_state):
-    if not Path("/proc/self/stat").exists():
-        pytest.skip("needs /proc to see that the first run is paused")
-    spec = mixed_job(tmp_path / "job.jsonl")
-    db, output = tmp_path / "progress.db", tmp_path / "answers.parquet"
-    args = submit_args(spec, tiny_checkpoint("llama"), db, output, *JOB_OPTIONS)
-    # The first run pauses itself inside its first pass, holding the job: deterministic, and outside any transaction.
-    first = start(args, batchrun_env(isolated_state, BATCHRUN_STOP_AT="layer:1"))
+    args, db, first = start_paused_in_first_pass(tmp_path, tiny_checkpoint("llama"), isolated_state)
     try:
-        wait_until_stopped(first)
         status = run(["status", "--db", str(db), "--json"], batchrun_env(isolated_state))
         assert status.returncode == 0, status.describe()
         assert '"running_pid": %d' % first.pid in status.stdout and '"state": "running"' in status.stdout
@@ -182,14 +186,8 @@ def test_a_second_run_of_a_running_job_is_refused_naming_the_holder_and_a_dead_h
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_unwind_like_ctrl_c_and_the_job_resumes(tmp_path, tiny_checkpoint, isolated_state, signum):
     """docker stop, systemd, Slurm and a closed terminal send these: the run is marked interrupted, the lock freed."""
-    if not Path("/proc/self/stat").exists():
-        pytest.skip("needs /proc to see that the run is paused")
-    spec = mixed_job(tmp_path / "job.jsonl")
-    db, output = tmp_path / "progress.db", tmp_path / "answers.parquet"
-    args = submit_args(spec, tiny_checkpoint("llama"), db, output, *JOB_OPTIONS)
-    first = start(args, batchrun_env(isolated_state, BATCHRUN_STOP_AT="layer:1"))
+    args, db, first = start_paused_in_first_pass(tmp_path, tiny_checkpoint("llama"), isolated_state)
     try:
-        wait_until_stopped(first)
         first.send_signal(signum)
         first.send_signal(signal.SIGCONT)
     finally:
