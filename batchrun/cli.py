@@ -215,7 +215,8 @@ def status(job, db, as_json):
                f"of {info['rows_total']}\n"
                f"  partial  {info['partial_tokens']} tokens generated in {info['partial_rows']} unfinished rows "
                f"(kept on resume)\n"
-               f"  passes   {info['passes']}\n  elapsed  {format_duration(info['elapsed_seconds'])}\n  eta      {eta}")
+               f"  passes   {info['passes']}\n  elapsed  {format_duration(info['elapsed_seconds'])}\n  eta      {eta}"
+               + (f"\n  failed   {info['last_error']}" if info.get("last_error") else ""))
 
 
 @cli.command()

@@ -89,7 +89,7 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
                                   settings=options.answer_settings(),
                                   rows=_all_row_ids(prepared))
         store.acquire(job_id)
-        state = "failed"
+        state, error = "failed", None
         try:
             with store.heartbeat_while_running(job_id):
                 summary = _run(prepared, store, job_id, quiet=quiet, on_plan=on_plan)
@@ -99,8 +99,11 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
         except KeyboardInterrupt:
             state = "interrupted"
             raise
+        except Exception as failure:  # recorded for `status`, then raised as it was
+            error = f"{type(failure).__name__}: {failure}" if state == "failed" else None
+            raise
         finally:
-            _release(store, job_id, state)
+            _release(store, job_id, state, error)
     finally:
         store.close()
 
@@ -134,13 +137,13 @@ def _write_output(store: Store, job_id: str, path: Path, fmt: str, force: bool) 
                             f"database: {_export_command(store, job_id)} writes them") from None
 
 
-def _release(store: Store, job_id: str, state: str) -> None:
+def _release(store: Store, job_id: str, state: str, error: str | None = None) -> None:
     """Release the job. When the run already failed (disk full, ...), a release failing the same way must not
     hide that first error; the lock left behind is taken over by the next run, as after a crash. A SIGTERM waits
     for the release: cut short, it would leave the run looking dead (and maybe killed for lack of memory)."""
     try:
         with stops_deferred():
-            store.release(job_id, state)
+            store.release(job_id, state, error)
     except StoreError:
         if state == "done":
             raise

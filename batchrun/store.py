@@ -261,8 +261,9 @@ class Store:
                 (batch_size, planned_peak_bytes, memory_cgroup, oom_kills_at_start, planned_passes, job_id, run_no),
             )
 
-    def release(self, job_id: str, end_state: str) -> None:
-        """Close this process's run with end_state, drop its lock, and set the job state to end_state."""
+    def release(self, job_id: str, end_state: str, error: str | None = None) -> None:
+        """Close this process's run with end_state (and, for a failure, why), drop its lock, and set the job state
+        to end_state."""
         _check_choice("run end state", end_state, RUN_END_STATES)
         run_no = self._current_run.pop(job_id, None)
         now = _now()
@@ -270,9 +271,9 @@ class Store:
             with self._write("release the job") as conn:
                 if run_no is not None:
                     conn.execute(
-                        "update runs set end_state = ?, ended_at = ?, last_active_at = ? "
+                        "update runs set end_state = ?, ended_at = ?, last_active_at = ?, error = ? "
                         "where job_id = ? and run_no = ?",
-                        (end_state, now, now, job_id, run_no),
+                        (end_state, now, now, error, job_id, run_no),
                     )
                 conn.execute(
                     "delete from locks where job_id = ? and pid = ? and host = ?", (job_id, os.getpid(), HOST)
@@ -319,12 +320,14 @@ class Store:
         elapsed = sum(run_seconds(run, live=run["run_no"] == live_run_no, now=now) for run in runs)
         summary = _job_summary(job, counts, live=live_run_no is not None)
         live = next((run for run in runs if run["run_no"] == live_run_no), None)
+        last = max(runs, key=lambda run: run["run_no"], default=None)
         return {
             **summary,
             "partial_rows": partial_rows,
             "partial_tokens": partial_token_count,
             "elapsed_seconds": elapsed,
             "eta_seconds": eta_seconds(summary, elapsed, live, now),
+            "last_error": last.get("error") if last and last["end_state"] == "failed" else None,
             "running_pid": lock["pid"] if live_run_no is not None else None,
             "running_host": lock["host"] if live_run_no is not None else None,
         }

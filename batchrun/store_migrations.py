@@ -139,6 +139,12 @@ def m006_died_runs(db: sqlite_utils.Database) -> None:
     db.execute("update runs set end_state = 'died' where end_state = 'interrupted'")
 
 
+@migration
+def m007_run_error(db: sqlite_utils.Database) -> None:
+    # Why a run failed, for `status` the morning after (the traceback, if any, went to a terminal long closed).
+    db["runs"].add_column("error", str)
+
+
 def applied_migrations(db: sqlite_utils.Database) -> set[str]:
     if not db[MIGRATIONS_TABLE].exists():
         return set()

@@ -132,6 +132,18 @@ def test_the_jobs_own_spec_and_database_are_never_an_output_even_with_force(tmp_
     assert spec.read_bytes() == spec_bytes and db.read_bytes() == db_bytes
 
 
+def test_status_says_why_a_job_failed(tmp_path, spec, model):
+    """The morning after, the terminal that showed the error is gone: status keeps the reason."""
+    failed = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db", "--memory", "0.001")
+    assert failed.exit_code == 1 and "the plan refuses this job" in failed.stderr
+    status = invoke("status", "--db", tmp_path / "j.db")
+    assert re.search(r"^job [0-9a-f]{16}: failed$", status.stdout, re.M), status.stdout
+    assert re.search(r"^  failed   PlanRefused: the plan refuses this job: does not fit", status.stdout, re.M)
+    done = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db")
+    assert done.exit_code == 0
+    assert "failed " not in invoke("status", "--db", tmp_path / "j.db").stdout  # the last run's, not history
+
+
 def test_results_know_the_jobs_spec_from_any_directory(tmp_path, model, monkeypatch):
     """A spec given as a relative path is the file in the directory submit ran in, not in the one results runs in."""
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()

@@ -49,11 +49,11 @@ def test_a_sigterm_during_a_runs_release_lets_the_release_finish(tmp_path):
         store.acquire(job_id)
         release = store.release
 
-        def release_with_a_stop_midway(job, state):
+        def release_with_a_stop_midway(*args):
             os.kill(os.getpid(), signal.SIGTERM)
             for _ in range(1000):
                 pass
-            release(job, state)
+            release(*args)
 
         store.release = release_with_a_stop_midway
         with pytest.raises(Stopped), stop_signals_unwind():
