@@ -421,6 +421,7 @@ class StreamedModel:
             self._release(index)
         for handle in self._hooks:
             handle.remove()
+        self.model.register_forward_pre_hook(_refuse_closed)  # not a device error from the meta layers
         self.loader.close()
 
     def __enter__(self):
@@ -435,6 +436,10 @@ class StreamedModel:
             self.close()
         except Exception:
             pass
+
+
+def _refuse_closed(module, args):
+    raise RuntimeError("this StreamedModel is closed: its layers are no longer read from disk; open a new one")
 
 
 def _assign(module: torch.nn.Module, dotted: str, tensor: torch.Tensor) -> None:

@@ -122,6 +122,8 @@ def test_close_is_idempotent_and_tokenizer_attached(tiny_checkpoint):
     assert streamed.dtype == torch.float32  # float32 on CPU by default
     streamed.close()
     streamed.close()
+    with pytest.raises(RuntimeError, match="this StreamedModel is closed"):
+        streamed.model(input_ids=torch.tensor([[1, 2]]))
 
 
 def test_pickle_only_checkpoint_is_refused_by_name(tmp_path, tiny_checkpoint):
