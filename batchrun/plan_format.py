@@ -59,8 +59,8 @@ def format_plan_table(report: Mapping) -> str:
 
 
 def format_comparison(candidates: Iterable | Mapping) -> str:
-    """Several plans side by side (mode, peak memory, passes, ETA, disk needed), then each one's blockers.
-    Takes candidates (Candidate objects or their JSON) or a plan report holding "candidates"."""
+    """Several plans side by side (mode, peak memory, passes, ETA, disk needed), then each one's blockers and
+    caveats. Takes candidates (Candidate objects or their JSON) or a plan report holding "candidates"."""
     summary = ""
     if isinstance(candidates, Mapping):
         summary, candidates = _job_summary(candidates), candidates["candidates"]
@@ -85,6 +85,7 @@ def format_comparison(candidates: Iterable | Mapping) -> str:
         text.append("  ".join([label.ljust(label_width)] + [v.ljust(w) for v, w in zip(values, widths)]).rstrip())
     for header, report in zip(headers, reports):
         text += _listed(f"{header} blockers", report.get("blockers", []))
+        text += _listed(f"{header} caveats", report.get("caveats", []))
     return "\n".join(([summary, ""] if summary else []) + text)
 
 

@@ -314,6 +314,14 @@ def test_plan_compares_two_models_side_by_side(spec, tiny_checkpoint):
         assert re.search(rf"^{label}\s+{values}$", result.stdout, re.M), label
     as_json = json.loads(invoke("plan", spec, "--model", llama, "--model", qwen, "--json").stdout)
     assert [c["model"] for c in as_json["candidates"]] == [str(llama), str(qwen)]
+    # each model's caveats follow the table, named by model (here: bandwidth not measured for --streaming always)
+    streamed = invoke("plan", spec, "--model", llama, "--model", qwen, "--streaming", "always")
+    caveats = {c["model"]: c["caveats"] for c in json.loads(invoke(
+        "plan", spec, "--model", llama, "--model", qwen, "--streaming", "always", "--json").stdout)["candidates"]}
+    for name in (llama, qwen):
+        if caveats[str(name)]:
+            assert f"{name} caveats:" in streamed.stdout and caveats[str(name)][0] in streamed.stdout
+    assert any(caveats.values())
 
 
 def test_plan_shows_why_a_pickle_only_checkpoint_cannot_be_used(tmp_path, spec, model):
