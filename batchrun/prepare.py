@@ -103,6 +103,11 @@ def names_default_model(model: str | None) -> bool:
     return model is None or (model == "default" and not Path(model).exists())
 
 
+def model_label(model: str | None) -> str:
+    """How plans, jobs and outputs name a model: the --model given, or the default model's label."""
+    return DEFAULT_MODEL_LABEL if names_default_model(model) else model
+
+
 def resolve_model(model: str | None, options: JobOptions) -> Path:
     if names_default_model(model):
         from batchrun.default import default_model
@@ -124,8 +129,8 @@ def prepare_model(model: str | None, options: JobOptions) -> PreparedModel:
         raise CheckpointError(f"{checkpoint}: the checkpoint ships no tokenizer, so text prompts cannot be encoded")
     # A 262k-entry vocabulary (Gemma) holds ~310 MB, SmolLM2's ~50 MB: part of the run's fixed cost.
     tokenizer_bytes = max(after - before, 0) if before is not None and after is not None else 0
-    name = DEFAULT_MODEL_LABEL if names_default_model(model) else model
-    return PreparedModel(name, checkpoint, sizes, tokenizer, sizes.max_position_embeddings, tokenizer_bytes)
+    return PreparedModel(model_label(model), checkpoint, sizes, tokenizer, sizes.max_position_embeddings,
+                         tokenizer_bytes)
 
 
 def read_job_spec(spec_path: Path, options: JobOptions) -> JobSpec:
@@ -269,8 +274,7 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
         try:
             prepared = prepare_model(model, options)
         except CheckpointError as exc:
-            report["candidates"].append({"model": DEFAULT_MODEL_LABEL if names_default_model(model) else model,
-                                         "mode": None, "fits": False,
+            report["candidates"].append({"model": model_label(model), "mode": None, "fits": False,
                                          "reason": "the checkpoint cannot be used", "blockers": [str(exc)],
                                          "caveats": []})
             continue
@@ -283,6 +287,6 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
             report["new_tokens_max"] = max((r.request.max_new_tokens for r in rows if not r.is_choice), default=0)
             report["unrunnable_rows"] = [{"location": r.request.location, "reason": r.error} for r in rows if r.error]
         candidate = plan_rows(prepared, runnable, options, device).to_json()
-        candidate["model"] = DEFAULT_MODEL_LABEL if names_default_model(model) else model
+        candidate["model"] = model_label(model)
         report["candidates"].append(candidate)
     return report

@@ -1,7 +1,6 @@
 """One entry point for the executor: a model that runs resident when it fits, streamed when not."""
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import torch
@@ -12,10 +11,10 @@ from batchrun.devices import resolve_dtype
 from batchrun.linear_kernels import route_linears
 from batchrun.passes import keep_heap_flat, return_freed_memory
 from batchrun.stream import StreamedModel, find_decoder_stack, text_config
-from batchrun.tokenizer import load_tokenizer
+from batchrun.tokenizer import TokenizerOnDemand
 
 
-class ResidentModel:
+class ResidentModel(TokenizerOnDemand):
     """The plain transformers model, weights loaded once. Same surface as StreamedModel."""
 
     def __init__(self, checkpoint: Path, *, device: str, dtype=None, trust_remote_code: bool = False):
@@ -45,11 +44,6 @@ class ResidentModel:
                         for i, layer in enumerate(self.layers)]
         if self.device.type == "cpu":  # see passes.keep_heap_flat
             self._hooks += [layer.register_forward_hook(_return_freed_memory) for layer in self.layers]
-
-    @functools.cached_property
-    def tokenizer(self):
-        """Loaded on first use: the executor brings the one it planned with (a 262k vocabulary's takes ~300 MB)."""
-        return load_tokenizer(self.checkpoint, self._trust_remote_code)
 
     def _count_pass(self, module, args):
         if not self._in_pass:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import logging
 import os
 import threading
@@ -24,7 +23,7 @@ from batchrun.checkpoint import CheckpointError, load_config, read_tensor_infos,
 from batchrun.devices import default_device, resolve_dtype
 from batchrun.loader import LayerLoader, LayerWeights
 from batchrun.passes import LayerTurns, PassGroup, keep_heap_flat, return_freed_memory, run_threads
-from batchrun.tokenizer import load_tokenizer
+from batchrun.tokenizer import TokenizerOnDemand
 from batchrun.weights import Recipe, build_recipes, read_into, realize, tensor_from_bytes
 
 log = logging.getLogger(__name__)
@@ -87,7 +86,7 @@ class SlotPool:
         return retired
 
 
-class StreamedModel:
+class StreamedModel(TokenizerOnDemand):
     """A causal LM whose decoder layers are read from the checkpoint's safetensors as they run."""
 
     def __init__(self, model: str | Path, *, device: str | torch.device | None = None, dtype=None,
@@ -153,11 +152,6 @@ class StreamedModel:
         except (OSError, ValueError) as error:
             log.warning("%s/generation_config.json is not usable (%s); using config.json's settings",
                         self.checkpoint, error)
-
-    @functools.cached_property
-    def tokenizer(self):
-        """Loaded on first use: the executor brings the one it planned with (a 262k vocabulary's takes ~300 MB)."""
-        return load_tokenizer(self.checkpoint, self._trust_remote_code)
 
     def _split_recipes(self, recipes: dict[str, Recipe]) -> tuple[list[list[Recipe]], list[Recipe]]:
         per_layer: list[list[Recipe]] = [[] for _ in range(self.num_layers)]

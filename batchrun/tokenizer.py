@@ -1,6 +1,7 @@
 """The checkpoint's own tokenizer (fast when available). No torch needed."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -13,3 +14,15 @@ def load_tokenizer(checkpoint: Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+
+
+class TokenizerOnDemand:
+    """A model handle's `.tokenizer`, loaded on first use: the executor brings the one it planned with (a 262k
+    vocabulary's holds ~300 MB). The handle sets `checkpoint` and `_trust_remote_code`."""
+
+    checkpoint: Path
+    _trust_remote_code: bool = False
+
+    @functools.cached_property
+    def tokenizer(self):
+        return load_tokenizer(self.checkpoint, self._trust_remote_code)

@@ -406,13 +406,12 @@ def test_an_output_made_while_the_job_ran_is_kept_and_the_answers_are_exportable
 def test_a_run_loads_the_tokenizer_once_and_plans_for_its_memory(tmp_path, tiny_checkpoint, monkeypatch, streaming):
     """Gemma's 262k-entry tokenizer holds ~330 MB: the model handles must not load a second copy, and the plan must
     count the one the job holds."""
-    from batchrun import prepare, runtime, stream
+    from batchrun import prepare, tokenizer
 
     def second_copy(*args, **kwargs):
         raise AssertionError("the model handle loaded its own tokenizer")
 
-    monkeypatch.setattr(stream, "load_tokenizer", second_copy)
-    monkeypatch.setattr(runtime, "load_tokenizer", second_copy)
+    monkeypatch.setattr(tokenizer, "load_tokenizer", second_copy)  # what a handle's .tokenizer calls
     readings = iter([1 << 30, (1 << 30) + (300 << 20)])  # resident memory around the tokenizer's load
     monkeypatch.setattr(prepare.measure, "resident_bytes", lambda: next(readings, None))
     planned = []
