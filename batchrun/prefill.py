@@ -73,10 +73,15 @@ class SharedPrefix:
         self.targets: dict[int, object] = {}  # micro-batch -> its placeholder cache
 
     @staticmethod
-    def usable(model) -> bool:
-        """Only full-attention caches: a sliding window would count the padding between prefix and suffix."""
+    def usable(model, columns: int) -> bool:
+        """Whether a pass whose rows span at most `columns` cache positions ([prefix | padding | own tokens | tokens
+        decoded later]) can share: always with full attention only. A sliding window counts positions in the cache,
+        padding included, so it would see fewer of a row's tokens than the row alone does; but where every row fits
+        inside the smallest window, no window cuts anything (transformers masks key k from query q when
+        q - k >= window) and the windowed layers attend exactly like full ones."""
         probe = DynamicCache(config=model.config)
-        return not any(getattr(probe, "is_sliding", [False]))
+        windows = [layer.sliding_window for layer in probe.layers if getattr(layer, "is_sliding", False)]
+        return not windows or columns <= min(windows)
 
     def prefix_call(self):
         ids = torch.tensor([self.prefix], dtype=torch.long, device=self.device)
@@ -227,13 +232,18 @@ class PrefixSharedLayer(RoomyLayer):
 
 
 def prefill(handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, micro_batch: int | None,
-            use_cache: bool, share_prefix: bool = True) -> tuple[list[torch.Tensor], list[MicroState]]:
+            use_cache: bool, share_prefix: bool = True, decode_tokens: int = 0
+            ) -> tuple[list[torch.Tensor], list[MicroState]]:
     """The first pass over `seqs`: log-probs of the last `keep` positions of each, and the micro-batch states.
+    `decode_tokens`: at most how many tokens decode passes will append to these sequences (0 for choices).
 
     Returns per-sequence log-probs [keep, V] (in the order of `seqs`) and one MicroState per micro-batch.
     """
     model, device = handle.model, handle.device
-    sharing = share_prefix and len(seqs) > 1 and SharedPrefix.usable(model)
+    # A micro-batch spans the shared prefix plus its longest own part (the longest sequence at most), then grows by
+    # a position per decode step; merging micro-batches for decoding pads to the longest of them, no further.
+    columns = max((len(seq) for seq in seqs), default=0) + decode_tokens
+    sharing = share_prefix and len(seqs) > 1 and SharedPrefix.usable(model, columns)
     shared = shared_prefix_tokens(seqs, sharing, own_tokens=keep)
     groups = prefill_groups([len(seq) - shared for seq in seqs], micro_batch, device)
     calls, states = [], []

@@ -61,7 +61,8 @@ def install() -> None:
             raise PrefixAttentionError("a marked attention call (decode step or prefill) got other keys than its cache "
                                        "returned")
         prefix_keys, prefix_values, _ = prefix
-        plain = _plain_call(args, kwargs)
+        attended = key.shape[-2] + (prefix_keys.shape[-2] if query.shape[2] == 1 else 0)
+        plain = _plain_call(args, kwargs, attended)
         if query.shape[2] > 1:  # a prefill: its cache handed over [prefix | own] already
             if plain and attention_mask is not None and query.device.type == "cpu":
                 return attend_grouped(query, key, value, attention_mask, kwargs.get("scaling")), None
@@ -84,8 +85,12 @@ def concatenate(prefix_keys, prefix_values, own_keys, own_values) -> tuple[torch
             torch.cat([prefix_values.expand(batch, -1, -1, -1), own_values], dim=-2))
 
 
-def _plain_call(args: tuple, kwargs: dict) -> bool:
+def _plain_call(args: tuple, kwargs: dict, attended: int) -> bool:
+    """Plain scaled attention over `attended` key positions: no extra term changes the scores. A sliding window
+    (Gemma passes its layer's) changes nothing where every key lies inside it: prefixes are shared only then."""
     extras = {k for k, v in kwargs.items() if v is not None and k not in _PLAIN_KWARGS}
+    if "sliding_window" in extras and kwargs["sliding_window"] >= attended:
+        extras.discard("sliding_window")
     return not args and not extras and not kwargs.get("dropout")
 
 

@@ -17,7 +17,7 @@ from batchrun.checkpoint import (CheckpointError, CheckpointSizes, checkpoint_si
                                  resolve_checkpoint)
 from batchrun.checkpoint_files import weight_sample_digest
 from batchrun.errors import SettingRefused
-from batchrun.batching import shared_prefix_tokens
+from batchrun.batching import shared_prefix_tokens, windows_allow_sharing
 from batchrun.plan import Bandwidth, Candidate, RowCost, make_plan, parse_streaming
 from batchrun.prompts import (EncodedRow, encode_requests, kept_positions, shortest_first_pass_sequence,
                               uses_chat_template)
@@ -205,13 +205,15 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
               generated: dict[int, int] | None = None) -> Candidate:
     """Plan `rows` (runnable ones); `generated`: row index -> tokens a previous run already generated."""
     costs = row_costs(rows, generated)
-    # Sliding-window caches would count the padding between prefix and suffix: such models do not share (nor do
-    # those whose config leaves open which layers slide). The kept positions and shortest sequence of the first pass
-    # (score.py), so plan and run share the same prefix.
-    may_slide = any(prepared.sizes.sliding_windows) or prepared.sizes.windows_unknown
+    # The kept positions and shortest sequence of the first pass (score.py), so plan and run share the same prefix.
     shortest = min((shortest_first_pass_sequence(row) for row in rows), default=0)
-    shared = shared_prefix_tokens([row.prompt_ids for row in rows], own_tokens=kept_positions(rows),
-                                  sharing_allowed=not may_slide, shortest_sequence=shortest)
+    prompts = [row.prompt_ids for row in rows]
+    sizes = prepared.sizes
+    windows_allow = windows_allow_sharing(sizes.sliding_windows, sizes.windows_unknown, costs)
+    shared = shared_prefix_tokens(prompts, own_tokens=kept_positions(rows), sharing_allowed=windows_allow,
+                                  shortest_sequence=shortest)
+    common = 0 if windows_allow or sizes.windows_unknown else shared_prefix_tokens(
+        prompts, own_tokens=kept_positions(rows), shortest_sequence=shortest)
     compute_dtype = compute_dtype_for(options, device)
     budget = int(options.memory_gb * 1e9) if options.memory_gb else measure.available_memory_bytes(device)
     plan = make_plan(
@@ -226,6 +228,11 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
         batch_size=options.batch_size,
         context_length=prepared.context_length, shared_prefix_tokens=shared)
     caveats = plan.caveats + _glued_choices_caveat(prepared.tokenizer, rows, options.raw)
+    if common:
+        window = min(window for window in sizes.sliding_windows if window)
+        caveats.append(f"the rows share a {common}-token prompt head, but the longest reaches past the model's "
+                       f"{window}-token sliding window, so each row computes it (no shared prefix: the window would "
+                       f"count the padding between the head and a row's own tokens)")
     return replace(plan, linear_kernel=measure.linear_kernel(compute_dtype, device), caveats=caveats)
 
 

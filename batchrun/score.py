@@ -125,8 +125,9 @@ class GreedyBatch:
         """Run one pass; return the sequences that finished in it."""
         if self.states is None:
             seqs = [list(s.row.prompt_ids) + s.generated for s in self.live]
+            most_new = max(s.row.request.max_new_tokens - len(s.generated) for s in self.live)
             per_seq, self.states = prefill(self.handle, seqs, self.pad_id, keep=1, micro_batch=self.micro_batch,
-                                           use_cache=True, share_prefix=self.share_prefix)
+                                           use_cache=True, share_prefix=self.share_prefix, decode_tokens=most_new)
             logprobs = {i: lp[-1] for i, lp in enumerate(per_seq)}
             self._index = {i: seq for i, seq in enumerate(self.live)}
             self.states = merge_for_decode(self.states, self.decode_micro_batch)

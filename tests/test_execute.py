@@ -79,9 +79,10 @@ def reference_generation(model, tokenizer, prompt, max_new_tokens):
     return tokenizer.decode(new, skip_special_tokens=True), finish
 
 
-def run(spec, tmp_path, model, name, **options):
+def run(spec, tmp_path, model, name, on_plan=None, **options):
     out = tmp_path / f"{name}.parquet"
-    summary = submit(spec, options=JobOptions(model=str(model), **options), output=out, db=tmp_path / f"{name}.db")
+    summary = submit(spec, options=JobOptions(model=str(model), **options), output=out, db=tmp_path / f"{name}.db",
+                     on_plan=on_plan)
     return summary, pq.read_table(out).to_pylist()
 
 
@@ -479,3 +480,51 @@ def test_the_plan_warns_when_choices_would_glue_to_a_raw_prompt(tmp_path, tiny_c
     assert not any("text right after the prompt" in c for c in caveats["spaced"])
     templated = plan_report(glued, [model], JobOptions(model=model))["candidates"][0]["caveats"]
     assert not any("text right after the prompt" in c for c in templated)  # the chat template separates them
+
+
+@pytest.mark.parametrize("streaming", ["never", "always"])
+def test_a_sliding_window_model_shares_the_prefix_of_rows_that_fit_its_window(tmp_path, tiny_checkpoint, monkeypatch,
+                                                                              streaming):
+    """Gemma-style models (sliding and full layers) share an instruction head when every row, answer included, fits
+    the smallest window, where windowed layers attend like full ones: the answers stay the reference's. Rows that
+    reach past the window compute the head each, and the plan says why."""
+    import shutil
+
+    from batchrun import prefill as prefill_module
+
+    shared_at_run = []
+    real = prefill_module.SharedPrefix.__init__
+
+    def record(self, model, prefix, device):
+        shared_at_run.append(len(prefix))
+        real(self, model, prefix, device)
+
+    monkeypatch.setattr(prefill_module.SharedPrefix, "__init__", record)
+    wide = shutil.copytree(tiny_checkpoint("gemma3"), tmp_path / "gemma3-window-128")
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps(config | {"sliding_window": 128}))
+    instruction = "Read the customer review below and decide whether the customer is happy with the product. "
+    choices, generations = [], []
+    for i, text in enumerate(REVIEWS):
+        choices.append({"id": f"c{i}", "prompt": instruction + text, "choices": ["positive", "negative"]})
+        generations.append({"id": f"g{i}", "prompt": instruction + text, "max_new_tokens": 6})
+    model, tokenizer = reference_model(wide)
+    planned = []
+    summary, rows = run(write_jsonl(tmp_path / "c.jsonl", choices), tmp_path, wide, "c", streaming=streaming,
+                        on_plan=planned.append)
+    assert planned[0].shared_prefix_tokens == shared_at_run[0] > 16
+    for row, spec_row in zip(rows, choices):
+        expected = reference_choice_probs(model, tokenizer, spec_row["prompt"], spec_row["choices"])
+        assert all(dict(row["choice_probs"])[c] == pytest.approx(p, abs=1e-4) for c, p in expected.items())
+    shared_at_run.clear()
+    _, rows = run(write_jsonl(tmp_path / "g.jsonl", generations), tmp_path, wide, "g", streaming=streaming)
+    assert shared_at_run and shared_at_run[0] > 16
+    for row, spec_row in zip(rows, generations):
+        assert (row["answer"], row["finish_reason"]) == reference_generation(model, tokenizer, spec_row["prompt"], 6)
+    # The tiny model's own window (8 tokens) is shorter than any row: nothing shared, and the plan says why.
+    shared_at_run.clear()
+    planned.clear()
+    run(write_jsonl(tmp_path / "c8.jsonl", choices), tmp_path, tiny_checkpoint("gemma3"), "c8", streaming=streaming,
+        on_plan=planned.append)
+    assert not shared_at_run and planned[0].shared_prefix_tokens == 0
+    assert any("sliding window" in caveat and "prompt head" in caveat for caveat in planned[0].caveats)

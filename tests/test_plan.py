@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from batchrun.batching import (MICRO_BATCH_COST_TOKENS, micro_batches, prefill_groups, shared_prefix_tokens,
-                               without_prefix)
+                               windows_allow_sharing, without_prefix)
 from batchrun.checkpoint import sizes_from_config
 from batchrun.plan_time import batch_pass_flops
 from batchrun.plan import (
@@ -200,6 +200,15 @@ def test_shared_prefix_tokens_follow_the_executor_rules():
     # Choice rows keep the logits of the longest choice + 1 positions; multi-token choices ride after the prompt.
     assert shared_prefix_tokens([head, head], own_tokens=3) == 37
     assert shared_prefix_tokens([head, head], own_tokens=3, shortest_sequence=42) == 39
+
+
+def test_sliding_windows_allow_a_shared_prefix_only_where_every_row_fits_the_smallest():
+    rows = [RowCost(100, 20), RowCost(120, 4), RowCost(90, 0, (1, 3))]  # longest prompt 120 + most added 20
+    assert windows_allow_sharing([None, None], False, rows)  # full attention only
+    assert windows_allow_sharing([140, None, 512], False, rows)
+    assert not windows_allow_sharing([139, None, 512], False, rows)
+    assert not windows_allow_sharing([None, None], True, rows)  # a window, layers unknown: never
+    assert windows_allow_sharing([8], False, [])
 
 
 def test_published_70b_calibration_at_4k_context():

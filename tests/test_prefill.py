@@ -1,11 +1,14 @@
 """Micro-batched passes and the shared prefix give the same numbers as one plain forward per sequence."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
 from batchrun.batching import MIN_SHARED_PREFIX
-from batchrun.prefill import SharedPrefix, decode, drop_finished, merge_for_decode, prefill
+from batchrun.prefill import PrefixSharedLayer, SharedPrefix, decode, drop_finished, merge_for_decode, prefill
 from batchrun.runtime import ResidentModel
 from batchrun.stream import StreamedModel
 
@@ -158,13 +161,52 @@ def test_a_pass_no_decode_follows_keeps_no_keys_and_values_of_its_own(tiny_check
         handle.close()
 
 
-def test_sliding_window_models_do_not_share_prefixes(tiny_checkpoint):
+def widened_gemma3(tiny_checkpoint, tmp_path, window: int):
+    """The tiny Gemma 3 (two sliding layers, one full) with another window: same weights, other masks."""
+    checkpoint = shutil.copytree(tiny_checkpoint("gemma3"), tmp_path / f"gemma3-window-{window}")
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps(config | {"sliding_window": window}))
+    return checkpoint
+
+
+def test_sliding_window_models_do_not_share_prefixes_rows_reach_past_the_window(tiny_checkpoint):
     with StreamedModel(tiny_checkpoint("gemma3"), device="cpu", dtype=torch.float32) as handle:
-        assert not SharedPrefix.usable(handle.model)
-        seqs = sequences(handle.model.config.vocab_size)
-        got, _ = prefill(handle, seqs, 0, keep=1, micro_batch=2, use_cache=False, share_prefix=True)
+        window = handle.model.config.sliding_window
+        assert SharedPrefix.usable(handle.model, window) and not SharedPrefix.usable(handle.model, window + 1)
+        seqs = sequences(handle.model.config.vocab_size)  # 28-40 tokens against a window of 8
+        got, states = prefill(handle, seqs, 0, keep=1, micro_batch=2, use_cache=True, share_prefix=True)
+        assert not any(isinstance(layer, PrefixSharedLayer) for state in states for layer in state.cache.layers)
         for seq, lp in zip(seqs, got):
             assert (lp - plain_logprobs(handle, seq, 1)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ["streamed", "resident"])
+def test_sliding_window_models_share_a_prefix_when_every_row_fits_the_window(tiny_checkpoint, tmp_path, kind):
+    """Rows of 28-40 tokens decoding 3 more fit a window of 43: the windowed layers attend like full ones, so the
+    prefix is computed once, and prefill and decode steps give plain transformers' numbers (one sequence each)."""
+    handle = open_handle(kind, widened_gemma3(tiny_checkpoint, tmp_path, window=43))
+    try:
+        seqs = sequences(handle.model.config.vocab_size)
+        got, states = prefill(handle, seqs, 0, keep=1, micro_batch=2, use_cache=True, share_prefix=True,
+                              decode_tokens=3)
+        assert all(isinstance(layer, PrefixSharedLayer) for state in states for layer in state.cache.layers)
+        states = merge_for_decode(states, None)  # shared caches merge across length groups
+        assert len(states) == 1
+        tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
+        for seq, lp in zip(seqs, got):
+            assert (lp - plain_logprobs(handle, seq, 1)).abs().max().item() <= 1e-4
+        for after in (1, 0):
+            stepped = decode(handle, states, tokens, tokens_after=after)
+            for i in tokens:
+                seqs[i] = seqs[i] + [tokens[i]]
+                assert (stepped[i] - plain_logprobs(handle, seqs[i], 1)[-1]).abs().max().item() <= 1e-4
+            tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}
+        # one decode step more than announced would reach past the window: such a pass does not share
+        _, states = prefill(handle, seqs[:2], 0, keep=1, micro_batch=None, use_cache=True, share_prefix=True,
+                            decode_tokens=43 - max(len(seq) for seq in seqs[:2]) + 1)
+        assert not any(isinstance(layer, PrefixSharedLayer) for state in states for layer in state.cache.layers)
+    finally:
+        handle.close()
 
 
 def test_a_failing_micro_batch_fails_the_pass_and_releases_layers(tiny_checkpoint):

@@ -147,3 +147,28 @@ def test_a_marked_call_with_a_position_bias_attends_to_the_concatenation_through
     assert torch.equal(got, expected)
     without_bias = prefix_attention.attend_with_prefix(query, keys, values, prefix_keys, prefix_values, None, 0.5)
     assert not torch.allclose(got, without_bias, atol=1e-3)  # the bias mattered: the two-part path was not taken
+
+
+@pytest.mark.parametrize("window, two_part", [(11, True), (64, True), (10, False)])
+def test_a_sliding_window_that_covers_every_key_keeps_the_two_part_path(monkeypatch, window, two_part):
+    """Gemma passes its layer's window to the attention function; over 5 prefix + 6 own keys a window of 11 or more
+    masks nothing (prefixes are shared only then), a smaller one would, and goes to transformers over the whole."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    generator = torch.Generator().manual_seed(6)
+    query, keys, values = (torch.randn(2, 4, 1, 8, generator=generator), torch.randn(2, 4, 6, 8, generator=generator),
+                           torch.randn(2, 4, 6, 8, generator=generator))
+    prefix_keys = torch.randn(1, 4, 5, 8, generator=generator)
+    prefix_values = torch.randn(1, 4, 5, 8, generator=generator)
+    taken = []
+    real = prefix_attention.attend_with_prefix
+    monkeypatch.setattr(prefix_attention, "attend_with_prefix", lambda *a: taken.append(True) or real(*a))
+    prefix_attention.mark_next_call(prefix_keys, prefix_values, keys)
+    got, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](torch.nn.Module(), query, keys, values, None, scaling=0.5,
+                                             sliding_window=window)
+    assert bool(taken) == two_part
+    full_keys = torch.cat([prefix_keys.expand(2, -1, -1, -1), keys], dim=-2)
+    full_values = torch.cat([prefix_values.expand(2, -1, -1, -1), values], dim=-2)
+    expected, _ = ALL_ATTENTION_FUNCTIONS["sdpa"].__wrapped__(torch.nn.Module(), query, full_keys, full_values, None,
+                                                              scaling=0.5)
+    assert (got - expected).abs().max().item() <= 1e-5
