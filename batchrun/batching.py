@@ -185,15 +185,13 @@ def shared_prefix_tokens(prompts: Sequence[Sequence[int]], sharing_allowed: bool
     return shared if shared >= MIN_SHARED_PREFIX else 0
 
 
-def windows_allow_sharing(sliding_windows: Sequence[int | None], windows_unknown: bool,
+def windows_allow_sharing(sliding_windows: Sequence[int | None], unplaced_window: int | None,
                           rows: Sequence[RowCost]) -> bool:
     """Sliding-window layers count the padding between a shared prefix and a row's own tokens, so a model with them
     shares a prefix only where no row can reach past the smallest window: the longest prompt plus the most tokens
-    any row adds (prefill.SharedPrefix.usable checks each pass, which never spans more). A config that leaves open
-    which layers slide shares nothing: the plan cannot tell which caches the runtime will build."""
-    if windows_unknown:
-        return False
-    windows = [window for window in sliding_windows if window]
+    any row adds (prefill.SharedPrefix.usable checks each pass, which never spans more). `unplaced_window`: the
+    window of a config that does not say which layers slide; inside it no layer's window cuts anything either."""
+    windows = [window for window in sliding_windows if window] + ([unplaced_window] if unplaced_window else [])
     if not windows or not rows:
         return True
     longest = (max(row.prompt_tokens for row in rows)

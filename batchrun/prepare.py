@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from array import array
 from dataclasses import asdict, dataclass, field, replace
@@ -209,11 +210,11 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
     shortest = min((shortest_first_pass_sequence(row) for row in rows), default=0)
     prompts = [row.prompt_ids for row in rows]
     sizes = prepared.sizes
-    windows_allow = windows_allow_sharing(sizes.sliding_windows, sizes.windows_unknown, costs)
+    windows_allow = windows_allow_sharing(sizes.sliding_windows, sizes.unplaced_window, costs)
     shared = shared_prefix_tokens(prompts, own_tokens=kept_positions(rows), sharing_allowed=windows_allow,
                                   shortest_sequence=shortest)
-    common = 0 if windows_allow or sizes.windows_unknown else shared_prefix_tokens(
-        prompts, own_tokens=kept_positions(rows), shortest_sequence=shortest)
+    common = 0 if windows_allow else shared_prefix_tokens(prompts, own_tokens=kept_positions(rows),
+                                                          shortest_sequence=shortest)
     compute_dtype = compute_dtype_for(options, device)
     budget = int(options.memory_gb * 1e9) if options.memory_gb else measure.available_memory_bytes(device)
     plan = make_plan(
@@ -229,7 +230,7 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
         context_length=prepared.context_length, shared_prefix_tokens=shared)
     caveats = plan.caveats + _glued_choices_caveat(prepared.tokenizer, rows, options.raw)
     if common:
-        window = min(window for window in sizes.sliding_windows if window)
+        window = min([window for window in sizes.sliding_windows if window] + [sizes.unplaced_window or math.inf])
         caveats.append(f"the rows share a {common}-token prompt head, but the longest reaches past the model's "
                        f"{window}-token sliding window, so each row computes it (no shared prefix: the window would "
                        f"count the padding between the head and a row's own tokens)")

@@ -45,7 +45,7 @@ class CheckpointSizes:
     head_dim: int
     vocab_size: int
     tied_embeddings: bool
-    sliding_windows: list[int | None]  # per layer; None = full attention (or unknown: see windows_unknown)
+    sliding_windows: list[int | None]  # per layer; None = full attention (or unknown: see unplaced_window)
     max_position_embeddings: int | None
     moe: dict | None  # {"num_experts": n, "experts_per_token": k}
     estimated: bool  # True only for the parameter-count fallback
@@ -53,9 +53,9 @@ class CheckpointSizes:
     decoder_prefix: str | None = None  # e.g. "model.layers"; None for an estimate
     assumptions: list[str] = field(default_factory=list)  # config fields the sizes had to assume
     quantization: str | None = None  # the config's quantization_config quant_method (packed weights plus scales)
-    # A window and no word on which layers use it: KV is sized as full attention and no prefix is shared, the
-    # conservative reading of both (transformers' config classes fill in layer types that config.json leaves out).
-    windows_unknown: bool = False
+    # A window and no word on which layers use it: KV is sized as full attention, and a prefix is shared only by
+    # rows that fit the window (transformers' config classes fill in layer types that config.json leaves out).
+    unplaced_window: int | None = None
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -243,7 +243,7 @@ class _Architecture:
     max_position_embeddings: int | None
     moe: dict | None
     assumptions: list[str]
-    windows_unknown: bool
+    unplaced_window: int | None
 
     @classmethod
     def read(cls, text: dict, where: str, num_layers: int, embedding_shape: tuple[int, ...] | None) -> _Architecture:
@@ -276,10 +276,10 @@ class _Architecture:
                             ("num_key_value_heads", kv_heads), ("vocab_size", vocab)):
             if not isinstance(value, int) or value < 1:
                 raise CheckpointError(f"{where}: {name} must be a positive integer, got {value!r}")
-        windows, windows_unknown = _sliding_windows(text, num_layers)
-        if windows_unknown:
-            assumptions.append(f"sliding_window={text['sliding_window']} without layer types: KV sized as full "
-                               "attention on every layer, no shared prompt prefix")
+        windows, unplaced_window = _sliding_windows(text, num_layers)
+        if unplaced_window:
+            assumptions.append(f"sliding_window={unplaced_window} without layer types: KV sized as full attention on "
+                               "every layer, a prompt prefix shared only by rows that fit the window")
         experts = _first(text, EXPERT_KEYS)
         moe = None
         if isinstance(experts, int) and experts > 1:
@@ -287,7 +287,7 @@ class _Architecture:
         # Untied is the conservative reading when the config is silent (one more vocab x hidden matrix).
         tied = bool(text.get("tie_word_embeddings", False))
         return cls(str(text.get("model_type", "unknown")), hidden, intermediate, heads, kv_heads, head_dim, vocab,
-                   tied, windows, _first(text, CONTEXT_KEYS), moe, assumptions, windows_unknown)
+                   tied, windows, _first(text, CONTEXT_KEYS), moe, assumptions, unplaced_window)
 
     def size_fields(self) -> dict:
         return {
@@ -296,29 +296,29 @@ class _Architecture:
             "head_dim": self.head_dim, "vocab_size": self.vocab_size, "sliding_windows": self.sliding_windows,
             "max_position_embeddings": self.max_position_embeddings, "moe": self.moe,
             "assumptions": list(self.assumptions), "model_type": self.model_type,
-            "windows_unknown": self.windows_unknown,
+            "unplaced_window": self.unplaced_window,
         }
 
 
-def _sliding_windows(text: dict, num_layers: int) -> tuple[list[int | None], bool]:
-    """Per-layer attention window (None = full) where the config says which layers slide, and whether it has a
-    window without saying that."""
+def _sliding_windows(text: dict, num_layers: int) -> tuple[list[int | None], int | None]:
+    """Per-layer attention window (None = full) where the config says which layers slide, and the window of a config
+    that does not say which (None otherwise)."""
     window = text.get("sliding_window")
     layer_types = text.get("layer_types")
     if isinstance(layer_types, list) and len(layer_types) == num_layers:
-        return [window if kind == "sliding_attention" and window else None for kind in layer_types], False
+        return [window if kind == "sliding_attention" and window else None for kind in layer_types], None
     if not window or text.get("use_sliding_window") is False:
-        return [None] * num_layers, False
+        return [None] * num_layers, None
     pattern = text.get("sliding_window_pattern")
     if isinstance(pattern, int) and pattern > 0:  # every pattern-th layer attends fully (Gemma 3)
-        return [None if (layer + 1) % pattern == 0 else window for layer in range(num_layers)], False
+        return [None if (layer + 1) % pattern == 0 else window for layer in range(num_layers)], None
     if text.get("use_sliding_window") is True:  # Qwen-style: layers from max_window_layers on slide
         first_sliding = text.get("max_window_layers") or 0
-        return [window if layer >= first_sliding else None for layer in range(num_layers)], False
+        return [window if layer >= first_sliding else None for layer in range(num_layers)], None
     # A window and nothing saying which layers use it: which do depends on the model's config class (Mistral-7B-v0.1
     # and Phi-3-mini-4k slide on every layer, Gemma 2 on every other one), so the plan takes the larger KV of full
-    # attention and the smaller batch of no prefix sharing (sliding caches refuse it).
-    return [None] * num_layers, True
+    # attention, and shares a prefix only among rows that fit the window (where no layer's window cuts anything).
+    return [None] * num_layers, window
 
 
 def _text_config(config: dict) -> dict:

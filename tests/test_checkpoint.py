@@ -333,7 +333,7 @@ def test_layer_types_override_any_pattern():
     assert sizes_from_config(config).sliding_windows == [512, None, 512, None]
 
 
-def test_window_without_layer_information_is_planned_as_full_attention_without_prefix_sharing():
+def test_window_without_layer_information_is_planned_as_full_attention_sharing_only_inside_the_window():
     from transformers import Gemma2Config, MistralConfig
     from transformers.cache_utils import DynamicCache
 
@@ -341,8 +341,8 @@ def test_window_without_layer_information_is_planned_as_full_attention_without_p
 
     config = dict(TINY_CONFIG, sliding_window=4)  # Mistral-7B-v0.1 and gemma-2 configs say no more than this
     sizes = sizes_from_config(config)
-    assert sizes.windows_unknown and sizes.sliding_windows == [None, None]
-    assert any("sliding_window=4" in note and "no shared prompt prefix" in note for note in sizes.assumptions)
+    assert sizes.unplaced_window == 4 and sizes.sliding_windows == [None, None]
+    assert any("sliding_window=4" in note and "only by rows that fit the window" in note for note in sizes.assumptions)
     # What the runtime builds from such configs differs by model class: every layer slides (Mistral), or every other
     # one (Gemma 2). Sized as full attention, the plan's KV is never below either's.
     assert DynamicCache(config=MistralConfig(num_hidden_layers=2, sliding_window=4)).is_sliding == [True, True]

@@ -441,17 +441,23 @@ def test_disk_measures_a_checkpoint_directory(tmp_path, model):
     assert str(checkpoint) in measured["how"]
 
 
-def test_plan_shares_no_prefix_when_the_config_does_not_say_which_layers_slide(tmp_path, model):
-    """A window without layer types (Mistral-7B-v0.1, gemma-2) may slide on any layer; sliding caches share nothing."""
+def test_a_window_the_config_does_not_place_on_layers_allows_sharing_only_to_rows_inside_it(tmp_path, model):
+    """A window without layer types (Mistral-7B-v0.1, gemma-2) may slide on any layer: rows that fit it share their
+    head (no window cuts anything there), rows that reach past it do not, and the plan says why."""
     import shutil
 
-    windowed = shutil.copytree(model, tmp_path / "windowed")
-    config = json.loads((windowed / "config.json").read_text())
-    (windowed / "config.json").write_text(json.dumps(config | {"sliding_window": 4096}))
     head = "Read the following customer note carefully and say in a few words what the customer wants. " * 4
     spec = write_jsonl(tmp_path / "shared.jsonl", [{"id": i, "prompt": head + p, "max_new_tokens": 4}
                                                    for i, p in enumerate(PROMPTS)])
-    plain, slid = (json.loads(invoke("plan", spec, "--model", m, "--raw", "--json").stdout)["candidates"][0]
-                   for m in (model, windowed))
-    assert plain["shared_prefix_tokens"] > 0 and slid["shared_prefix_tokens"] == 0
-    assert any("sliding_window=4096 without layer types" in note for note in slid["caveats"])
+    candidates = {}
+    for window in (None, 4096, 40):
+        windowed = shutil.copytree(model, tmp_path / f"window-{window}")
+        config = json.loads((windowed / "config.json").read_text())
+        (windowed / "config.json").write_text(json.dumps(config | {"sliding_window": window}))
+        result = invoke("plan", spec, "--model", windowed, "--raw", "--json")
+        assert result.exit_code == 0, result.output
+        candidates[window] = json.loads(result.stdout)["candidates"][0]
+    assert candidates[None]["shared_prefix_tokens"] == candidates[4096]["shared_prefix_tokens"] > 16
+    assert candidates[40]["shared_prefix_tokens"] == 0
+    assert any("sliding_window=4096 without layer types" in note for note in candidates[4096]["caveats"])
+    assert any("40-token sliding window" in note and "prompt head" in note for note in candidates[40]["caveats"])

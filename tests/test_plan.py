@@ -204,11 +204,12 @@ def test_shared_prefix_tokens_follow_the_executor_rules():
 
 def test_sliding_windows_allow_a_shared_prefix_only_where_every_row_fits_the_smallest():
     rows = [RowCost(100, 20), RowCost(120, 4), RowCost(90, 0, (1, 3))]  # longest prompt 120 + most added 20
-    assert windows_allow_sharing([None, None], False, rows)  # full attention only
-    assert windows_allow_sharing([140, None, 512], False, rows)
-    assert not windows_allow_sharing([139, None, 512], False, rows)
-    assert not windows_allow_sharing([None, None], True, rows)  # a window, layers unknown: never
-    assert windows_allow_sharing([8], False, [])
+    assert windows_allow_sharing([None, None], None, rows)  # full attention only
+    assert windows_allow_sharing([140, None, 512], None, rows)
+    assert not windows_allow_sharing([139, None, 512], None, rows)
+    # a window the config does not place on layers (Mistral-7B-v0.1, gemma-2): the same rule
+    assert windows_allow_sharing([None, None], 140, rows) and not windows_allow_sharing([None, None], 139, rows)
+    assert windows_allow_sharing([8], None, [])
 
 
 def test_published_70b_calibration_at_4k_context():
