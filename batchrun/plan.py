@@ -208,7 +208,9 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
         max_sequences = max(int(wanted), 1)
         return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
 
-    micro_per_sequence = typical_length * activation_per_token + per_sequence
+    # A micro-batch is cut from sequences sorted by length, so the last one holds the longest rows: its activations
+    # are bought at the longest prefill, as the peak counts them (batch_bytes), not at the median length.
+    micro_per_sequence = longest_prefill * activation_per_token + per_sequence
     micro_sequences = max(int(free_bytes * MICRO_BATCH_MEMORY_SHARE // micro_per_sequence), 1)
     held_per_token = kv_per_token + sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
     max_sequences = (free_bytes - micro_sequences * micro_per_sequence) // (typical_length * held_per_token)

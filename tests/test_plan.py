@@ -15,7 +15,7 @@ from batchrun.batching import (MICRO_BATCH_COST_TOKENS, micro_batches, prefill_g
 from batchrun.checkpoint import sizes_from_config
 from batchrun.plan_time import batch_pass_flops
 from batchrun.plan import (
-    HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, Bandwidth, RowCost, activation_bytes_for_sequence,
+    HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, MEMORY_HEADROOM_SHARE, Bandwidth, RowCost, activation_bytes_for_sequence,
     compare_modes, format_duration, kv_bytes_for_sequence, KV_COPIES_PER_DECODE, lower_bound_passes, make_plan,
     pack_batches,
     host_streaming_bytes, parse_streaming, passes_for, streamed_weights, decode_pass_bytes, batch_bytes,
@@ -361,7 +361,9 @@ def test_rows_that_fit_at_their_median_length_but_not_padded_to_the_longest_stil
     rows = [RowCost(100, 1)] * 3 + [RowCost(1000, 1)]
     weights = plan(rows=rows, device="cuda", streaming="always").weights_bytes
     per_token = 327_680 + 8192 * 2 * 4 + 28672 * 2 * 3  # KV + hidden states x4 + MLP intermediate x3 (cuda)
-    free = 4 * 700 * per_token  # room for 4 x 101 tokens live, not for 4 x 1001 (but to hold 4 x 1001 KV)
+    # room for 4 x 101 tokens live, not for 4 x 1001; but to hold 4 x 1001 tokens of KV and hidden states beside one
+    # micro-batch of the longest row's activations
+    free = 4 * 760 * per_token
     budget = math.ceil((free + weights + GiB) / 0.9)
     candidate = plan(rows=rows, device="cuda", streaming="always", memory_budget_bytes=budget,
                      runtime_overhead_bytes=GiB)
@@ -403,6 +405,21 @@ def test_a_plan_that_fits_never_exceeds_its_budget(sizes, device, specs, budget_
     candidate = plan(sizes, [RowCost(p, n) for p, n in specs], device=device, memory_budget_bytes=budget_gib * GiB)
     if candidate.fits:
         assert candidate.peak_memory_bytes <= budget_gib * GiB
+        if not any("run in a batch of their own" in caveat for caveat in candidate.caveats):
+            # the batches are sized against the budget less its headroom (README: Memory headroom)
+            assert candidate.peak_memory_bytes <= budget_gib * GiB * (1 - MEMORY_HEADROOM_SHARE)
+
+
+def test_many_rows_of_varied_lengths_keep_the_plan_within_its_headroom():
+    """Thousands of choice rows from 60 to 500 tokens, micro-batched on a CPU: the micro-batch holding the longest
+    rows is the one the peak counts, so it is the one the plan buys activations for."""
+    rows = [RowCost(60 + (i * 37) % 441, 0, (1, 1)) for i in range(20_000)]
+    micro_batched = []
+    for budget in (4 * GiB, 8 * GiB, 20 * GiB):
+        candidate = plan(GEMMA_1B, rows, device="cpu", memory_budget_bytes=budget, streaming="always")
+        assert candidate.fits and candidate.peak_memory_bytes <= budget * (1 - MEMORY_HEADROOM_SHARE)
+        micro_batched.append(candidate.micro_batch_size is not None)
+    assert any(micro_batched)
 
 
 # --- policy and blockers ----------------------------------------------------------------------------------------
