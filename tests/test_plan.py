@@ -15,7 +15,8 @@ from batchrun.batching import (MICRO_BATCH_COST_TOKENS, micro_batches, prefill_g
 from batchrun.checkpoint import sizes_from_config
 from batchrun.plan_time import batch_pass_flops
 from batchrun.plan import (
-    HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, MEMORY_HEADROOM_SHARE, Bandwidth, RowCost, activation_bytes_for_sequence,
+    HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, MEMORY_HEADROOM_SHARE, Bandwidth, RowCost,
+    activation_bytes_for_sequence,
     compare_modes, format_duration, kv_bytes_for_sequence, KV_COPIES_PER_DECODE, lower_bound_passes, make_plan,
     pack_batches,
     host_streaming_bytes, parse_streaming, passes_for, streamed_weights, decode_pass_bytes, batch_bytes,
@@ -300,6 +301,25 @@ def test_micro_batches_pad_least_within_the_planned_micro_batch(lengths, size):
     allowed = [p for p in _set_partitions(list(range(len(lengths))))
                if all(len(g) <= size and len(g) * max(lengths[i] for i in g) <= size * max(lengths) for g in p)]
     assert cost(groups) == min(cost(p) for p in allowed)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([3, 7, 8, 40, 41, 90, 300]) | st.integers(1, 400), min_size=1, max_size=60),
+       st.integers(1, 70))
+def test_micro_batches_pad_as_little_as_trying_every_cut(lengths, size):
+    """Longer jobs, runs of equal lengths: the pruned search finds the least cost that trying every start of every
+    group finds (the plain dynamic program, quadratic in the pass's sequences)."""
+    ordered, size = sorted(lengths), min(size, len(lengths))
+    least = [0] + [math.inf] * len(ordered)
+    for end in range(1, len(ordered) + 1):
+        for start in range(max(0, end - size), end):
+            group = ordered[start:end]
+            least[end] = min(least[end], least[start] + len(group) * group[-1] - sum(group) + MICRO_BATCH_COST_TOKENS)
+    groups = micro_batches(lengths, size)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    assert all(len(group) <= size for group in groups)
+    padding = _padded_tokens(lengths, groups) - sum(lengths)
+    assert padding + MICRO_BATCH_COST_TOKENS * len(groups) == least[-1]
 
 
 def test_short_prompts_are_not_padded_to_long_ones_in_a_micro_batch():
