@@ -22,7 +22,7 @@ from batchrun.output import (OutputError, OutputExists, check_output_writable, d
                              output_format, write_results)
 from batchrun.paths import default_db_path
 from batchrun.plan import Candidate
-from batchrun.prepare import JobOptions, PreparedJob, plan_rows, prepare_job
+from batchrun.prepare import JobOptions, PreparedJob, nothing_runs, plan_rows, prepare_job
 from batchrun.prompts import EncodedRow
 from batchrun.runtime import open_model
 from batchrun.score import Answer, GreedyBatch, eos_token_ids, generation_answer, score_choices
@@ -171,6 +171,9 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
     started = time.monotonic()
     pending = set(store.pending_indices(job_id))
     _record_refused_rows(prepared, store, job_id, pending)
+    refusal = nothing_runs(prepared.rows, len(prepared.spec.invalid))
+    if refusal:
+        raise PlanRefused(refusal)
     partial = store.partial_tokens(job_id)
     rows = [r for r in prepared.rows if r.request.index in pending and not r.error]
     status = store.status(job_id)

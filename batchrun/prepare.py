@@ -270,6 +270,18 @@ def prepare_job(spec_path: Path, options: JobOptions) -> PreparedJob:
                        device, dtype)
 
 
+def nothing_runs(rows: Sequence[EncodedRow], invalid_rows: int = 0) -> str | None:
+    """Why a job none of whose rows can run on this model is refused (a spec meant for another model, a context
+    too short for every prompt): a run would only record errors, and exit as if it had answered."""
+    errored = [row for row in rows if row.error]
+    if len(errored) < len(rows) or not (rows or invalid_rows):
+        return None
+    reasons = "; ".join(f"{row.request.location}: {row.error}" for row in errored[:3])
+    more = len(errored) - 3 + invalid_rows
+    return (f"none of the {len(rows) + invalid_rows} rows can run on this model"
+            + (f": {reasons}" if reasons else "") + (f" (and {more} more)" if more > 0 else ""))
+
+
 def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptions) -> dict:
     """What `batchrun plan` prints: the spec's token totals and one candidate per model."""
     from batchrun.checkpoint import CheckpointError
@@ -295,6 +307,10 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
             report["new_tokens_max"] = max((r.request.max_new_tokens for r in rows if not r.is_choice), default=0)
             report["unrunnable_rows"] = [{"location": r.request.location, "reason": r.error} for r in rows if r.error]
         candidate = plan_rows(prepared, runnable, options, device).to_json()
+        refusal = nothing_runs(rows, len(spec.invalid))
+        if refusal:
+            candidate["blockers"].append(refusal)
+            candidate["fits"] = False
         candidate["model"] = model_label(model)
         report["candidates"].append(candidate)
     return report

@@ -67,7 +67,7 @@ def encode_requests(tokenizer, requests: Sequence[Request], *, raw: bool = False
     prompt_ids: list[list[int]] = []
     for start in range(0, len(texts), ENCODE_CHUNK):
         chunk = texts[start:start + ENCODE_CHUNK]
-        prompt_ids.extend(tokenizer(chunk, add_special_tokens=add_special)["input_ids"])
+        prompt_ids.extend(tokenizer(chunk, add_special_tokens=add_special, verbose=False)["input_ids"])
     choice_cache: dict[str, tuple[int, ...]] = {}
     rows = []
     for request, ids in zip(requests, prompt_ids):
@@ -96,7 +96,7 @@ def _template_refusals() -> tuple[type[Exception], ...]:
 
 def _choice_ids(tokenizer, choice: str, cache: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
     if choice not in cache:
-        cache[choice] = tuple(tokenizer.encode(choice, add_special_tokens=False))
+        cache[choice] = tuple(tokenizer.encode(choice, add_special_tokens=False, verbose=False))
     return cache[choice]
 
 

@@ -528,3 +528,22 @@ def test_a_sliding_window_model_shares_the_prefix_of_rows_that_fit_its_window(tm
         on_plan=planned.append)
     assert not shared_at_run and planned[0].shared_prefix_tokens == 0
     assert any("sliding window" in caveat and "prompt head" in caveat for caveat in planned[0].caveats)
+
+
+def test_a_job_none_of_whose_rows_can_run_is_refused_naming_why(tmp_path, tiny_checkpoint, capfd):
+    """Every prompt longer than the model's context (a spec meant for another model): `plan` says it cannot run
+    and `submit` refuses, naming the rows and why, rather than 'complete' a job of errors with exit code 0. No
+    tokenizer warning about indexing errors either: batchrun checks the context itself."""
+    from batchrun.errors import PlanRefused
+    from batchrun.prepare import plan_report
+
+    long_text = " ".join(REVIEWS * 20)
+    spec = write_jsonl(tmp_path / "long.jsonl", [{"id": "a", "prompt": long_text, "max_new_tokens": 4},
+                                                 {"id": "b", "prompt": long_text, "choices": ["yes", "no"]}])
+    options = JobOptions(model=str(tiny_checkpoint("llama")))
+    candidate = plan_report(spec, [options.model], options)["candidates"][0]
+    assert not candidate["fits"] and any("none of the 2 rows can run" in b for b in candidate["blockers"])
+    with pytest.raises(PlanRefused, match=r"none of the 2 rows can run on this model: .*long.jsonl:1: .*context"):
+        submit(spec, options=options, output=tmp_path / "o.parquet", db=tmp_path / "j.db")
+    assert not (tmp_path / "o.parquet").exists()
+    assert "indexing errors" not in capfd.readouterr().err
