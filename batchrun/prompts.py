@@ -80,11 +80,25 @@ def encode_requests(tokenizer, requests: Sequence[Request], *, raw: bool = False
             empty = [c for c, t in zip(request.choices, choices) if not t]
             if empty and error is None:
                 error = f"choice {empty[0]!r} encodes to no tokens"
+            if error is None:
+                error = _same_tokens(request.choices, choices)
         row = EncodedRow(request, tuple(ids), choices, error)
         if error is None and context_length is not None and row.needed_tokens() > context_length:
             row = EncodedRow(request, tuple(ids), choices, too_long_message(row, context_length))
         rows.append(row)
     return rows
+
+
+def _same_tokens(choices: Sequence[str], choice_ids: Sequence[tuple[int, ...]]) -> str | None:
+    """Two choices the tokenizer maps to the same tokens ("café" composed and decomposed) get the same score: the
+    answer would be whichever comes first, with no word of it."""
+    first_with: dict[tuple[int, ...], str] = {}
+    for choice, ids in zip(choices, choice_ids):
+        if ids in first_with:
+            return (f"choices {first_with[ids]!r} and {choice!r} encode to the same tokens: the model cannot tell "
+                    "them apart")
+        first_with[ids] = choice
+    return None
 
 
 def _template_refusals() -> tuple[type[Exception], ...]:

@@ -28,3 +28,26 @@ def test_raw_prompt_row_gets_the_jobs_system_option(tmp_path):
 def test_raw_prompt_is_sent_exactly_as_written(tmp_path):
     prompt = "  Review:\n\n  great  \n"
     assert rendered(tmp_path, [{"prompt": prompt}]) == [prompt]
+
+
+class CaseBlindTokenizer:
+    """Encodes text by lowercased characters: "Yes" and "yes" become the same tokens, as a normalising tokenizer
+    makes composed and decomposed accents the same."""
+
+    chat_template = None
+
+    def __call__(self, texts, add_special_tokens=True, verbose=True):
+        return {"input_ids": [self.encode(text) for text in texts]}
+
+    def encode(self, text, add_special_tokens=False, verbose=True):
+        return [ord(character) for character in text.lower()]
+
+
+def test_choices_the_tokenizer_cannot_tell_apart_are_an_errored_row(tmp_path):
+    from batchrun.prompts import encode_requests
+
+    spec = read_spec(write_jsonl(tmp_path, [{"prompt": "Agree?", "choices": ["Yes", "yes", "no"]},
+                                            {"prompt": "Agree?", "choices": ["yes", "no"]}]))
+    first, second = encode_requests(CaseBlindTokenizer(), spec.requests, raw=True)
+    assert first.error == "choices 'Yes' and 'yes' encode to the same tokens: the model cannot tell them apart"
+    assert second.error is None
