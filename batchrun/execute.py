@@ -23,7 +23,7 @@ from batchrun.output import (OutputError, OutputExists, check_output_writable, d
 from batchrun.paths import default_db_path
 from batchrun.plan import Candidate
 from batchrun.prepare import JobOptions, PreparedJob, nothing_runs, plan_rows, prepare_job
-from batchrun.prompts import EncodedRow
+from batchrun.prompts import EncodedRow, uses_chat_template
 from batchrun.runtime import open_model
 from batchrun.score import Answer, GreedyBatch, eos_token_ids, generation_answer, score_choices
 from batchrun.store import JobNotFound, RowResult, Store, StoreError
@@ -197,9 +197,11 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
         batches = [[rows[i] for i in batch] for batch in plan.batches]
         _run_batches(prepared, store, job_id, plan, batches, partial, status, quiet, summary)
         if summary.empty_answers:
-            note = (f"{summary.empty_answers} answer(s) are empty: the row stopped at its first token (EOS or a "
-                    "stop string). A base model (no chat template, or --raw) often begins with a newline: end "
-                    "its prompts with a cue such as 'Answer:'")
+            note = (f"{summary.empty_answers} answer(s) are empty: the row stopped (EOS or a stop string) before "
+                    "any text")
+            if not uses_chat_template(prepared.model.tokenizer, prepared.options.raw):
+                note += (". A base model (no chat template, or --raw) often begins with a newline: end its prompts "
+                         "with a cue such as 'Answer:'")
             summary.notes.append(note)
             log.warning(note)
     final = store.status(job_id)

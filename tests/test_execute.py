@@ -466,6 +466,12 @@ def test_answers_empty_at_their_first_token_are_counted_and_explained(tmp_path, 
     summary, out = run(write_jsonl(tmp_path / "s.jsonl", rows), tmp_path, path, "empty")
     assert out[0]["answer"] == "" and out[0]["finish_reason"] == "stop"
     assert summary.empty_answers == 1 and any("answer(s) are empty" in note for note in summary.notes)
+    assert not any("base model" in note for note in summary.notes)  # a chat template ran: no base-model hint
+    raw_first = tokenizer.decode(model.generate(torch.tensor([tokenizer(f"Summarise: {REVIEWS[0]}")["input_ids"]]),
+                                                max_new_tokens=1, do_sample=False)[0, -1:])
+    rows = [{"id": 0, "prompt": f"Summarise: {REVIEWS[0]}", "max_new_tokens": 3, "stop": [raw_first]}]
+    summary, out = run(write_jsonl(tmp_path / "r.jsonl", rows), tmp_path, path, "raw-empty", raw=True)
+    assert out[0]["answer"] == "" and any("base model" in note for note in summary.notes)
 
 
 def test_the_plan_warns_when_choices_would_glue_to_a_raw_prompt(tmp_path, tiny_checkpoint):
