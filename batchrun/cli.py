@@ -13,13 +13,40 @@ from batchrun.interrupts import Stopped, stop_signals_unwind
 from batchrun.paths import default_db_path
 
 
-def _csv(value: str | None) -> tuple[str, ...] | None:
+def _choices_option(value: str | None) -> tuple[str, ...] | None:
+    """--choices: comma-separated labels, stripped ("yes, no"), or a JSON array of exact strings, for what the comma
+    form cannot say: a leading space (" positive", as raw prompts need) or a comma ("1,000")."""
     if value is None:
         return None
+    if value.lstrip().startswith("["):
+        return _choices_array(value)
     items = tuple(v.strip() for v in value.split(","))
     if not all(items):
-        raise click.BadParameter(f"{value!r} has an empty item")
+        raise click.BadParameter(f"{value!r} has an empty item", param_hint="--choices")
     return items
+
+
+def _choices_array(value: str) -> tuple[str, ...]:
+    def refuse(reason: str):
+        return click.BadParameter(f"{value!r}: {reason}", param_hint="--choices")
+
+    try:
+        items = json.loads(value)
+    except (ValueError, RecursionError) as error:
+        raise refuse(f"not a valid JSON array ({getattr(error, 'msg', error)}); write it as "
+                     '\'[" positive", " negative"]\'') from None
+    if not isinstance(items, list):
+        raise refuse("not a JSON array of strings")
+    if not items:
+        raise refuse("the array is empty; give at least one choice")
+    for number, item in enumerate(items, start=1):
+        if not isinstance(item, str):
+            from batchrun.spec_files import kind
+
+            raise refuse(f"item {number} is {kind(item)}, not a string")
+        if not item:
+            raise refuse(f"item {number} is empty")
+    return tuple(items)
 
 
 _STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
@@ -46,7 +73,8 @@ def job_options(fn):
                           "named `default`). `plan` accepts several to compare."),
         click.option("--template", help='Corpus mode: build prompts from columns, e.g. "Review: {text}".'),
         click.option("--id-column", help="Column holding row ids in corpus mode."),
-        click.option("--choices", help="Comma-separated choices for rows that set none."),
+        click.option("--choices", help='Choices for rows that set none: comma-separated (yes,no), or a JSON array for '
+                                        'exact strings (\'[" positive", "1,000"]\').'),
         click.option("--system", help="System message for rows that set none."),
         click.option("--max-new-tokens", type=int, default=16, show_default=True,
                      help="Token limit for generation rows that set none."),
@@ -87,7 +115,7 @@ def build_options(model: str | None, kw: dict):
     _warn_typed_newline("--template", kw["template"])
     _warn_typed_newline("--system", kw["system"])
     return JobOptions(model=model, template=kw["template"], id_column=kw["id_column"],
-                      choices=_csv(kw["choices"]), system=kw["system"],
+                      choices=_choices_option(kw["choices"]), system=kw["system"],
                       max_new_tokens=kw["max_new_tokens"], stop=tuple(_stop_string(s) for s in kw["stop"]) or None,
                       raw=kw["raw"], dtype=kw["dtype"],
                       skip_invalid=kw["skip_invalid"], device=kw["device"], batch_size=kw["batch_size"],

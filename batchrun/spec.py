@@ -3,20 +3,23 @@
 A row is one of three shapes:
   * native:  {"id", "prompt" | "messages", "system"?, "choices"? | "max_new_tokens"?/"stop"?}
   * OpenAI Batch API: {"custom_id", "method", "url", "body": {"messages", "max_tokens", "stop", ...}}
-  * corpus:  any columns, when the job gives a template that builds the prompt from them.
+  * corpus:  any columns, when the job gives a template that builds the prompt from them; its system, choices,
+             max_new_tokens and stop columns are the row's settings, as in a native row, unless the template reads them.
 Every row is checked before anything runs; all problems are reported together. A null value means
 "not set" (Parquet has every column in every row, so optional fields are null where unused).
 """
 from __future__ import annotations
 
-import difflib
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from batchrun.spec_files import jsonl_rows, parquet_rows, sha256_of, show
-from batchrun.template import Field, RowProblem, SpecError, parse_template, render_template
+from batchrun.spec_files import jsonl_rows, kind, parquet_rows, sha256_of, show
+from batchrun.spec_values import (checked_choices, checked_stop, checked_text, positive_int, refuse_unknown_keys,
+                                  whole)
+from batchrun.template import Field, RowProblem, SpecError, parse_template, render_template, template_columns
 
 __all__ = ["Field", "InvalidRow", "JobSpec", "Request", "SpecError", "parse_template", "read_spec"]
 
@@ -25,6 +28,17 @@ PARQUET_SUFFIXES = (".parquet",)
 NATIVE_KEYS = ("id", "custom_id", "prompt", "messages", "system", "choices", "max_new_tokens", "stop")
 OPENAI_KEYS = ("custom_id", "method", "url", "body")
 OPENAI_CHAT_URL = "/v1/chat/completions"
+# The chat-completions parameters batchrun reads (tools only to refuse them) and those it ignores: sampling, output
+# formats, logging, caching and streaming say nothing a greedy, text-only run of one answer a request could honour.
+BODY_READ_KEYS = ("messages", "max_tokens", "max_completion_tokens", "stop", "n", "tools", "functions", "tool_choice",
+                  "function_call", "web_search_options")
+BODY_IGNORED_KEYS = ("model", "temperature", "top_p", "seed", "response_format", "presence_penalty",
+                     "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "user", "metadata", "store",
+                     "service_tier", "stream", "stream_options", "parallel_tool_calls", "reasoning_effort", "verbosity",
+                     "prediction", "modalities", "audio", "prompt_cache_key", "prompt_cache_retention",
+                     "safety_identifier")
+# A corpus row's own settings, read as a request row's are, unless the template or id column reads them as data.
+CORPUS_SETTING_KEYS = ("system", "choices", "max_new_tokens", "stop")
 ROLES = ("system", "user", "assistant")
 MESSAGE_KEYS = ("role", "content", "name")  # an OpenAI message's name is accepted and not sent: templates have no slot
 DEFAULT_MAX_NEW_TOKENS = 16
@@ -77,6 +91,7 @@ class _Job:
     stop: tuple[str, ...]
     template: list[str | Field] | None
     id_column: str | None
+    row_settings: tuple[str, ...]  # the corpus columns that are a row's settings, not data
 
 
 def read_spec(
@@ -108,7 +123,8 @@ def read_spec(
     except OSError as error:
         raise SpecError([f"{shown}: cannot read the file ({error.strerror or error})"]) from None
     if is_parquet:
-        rows = parquet_rows(path, shown, job.template, job.id_column, NATIVE_KEYS + OPENAI_KEYS)
+        rows = parquet_rows(path, shown, job.template, job.id_column, NATIVE_KEYS + OPENAI_KEYS,
+                            corpus_settings=job.row_settings, nan_is_null=_optional_numbers(job))
         numbering = _Numbering(shown, "row")
     else:
         rows, numbering = jsonl_rows(data, shown), _Numbering(shown, "line")
@@ -128,15 +144,25 @@ def _job_settings(template, id_column, choices, system, max_new_tokens, stop) ->
         if id_column is not None and (not isinstance(id_column, str) or not id_column):
             raise RowProblem("id_column must be a non-empty column name")
         return _Job(
-            choices=_choices(_as_list(choices), "choices") if choices is not None else None,
-            system=_text(system, "system", allow_empty=True) if system is not None else None,
-            max_new_tokens=_positive_int(max_new_tokens, "max_new_tokens"),
-            stop=_stop(_as_list(stop)) if stop is not None else (),
+            choices=checked_choices(_as_list(choices), "choices") if choices is not None else None,
+            system=checked_text(system, "system", allow_empty=True) if system is not None else None,
+            max_new_tokens=positive_int(max_new_tokens, "max_new_tokens"),
+            stop=checked_stop(_as_list(stop)) if stop is not None else (),
             template=parts,
             id_column=id_column,
+            row_settings=tuple(key for key in CORPUS_SETTING_KEYS
+                               if parts is not None and key not in template_columns(parts) and key != id_column),
         )
     except RowProblem as problem:
         raise SpecError([f"job setting: {problem}"]) from None
+
+
+def _optional_numbers(job: _Job) -> tuple[str, ...]:
+    """The Parquet columns where NaN means "not set": Polars and pandas write a missing number as NaN."""
+    if job.template is None:
+        return ("id", "custom_id", "max_new_tokens")
+    own_limit = ("max_new_tokens",) if "max_new_tokens" in job.row_settings else ()
+    return ((job.id_column,) if job.id_column else ()) + own_limit
 
 
 def _as_list(value: object) -> object:
@@ -172,7 +198,7 @@ def _check_rows(rows: Iterator[tuple[int, object]], numbering: _Numbering, job: 
             if isinstance(row, RowProblem):
                 raise row
             if not isinstance(row, dict):
-                raise RowProblem(f"expected a JSON object, got {_kind(row)}")
+                raise RowProblem(f"expected a JSON object, got {kind(row)}")
             row_id, defaulted = _row_id(row, number, job)
             # Compared as text: ids 7 and "7" would be indistinguishable in the outputs.
             earlier = ids_seen.setdefault(str(row_id), (number, defaulted))
@@ -212,7 +238,7 @@ def _row_id(row: dict, number: int, job: _Job) -> tuple[str | int, bool]:
         if row[job.id_column] is None:
             raise RowProblem(f"id column {job.id_column!r} is null")
         return _checked_id(row[job.id_column], f"id column {job.id_column!r}"), False
-    plain, custom = _whole(row.get("id")), _whole(row.get("custom_id"))
+    plain, custom = whole(row.get("id")), whole(row.get("custom_id"))
     if plain is not None and custom is not None and (type(plain) is not type(custom) or plain != custom):
         raise RowProblem(f"id {show(plain)} and custom_id {show(custom)} differ; give one of them")
     given = plain if plain is not None else custom
@@ -221,17 +247,12 @@ def _row_id(row: dict, number: int, job: _Job) -> tuple[str | int, bool]:
     return _checked_id(given, "id" if plain is not None else "custom_id"), False
 
 
-def _whole(value: object) -> object:
-    """A whole float (5.0, 1e2) is the integer it spells: Parquet integer columns with nulls arrive as floats."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
 def _checked_id(value: object, what: str) -> str | int:
-    value = _whole(value)
+    value = whole(value)
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise RowProblem(f"{what} must be a string or an integer, got {_kind(value)}")
+        raise RowProblem(f"{what} must be a string or an integer, got {kind(value)}")
     if isinstance(value, str):
-        _text(value, what, allow_empty=False)
+        checked_text(value, what, allow_empty=False)
     elif not -(2**63) <= value < 2**63:  # ids are stored in SQLite and Parquet integer columns
         raise RowProblem(f"{what} {show(value)} does not fit in a 64-bit integer")
     return value
@@ -239,11 +260,14 @@ def _checked_id(value: object, what: str) -> str | int:
 
 def _request(row: dict, index: int, row_id: str | int, location: str, job: _Job) -> Request:
     if job.template is not None:
-        prompt = _text(render_template(job.template, row), "the filled-in template", allow_empty=False)
-        return _prompt_request(index, row_id, location, prompt, job.system, _answer(None, None, None, job))
+        prompt = checked_text(render_template(job.template, _as_template_values(row, job.template)),
+                              "the filled-in template", allow_empty=False)
+        own = {key: row.get(key) for key in job.row_settings}
+        answer = _answer(own.get("choices"), own.get("max_new_tokens"), own.get("stop"), job)
+        return _prompt_request(index, row_id, location, prompt, _row_system(own.get("system"), job), answer)
     if any(row.get(key) is not None for key in ("body", "url", "method")):
         return _openai_request(row, index, row_id, location, job)
-    _refuse_unknown_keys(row, NATIVE_KEYS, "")
+    refuse_unknown_keys(row, NATIVE_KEYS, "")
     prompt, messages = row.get("prompt"), row.get("messages")
     if prompt is not None and messages is not None:
         raise RowProblem("a row has either prompt or messages, not both")
@@ -252,13 +276,25 @@ def _request(row: dict, index: int, row_id: str | int, location: str, job: _Job)
     answer = _answer(row.get("choices"), row.get("max_new_tokens"), row.get("stop"), job)
     system = row.get("system")
     if prompt is not None:
-        # An explicit empty system string opts a row out of the job's system message.
-        system = job.system if system is None else _text(system, "system", allow_empty=True)
-        return _prompt_request(index, row_id, location, _text(prompt, "prompt", allow_empty=False), system, answer)
+        prompt = checked_text(prompt, "prompt", allow_empty=False)
+        return _prompt_request(index, row_id, location, prompt, _row_system(system, job), answer)
     if system is not None:
         raise RowProblem("system applies to prompt rows; put a system message first in messages instead")
     pairs = _messages(messages, "messages", job.system)
     return Request(index, row_id, location, pairs, None, *answer)
+
+
+def _row_system(system: object, job: _Job) -> str | None:
+    """A prompt row's system message: its own, else the job's; an explicit empty string opts out of the job's."""
+    return job.system if system is None else checked_text(system, "system", allow_empty=True)
+
+
+def _as_template_values(row: dict, template: list[str | Field]) -> dict:
+    """Nested values and booleans as JSON text (["a", "b"], {"k": 1}, false): str() would write Python's spelling
+    (['a', 'b'], False), which a prompt should not show. Text and numbers are left as they are."""
+    nested = {name: row[name] for name in template_columns(template) if isinstance(row.get(name), (bool, list, dict))}
+    # default=str: Parquet dates and decimals inside a struct are written as their text.
+    return {**row, **{name: json.dumps(value, ensure_ascii=False, default=str) for name, value in nested.items()}}
 
 
 def _prompt_request(index, row_id, location, prompt: str, system: str | None, answer) -> Request:
@@ -267,15 +303,18 @@ def _prompt_request(index, row_id, location, prompt: str, system: str | None, an
 
 
 def _openai_request(row: dict, index: int, row_id: str | int, location: str, job: _Job) -> Request:
-    """An OpenAI Batch API line; body keys batchrun has no use for (model, temperature, ...) are ignored."""
-    _refuse_unknown_keys(row, OPENAI_KEYS, " in an OpenAI batch line")
+    """An OpenAI Batch API line; the body's sampling parameters (BODY_IGNORED_KEYS) are ignored, others refused."""
+    refuse_unknown_keys(row, OPENAI_KEYS, " in an OpenAI batch line")
     method, url, body = row.get("method"), row.get("url"), row.get("body")
     if method is not None and method != "POST":
         raise RowProblem(f"method {show(method)} is not supported; OpenAI batch lines use POST")
     if url != OPENAI_CHAT_URL:
         raise RowProblem(f"url {show(url)} is not supported; batchrun runs {OPENAI_CHAT_URL} requests only")
     if not isinstance(body, dict):
-        raise RowProblem(f"body must be an object, got {_kind(body)}")
+        raise RowProblem(f"body must be an object, got {kind(body)}")
+    refuse_unknown_keys(body, BODY_READ_KEYS + BODY_IGNORED_KEYS, " in body",
+                         otherwise=f"not a {OPENAI_CHAT_URL} parameter")
+    _refuse_tool_use(body)
     count = body.get("n")
     if count is not None and (isinstance(count, bool) or count != 1):
         raise RowProblem(f"body.n is {show(count)}; batchrun writes exactly one answer per request")
@@ -291,6 +330,27 @@ def _openai_request(row: dict, index: int, row_id: str | int, location: str, job
     return Request(index, row_id, location, messages, None, *answer)
 
 
+def _refuse_tool_use(body: dict) -> None:
+    """batchrun runs text in, text out: a request that needs a tool call or a web search cannot be answered."""
+    for key in ("tools", "functions"):
+        if body.get(key):  # an empty list offers no tool
+            raise RowProblem(f"body.{key} asks for tools; batchrun cannot call tools (it answers with text only)")
+    for key in ("tool_choice", "function_call"):
+        if _forces_a_tool(body.get(key)):
+            raise RowProblem(f"body.{key} {show(body[key])} forces a tool call; batchrun cannot call tools")
+    if body.get("web_search_options") is not None:  # even {}: it turns the search on with its defaults
+        raise RowProblem("body.web_search_options asks for a web search; batchrun cannot search the web")
+
+
+def _forces_a_tool(choice: object) -> bool:
+    if choice in (None, "none", "auto"):
+        return False
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        allowed = choice.get("allowed_tools")
+        return not (isinstance(allowed, dict) and allowed.get("mode") == "auto")
+    return True  # "required", a named tool, or a value OpenAI would refuse
+
+
 def _answer(choices, max_new_tokens, stop, job: _Job, limit_name="max_new_tokens", stop_name="stop") -> tuple:
     """(choices, max_new_tokens, stop). A row's own settings win over the job's; a row giving both
     choices and generation settings is contradictory."""
@@ -299,27 +359,27 @@ def _answer(choices, max_new_tokens, stop, job: _Job, limit_name="max_new_tokens
         if generation:
             raise RowProblem("a row is either a choice row (choices) or a generation row "
                              "(max_new_tokens/stop), not both")
-        return _choices(choices, "choices"), 0, ()
+        return checked_choices(choices, "choices"), 0, ()
     if job.choices is not None and not generation:
         return job.choices, 0, ()
-    limit = job.max_new_tokens if max_new_tokens is None else _positive_int(max_new_tokens, limit_name)
-    return None, limit, job.stop if stop is None else _stop(stop, stop_name)
+    limit = job.max_new_tokens if max_new_tokens is None else positive_int(max_new_tokens, limit_name)
+    return None, limit, job.stop if stop is None else checked_stop(stop, stop_name)
 
 
 def _messages(value: object, what: str, default_system: str | None, developer_is_system: bool = False):
     if not isinstance(value, list):
-        raise RowProblem(f"{what} must be a list of {{role, content}} objects, got {_kind(value)}")
+        raise RowProblem(f"{what} must be a list of {{role, content}} objects, got {kind(value)}")
     if not value:
         raise RowProblem(f"{what} is empty")
     pairs = []
     for position, message in enumerate(value):
         where = f"{what}[{position}]"
         if not isinstance(message, dict):
-            raise RowProblem(f"{where} must be an object with role and content, got {_kind(message)}")
-        _refuse_unknown_keys(message, MESSAGE_KEYS, f" in {where}")
+            raise RowProblem(f"{where} must be an object with role and content, got {kind(message)}")
+        refuse_unknown_keys(message, MESSAGE_KEYS, f" in {where}")
         role, content = message.get("role"), message.get("content")
         if message.get("name") is not None:
-            _text(message["name"], f"{where}.name", allow_empty=True)
+            checked_text(message["name"], f"{where}.name", allow_empty=True)
         if developer_is_system and role == "developer":  # OpenAI's newer name for the system role
             role = "system"
         if role not in ROLES:
@@ -331,7 +391,7 @@ def _messages(value: object, what: str, default_system: str | None, developer_is
             raise RowProblem(f"{where}.content is missing")
         if isinstance(content, list):  # OpenAI content parts
             content = _text_parts(content, f"{where}.content")
-        pairs.append((role, _text(content, f"{where}.content", allow_empty=True)))
+        pairs.append((role, checked_text(content, f"{where}.content", allow_empty=True)))
     if default_system and pairs[0][0] != "system":
         pairs.insert(0, ("system", default_system))
     return tuple(pairs)
@@ -342,74 +402,11 @@ def _text_parts(parts: list, what: str) -> str:
     texts = []
     for position, part in enumerate(parts):
         if not isinstance(part, dict):
-            raise RowProblem(f"{what}[{position}] must be a content part object, got {_kind(part)}")
+            raise RowProblem(f"{what}[{position}] must be a content part object, got {kind(part)}")
         if "type" not in part:
             raise RowProblem(f"{what}[{position}] has no type; a text part is {{\"type\": \"text\", \"text\": ...}}")
         if part["type"] != "text":
             raise RowProblem(f"{what}[{position}] is a {show(part['type'])} part; only text parts can be sent "
                              "to a text model")
-        texts.append(_text(part.get("text"), f"{what}[{position}].text", allow_empty=True))
+        texts.append(checked_text(part.get("text"), f"{what}[{position}].text", allow_empty=True))
     return "\n".join(text for text in texts if text)
-
-
-def _choices(value: object, what: str) -> tuple[str, ...]:
-    if not isinstance(value, list):
-        raise RowProblem(f"{what} must be a list of strings, got {_kind(value)}")
-    if not value:
-        raise RowProblem(f"{what} is empty; give at least one choice")
-    seen: set[str] = set()
-    for choice in value:
-        _text(choice, f"each of {what}", allow_empty=False)
-        if choice in seen:
-            raise RowProblem(f"{what} has {show(choice)} twice")
-        seen.add(choice)
-    return tuple(value)
-
-
-def _stop(value: object, what: str = "stop") -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list):
-        raise RowProblem(f"{what} must be a string or a list of strings, got {_kind(value)}")
-    for text in value:
-        _text(text, f"each of {what}", allow_empty=False)
-    return tuple(value)
-
-
-def _positive_int(value: object, what: str) -> int:
-    value = _whole(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RowProblem(f"{what} must be a positive integer, got {_kind(value)}")
-    if value <= 0:
-        raise RowProblem(f"{what} must be a positive integer, got {value}")
-    return value
-
-
-def _text(value: object, what: str, *, allow_empty: bool) -> str:
-    if not isinstance(value, str):
-        raise RowProblem(f"{what} must be a string, got {_kind(value)}")
-    if not value and not allow_empty:
-        raise RowProblem(f"{what} is empty")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate from a JSON "\ud800" escape: no tokenizer or writer accepts it
-        raise RowProblem(f"{what} contains an unpaired surrogate escape (not valid Unicode)") from None
-    return value
-
-
-def _refuse_unknown_keys(mapping: Mapping, known: Sequence[str], context: str) -> None:
-    for key, value in mapping.items():
-        if key not in known and value is not None:
-            guess = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"did you mean {guess[0]!r}?" if guess else f"known keys: {', '.join(known)}"
-            raise RowProblem(f"unknown key {show(key)}{context} ({hint})")
-
-
-def _kind(value: object) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-             dict: "an object", type(None): "null"}
-    kind = names.get(type(value), f"a {type(value).__name__} value")
-    return f"{kind} ({show(value)})" if isinstance(value, (int, float)) else kind
-
-
-# ----------------------------------------------------------------------------------------------- files

@@ -171,7 +171,7 @@ def parquet_tables(draw, names) -> pa.Table:
 
 
 @FUZZ
-@given(table=parquet_tables(st.sampled_from(KNOWN_KEYS[:8]) | st.text(min_size=1, max_size=4)),
+@given(table=parquet_tables(st.sampled_from(KNOWN_KEYS[:8] + ["__index_level_0__"]) | st.text(min_size=1, max_size=4)),
        skip=st.booleans())
 def test_random_parquet_tables_are_read_or_refused(fuzz_dir, table, skip):
     path = fuzz_dir / "random.parquet"
@@ -180,7 +180,7 @@ def test_random_parquet_tables_are_read_or_refused(fuzz_dir, table, skip):
 
 
 @FUZZ
-@given(table=parquet_tables(st.sampled_from(["text", "doc", "n"])))
+@given(table=parquet_tables(st.sampled_from(["text", "doc", "n", "choices", "max_new_tokens", "stop"])))
 def test_random_parquet_corpora_are_read_or_refused(fuzz_dir, table):
     path = fuzz_dir / "corpus.parquet"
     pq.write_table(table, path)
