@@ -99,8 +99,8 @@ def template_columns(parts: Sequence[str | Field]) -> list[str]:
 
 
 def render_template(parts: Sequence[str | Field], row: Mapping[str, object]) -> str:
-    """Fill the placeholders from `row`; non-text values go through str(). Raises RowProblem for a
-    missing or null column."""
+    """Fill the placeholders from `row`; numbers go through str() (spec.py hands lists, objects and booleans over
+    already written as JSON). Raises RowProblem for a missing or null column."""
     pieces = []
     for part in parts:
         if isinstance(part, str):
