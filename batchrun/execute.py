@@ -150,11 +150,11 @@ def _release(store: Store, job_id: str, state: str, error: str | None = None) ->
         log.warning("could not release job %s after the run failed; the next run will take its lock over", job_id)
 
 
-def _all_row_ids(prepared: PreparedJob) -> list[tuple[int, object]]:
-    ids = [(r.request.index, r.request.id) for r in prepared.rows]
+def _all_row_ids(prepared: PreparedJob) -> list[tuple[int, object, str | None]]:
+    ids = [(r.request.index, r.request.id, key) for r, key in zip(prepared.rows, prepared.row_keys)]
     # An invalid row whose id could not be read is named by its location ("spec.jsonl:12").
-    ids += [(bad.index, bad.output_id) for bad in prepared.spec.invalid]
-    return sorted(ids)
+    ids += [(bad.index, bad.output_id, None) for bad in prepared.spec.invalid]
+    return sorted(ids, key=lambda row: row[0])
 
 
 def _record_refused_rows(prepared: PreparedJob, store: Store, job_id: str, pending: set[int]) -> None:
@@ -169,6 +169,7 @@ def _record_refused_rows(prepared: PreparedJob, store: Store, job_id: str, pendi
 def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
          on_plan: Callable[[Candidate], None] | None) -> RunSummary:
     started = time.monotonic()
+    reused = store.reuse_answers(job_id)
     pending = set(store.pending_indices(job_id))
     _record_refused_rows(prepared, store, job_id, pending)
     refusal = nothing_runs(prepared.rows, len(prepared.spec.invalid))
@@ -178,6 +179,13 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
     rows = [r for r in prepared.rows if r.request.index in pending and not r.error]
     status = store.status(job_id)
     summary = RunSummary(job_id, "done", status["rows_total"], 0, 0, len(rows), 0, 0.0, None, None, None)
+    if reused.answers or reused.partial_rows:
+        note = (f"{reused.answers} answer(s) taken from earlier job(s) {', '.join(reused.from_jobs)}: the same rows "
+                "on the same model")
+        if reused.partial_rows:
+            note += f"; {reused.partial_rows} row(s) resume from the tokens generated for them there"
+        summary.notes.append(note)
+        log.warning(note)
     if rows:
         prefixes = {i: len(partial[i][0]) for i in partial}
         options = _after_previous_run(prepared.options, store.previous_runs(job_id), summary.notes)

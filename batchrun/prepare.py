@@ -97,6 +97,7 @@ class PreparedJob:
     fingerprint: str
     device: str
     compute_dtype: str
+    row_keys: list[str | None]  # per row of `rows`: what its answer depends on (store_reuse.py)
 
 
 def names_default_model(model: str | None) -> bool:
@@ -140,7 +141,43 @@ def read_job_spec(spec_path: Path, options: JobOptions) -> JobSpec:
                      skip_invalid=options.skip_invalid)
 
 
-def fingerprint(spec: JobSpec, checkpoint: Path, compute_dtype: str, rows: Sequence[EncodedRow]) -> str:
+def model_identity_parts(checkpoint: Path) -> list[bytes]:
+    """The model as a job's identity sees it: config, generation config (end-of-sequence ids), tensor headers and
+    the first bytes of every tensor's data."""
+    parts = [(checkpoint / "config.json").read_bytes()]
+    generation_config = checkpoint / "generation_config.json"
+    if generation_config.is_file():
+        parts.append(generation_config.read_bytes())
+    infos = read_tensor_infos(checkpoint)
+    parts += [f"{name}:{info.dtype}:{info.shape}:{info.nbytes}".encode() for name, info in sorted(infos.items())]
+    parts.append(weight_sample_digest(infos).encode())
+    return parts
+
+
+def row_keys(model_identity: Sequence[bytes], compute_dtype: str, rows: Sequence[EncodedRow]) -> list[str | None]:
+    """What each row's answer depends on, the row's share of the fingerprint without its id and place: the same key
+    in another job of the database is the same answer (store_reuse.py). None for a row that cannot run."""
+    model = hashlib.sha256()
+    for part in model_identity:
+        model.update(part)
+    model.update(compute_dtype.encode())
+    keys: list[str | None] = []
+    for row in rows:
+        if row.error:
+            keys.append(None)
+            continue
+        digest = model.copy()
+        generates = not row.is_choice
+        digest.update(json.dumps([row.request.choices, row.request.max_new_tokens if generates else None,
+                                  row.request.stop if generates else None]).encode())
+        for ids in (row.prompt_ids, *row.choice_ids):
+            digest.update(array("q", [len(ids), *ids]).tobytes())
+        keys.append(digest.hexdigest())
+    return keys
+
+
+def fingerprint(spec: JobSpec, model_identity: Sequence[bytes], compute_dtype: str,
+                rows: Sequence[EncodedRow]) -> str:
     """Spec bytes + model identity + every row as it will run + the compute dtype.
 
     The model is its config, generation config (end-of-sequence ids), tensor headers and the first bytes of every
@@ -150,14 +187,8 @@ def fingerprint(spec: JobSpec, checkpoint: Path, compute_dtype: str, rows: Seque
     rows, --choices where every row has its own) keeps the job, one that changes any row makes a new one."""
     digest = hashlib.sha256()
     digest.update(spec.content_sha256.encode())
-    digest.update((checkpoint / "config.json").read_bytes())
-    generation_config = checkpoint / "generation_config.json"
-    if generation_config.is_file():
-        digest.update(generation_config.read_bytes())
-    infos = read_tensor_infos(checkpoint)
-    for name, info in sorted(infos.items()):
-        digest.update(f"{name}:{info.dtype}:{info.shape}:{info.nbytes}".encode())
-    digest.update(weight_sample_digest(infos).encode())
+    for part in model_identity:
+        digest.update(part)
     for row in rows:
         request = row.request
         generates = not row.is_choice
@@ -266,8 +297,9 @@ def prepare_job(spec_path: Path, options: JobOptions) -> PreparedJob:
     rows = encode_requests(prepared.tokenizer, spec.requests, raw=options.raw,
                            context_length=prepared.context_length)
     dtype = compute_dtype_for(options, device)
-    return PreparedJob(spec, options, prepared, rows, fingerprint(spec, prepared.checkpoint, dtype, rows),
-                       device, dtype)
+    model_identity = model_identity_parts(prepared.checkpoint)
+    return PreparedJob(spec, options, prepared, rows, fingerprint(spec, model_identity, dtype, rows), device, dtype,
+                       row_keys(model_identity, dtype, rows))
 
 
 def nothing_runs(rows: Sequence[EncodedRow], invalid_rows: int = 0) -> str | None:

@@ -19,6 +19,7 @@ from batchrun import store_migrations
 from batchrun import faults
 from batchrun.store_locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, effective_job_state, eta_seconds,
                                   lock_holder_alive, mark_alive, process_identity, run_seconds)
+from batchrun.store_reuse import Reused, reuse_answers
 from batchrun.store_rows import ROW_UPDATE_SQL, RowResult, row_result_from_db, row_update_params
 
 __all__ = ["JobLocked", "JobNotFound", "RowResult", "Store", "StoreError", "integrity_ok"]
@@ -102,9 +103,10 @@ class Store:
         spec_path: str,
         model: str,
         settings: dict,
-        rows: Sequence[tuple[int, str | int]],
+        rows: Sequence[tuple[int, str | int] | tuple[int, str | int, str | None]],
     ) -> str:
-        """Record a job and its rows (all pending) once; return its id. The same fingerprint -> the same job."""
+        """Record a job and its rows (all pending) once; return its id. The same fingerprint -> the same job.
+        A row may carry its key (what its answer depends on: store_reuse.py)."""
         if len(fingerprint) < 16:
             raise ValueError(f"job fingerprint {fingerprint!r} is too short: need at least 16 characters")
         job_id = fingerprint[:16]
@@ -123,10 +125,15 @@ class Store:
                 (job_id, fingerprint, str(spec_path), model, json.dumps(settings, sort_keys=True), _now(), len(rows)),
             )
             conn.executemany(
-                "insert into rows (job_id, idx, id_json, state) values (?, ?, ?, 'pending')",
-                ((job_id, idx, json.dumps(row_id)) for idx, row_id in rows),
+                "insert into rows (job_id, idx, id_json, row_key, state) values (?, ?, ?, ?, 'pending')",
+                ((job_id, row[0], json.dumps(row[1]), row[2] if len(row) > 2 else None) for row in rows),
             )
         return job_id
+
+    def reuse_answers(self, job_id: str) -> Reused:
+        """Give this job's pending rows the answers (or tokens so far) other jobs have for the same rows."""
+        with self._write("take answers from earlier jobs") as conn:
+            return reuse_answers(conn, job_id)
 
     def set_state(self, job_id: str, state: str) -> None:
         _check_choice("job state", state, JOB_STATES)

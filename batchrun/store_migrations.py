@@ -145,6 +145,14 @@ def m007_run_error(db: sqlite_utils.Database) -> None:
     db["runs"].add_column("error", str)
 
 
+@migration
+def m008_row_keys(db: sqlite_utils.Database) -> None:
+    # What a row's answer depends on (model, dtype, tokens, choices, limit, stops), so a job made from an edited
+    # spec takes the answers its unchanged rows already have in an earlier job (store_reuse.py).
+    db["rows"].add_column("row_key", str)
+    db["rows"].create_index(["row_key"], index_name="rows_by_key")
+
+
 def applied_migrations(db: sqlite_utils.Database) -> set[str]:
     if not db[MIGRATIONS_TABLE].exists():
         return set()

@@ -553,3 +553,26 @@ def test_a_job_none_of_whose_rows_can_run_is_refused_naming_why(tmp_path, tiny_c
         submit(spec, options=options, output=tmp_path / "o.parquet", db=tmp_path / "j.db")
     assert not (tmp_path / "o.parquet").exists()
     assert "indexing errors" not in capfd.readouterr().err
+
+
+def test_an_edited_spec_computes_only_its_changed_rows(tmp_path, tiny_checkpoint):
+    """A blank line, an edited prompt and an appended row make a new job (the spec's bytes changed), which takes the
+    answers of the unchanged rows from the earlier job and computes the other two; the output is what a fresh run
+    of the edited spec gives."""
+    path = tiny_checkpoint("llama")
+    rows = [{"id": i, "prompt": f"Summarise: {text}", "max_new_tokens": 4} for i, text in enumerate(REVIEWS)]
+    spec = write_jsonl(tmp_path / "gen.jsonl", rows)
+    db = tmp_path / "j.db"
+    first = submit(spec, options=JobOptions(model=str(path)), output=tmp_path / "a.parquet", db=db)
+    rows[2]["prompt"] = "Summarise: the lift was out of order all week."
+    rows.append({"id": "new", "prompt": "Summarise: fast delivery, well packed.", "max_new_tokens": 4})
+    write_jsonl(spec, rows)
+    spec.write_text(spec.read_text() + "\n")  # and a trailing blank line
+    second = submit(spec, options=JobOptions(model=str(path)), output=tmp_path / "b.parquet", db=db)
+    assert second.job_id != first.job_id and second.rows_computed_now == 2
+    assert any(f"5 answer(s) taken from earlier job(s) {first.job_id}" in note for note in second.notes)
+    fresh = submit(spec, options=JobOptions(model=str(path)), output=tmp_path / "c.parquet", db=tmp_path / "f.db")
+    assert fresh.rows_computed_now == 7
+    got, expected = (pq.read_table(tmp_path / name).to_pylist() for name in ("b.parquet", "c.parquet"))
+    assert [(r["id"], r["answer"], r["finish_reason"]) for r in got] == [
+        (r["id"], r["answer"], r["finish_reason"]) for r in expected]

@@ -482,3 +482,27 @@ def test_a_full_disk_raises_store_error_and_keeps_earlier_commits(store, db_path
         assert [r.answer for r in reopened.results(job_id)] == ["first", "second"]
         assert reopened.pending_indices(job_id) == list(range(2, 120))
         assert reopened.status(job_id)["passes"] == 1
+
+
+# ---- answers from earlier jobs ---------------------------------------------------------------------------------
+
+def test_a_new_job_takes_answers_and_tokens_so_far_of_the_same_rows_from_earlier_jobs(store):
+    """Rows match by key (what the answer depends on), never by id or place: the edited spec's job gets the finished
+    answer and the tokens generated so far of its unchanged rows, and computes only the changed one."""
+    old = store.ensure_job("a" * 64, spec_path="s.jsonl", model="m", settings={},
+                           rows=[(0, "r0", "key-done"), (1, "r1", "key-midway"), (2, "r2", "key-edited")])
+    store.acquire(old)
+    store.commit_batch(old, [answer(0, "r0", text="kept answer")], passes=1)
+    store.save_partial(old, {1: ([7, 8, 9], -1.5)})
+    store.release(old, "interrupted")
+    new = store.ensure_job("b" * 64, spec_path="s.jsonl", model="m", settings={},
+                           rows=[(0, "renamed", "key-midway"), (1, "r1", "key-changed"), (2, "r0", "key-done")])
+    reused = store.reuse_answers(new)
+    assert (reused.answers, reused.partial_rows, reused.from_jobs) == (1, 1, [old])
+    assert [(r.idx, r.id, r.answer) for r in store.results(new)] == [(2, "r0", "kept answer")]
+    assert store.partial_tokens(new) == {0: ([7, 8, 9], -1.5)}
+    assert store.pending_indices(new) == [0, 1]
+    assert store.reuse_answers(new).answers == 0  # once taken, nothing more to take
+    # rows without a key (an older database, rows that cannot run) take nothing
+    bare = store.ensure_job("c" * 64, spec_path="s.jsonl", model="m", settings={}, rows=[(0, "r0")])
+    assert store.reuse_answers(bare).answers == 0 and store.pending_indices(bare) == [0]
