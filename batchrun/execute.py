@@ -97,7 +97,8 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
             summary.output = str(_write_output(store, job_id, output_path, output_fmt, force))
             return summary
         except KeyboardInterrupt:
-            state = "interrupted"
+            if state != "done":  # stopped while writing the output: every answer is in, the job is done
+                state = "interrupted"
             raise
         except Exception as failure:  # recorded for `status`, then raised as it was
             error = f"{type(failure).__name__}: {failure}" if state == "failed" else None

@@ -17,8 +17,8 @@ import sqlite_utils
 
 from batchrun import store_migrations
 from batchrun import faults
-from batchrun.store_locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, effective_job_state, eta_seconds,
-                                  lock_holder_alive, mark_alive, process_identity, run_seconds)
+from batchrun.store_locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, eta_seconds,
+                                  job_summary, lock_holder_alive, mark_alive, process_identity, run_seconds)
 from batchrun.store_reuse import Reused, reuse_answers
 from batchrun.store_rows import ROW_UPDATE_SQL, RowResult, row_result_from_db, row_update_params
 
@@ -325,7 +325,7 @@ class Store:
         live_run_no = self._live_run_no(job_id, lock)
         now = datetime.now(timezone.utc)
         elapsed = sum(run_seconds(run, live=run["run_no"] == live_run_no, now=now) for run in runs)
-        summary = _job_summary(job, counts, live=live_run_no is not None)
+        summary = job_summary(job, counts, live=live_run_no is not None)
         live = next((run for run in runs if run["run_no"] == live_run_no), None)
         last = max(runs, key=lambda run: run["run_no"], default=None)
         return {
@@ -348,7 +348,7 @@ class Store:
                 counts.setdefault(job_id, {})[state] = count
             locks = {lock["job_id"]: lock for lock in self.db.query("select * from locks")}
         return [
-            _job_summary(job, counts.get(job["id"], {}),
+            job_summary(job, counts.get(job["id"], {}),
                          live=self._live_run_no(job["id"], locks.get(job["id"])) is not None)
             for job in jobs
         ]
@@ -446,21 +446,6 @@ class Store:
         return sorted({r.idx for r in results} - known)
 
 
-def _job_summary(job: dict, row_counts: Mapping[str, int], *, live: bool) -> dict:
-    return {
-        "id": job["id"],
-        "state": effective_job_state(job["state"], live),
-        "model": job["model"],
-        "spec_path": job["spec_path"],
-        "created_at": job["created_at"],
-        "rows_total": job["total_rows"],
-        "rows_done": row_counts.get("done", 0),
-        "rows_errored": row_counts.get("error", 0),
-        "rows_pending": row_counts.get("pending", 0),
-        "passes": job["passes_done"],
-    }
-
-
 def _describe_job(job: dict) -> str:
     return f"{job['id']} ({job['spec_path']}, created {job['created_at']})"
 
@@ -470,10 +455,19 @@ def _describe_failure(path: Path, action: str, exc: BaseException) -> str:
     error_name = getattr(exc, "sqlite_errorname", None)
     if error_name:
         reason += f" [{error_name}]"
+    if error_name in ("SQLITE_CANTOPEN", "SQLITE_READONLY") and not _writable(path):
+        # WAL mode writes its -wal and -shm files beside the database, even to read it.
+        return (f"could not {action} in {path}: {reason}; the database or its directory is read-only, and "
+                "batchrun writes beside the database even to read it: copy it to a writable place and pass "
+                "that copy as --db")
     message = f"could not {action} in {path}: {reason}. Answers committed before this point are safe."
     if isinstance(exc, OSError) or "disk" in reason.lower():  # "database or disk is full", "disk I/O error"
         message += " Check free disk space and file-size limits, then run the job again to resume."
     return message
+
+
+def _writable(path: Path) -> bool:
+    return os.access(path.parent, os.W_OK) and (not path.exists() or os.access(path, os.W_OK))
 
 
 def _rollback_quietly(conn: sqlite3.Connection) -> None:

@@ -1,5 +1,5 @@
 """Runs and locks: whether the process named in a lock still lives (so a crashed run is taken over), its heartbeat
-and progress marks, run durations."""
+and progress marks, run durations, and what `status` says of a job."""
 from __future__ import annotations
 
 import logging
@@ -152,3 +152,18 @@ def mark_alive(conn: sqlite3.Connection, job_id: str, run_no: int | None, passes
                      (passes, now, job_id, run_no))
     conn.execute("update locks set heartbeat_at = ? where job_id = ? and pid = ? and host = ?",
                  (now, job_id, os.getpid(), HOST))
+
+
+def job_summary(job: dict, row_counts: Mapping[str, int], *, live: bool) -> dict:
+    return {
+        "id": job["id"],
+        "state": effective_job_state(job["state"], live),
+        "model": job["model"],
+        "spec_path": job["spec_path"],
+        "created_at": job["created_at"],
+        "rows_total": job["total_rows"],
+        "rows_done": row_counts.get("done", 0),
+        "rows_errored": row_counts.get("error", 0),
+        "rows_pending": row_counts.get("pending", 0),
+        "passes": job["passes_done"],
+    }

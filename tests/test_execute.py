@@ -576,3 +576,19 @@ def test_an_edited_spec_computes_only_its_changed_rows(tmp_path, tiny_checkpoint
     got, expected = (pq.read_table(tmp_path / name).to_pylist() for name in ("b.parquet", "c.parquet"))
     assert [(r["id"], r["answer"], r["finish_reason"]) for r in got] == [
         (r["id"], r["answer"], r["finish_reason"]) for r in expected]
+
+
+def test_a_stop_while_the_output_is_written_leaves_the_job_done(tmp_path, tiny_checkpoint, monkeypatch):
+    """Every answer was committed before the write began: the job is done (`results` exports it), not interrupted."""
+    from batchrun import execute
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(execute, "_write_output", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        submit(choice_spec(tmp_path), options=JobOptions(model=str(tiny_checkpoint("llama"))),
+               output=tmp_path / "o.parquet", db=tmp_path / "j.db")
+    with Store(tmp_path / "j.db") as store:
+        job = store.jobs()[0]
+        assert job["state"] == "done" and job["rows_done"] == len(REVIEWS)
