@@ -212,7 +212,8 @@ def row_costs(rows: Sequence[EncodedRow], prefixes: dict[int, int] | None = None
             costs.append(RowCost(len(row.prompt_ids), 0, tuple(len(c) for c in row.choice_ids)))
         else:
             done = prefixes.get(row.request.index, 0)
-            costs.append(RowCost(len(row.prompt_ids) + done, max(1, row.request.max_new_tokens - done)))
+            costs.append(RowCost(len(row.prompt_ids) + done, max(1, row.request.max_new_tokens - done),
+                                 resumed=done > 0))
     return costs
 
 

@@ -625,3 +625,11 @@ def test_plan_table_and_comparison_show_mode_memory_eta_and_blockers():
     comparison = format_comparison(candidates)
     assert "streamed (no prefetch)" in comparison and "resident blockers:" in comparison
     assert "resident run does not fit" in comparison
+
+
+def test_resumed_rows_are_packed_first_so_they_finish():
+    """Rows a stopped run left half-written go into the first batch, whatever their length; the rest by length."""
+    rows = [RowCost(50, 8), RowCost(400, 3, resumed=True), RowCost(60, 8), RowCost(300, 5, resumed=True),
+            RowCost(40, 0, (1, 1))]
+    assert pack_batches(rows, max_sequences=2, max_tokens=10_000) == [[4], [3, 1], [0, 2]]
+    assert without_prefix(rows[1], 30) == RowCost(370, 3, resumed=True)
