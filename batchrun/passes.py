@@ -122,8 +122,16 @@ def run_threads(group: PassGroup, calls: list[Callable[[], object]], wrap) -> li
     threads = [threading.Thread(target=work, args=(m,), name=f"batchrun-micro-{m}") for m in range(len(calls))]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.join()
+    except BaseException as stop:
+        # Ctrl-C or SIGTERM reaches the main thread only: stop the micro-batches at their next layer and wait for
+        # them, so none is still computing while the process unwinds (closes the model, exits).
+        group.turns.fail(stop)
+        for thread in threads:
+            thread.join()
+        raise
     real = [e for e in errors if not isinstance(e, PassAborted)]
     if real or errors:
         raise (real or errors)[0]
