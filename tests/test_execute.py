@@ -79,6 +79,21 @@ def reference_generation(model, tokenizer, prompt, max_new_tokens):
     return tokenizer.decode(new, skip_special_tokens=True), finish
 
 
+def record_shared_prefixes(monkeypatch) -> list[int]:
+    """The length of every prefix a pass shares, as the run computes it."""
+    from batchrun import prefill as prefill_module
+
+    shared_at_run = []
+    real = prefill_module.SharedPrefix.__init__
+
+    def record(self, model, prefix, device):
+        shared_at_run.append(len(prefix))
+        real(self, model, prefix, device)
+
+    monkeypatch.setattr(prefill_module.SharedPrefix, "__init__", record)
+    return shared_at_run
+
+
 def run(spec, tmp_path, model, name, on_plan=None, **options):
     out = tmp_path / f"{name}.parquet"
     summary = submit(spec, options=JobOptions(model=str(model), **options), output=out, db=tmp_path / f"{name}.db",
@@ -143,16 +158,7 @@ def test_multi_token_choices_are_scored_over_all_their_tokens(tmp_path, tiny_che
 def test_plan_shares_the_prefix_the_run_shares(tmp_path, tiny_checkpoint, monkeypatch, choices):
     """Rows with the same prompt share all of it but the positions whose logits the pass keeps (the longest choice
     + 1 when a choice has several tokens): the plan sizes memory for the prefix the run really shares."""
-    from batchrun import prefill as prefill_module
-
-    shared_at_run = []
-    real = prefill_module.SharedPrefix.__init__
-
-    def record(self, model, prefix, device):
-        shared_at_run.append(len(prefix))
-        real(self, model, prefix, device)
-
-    monkeypatch.setattr(prefill_module.SharedPrefix, "__init__", record)
+    shared_at_run = record_shared_prefixes(monkeypatch)
     prompt = "Review: " + " ".join(REVIEWS) + "\nIs it positive or negative?"
     spec = write_jsonl(tmp_path / "same.jsonl", [{"id": i, "prompt": prompt, "choices": list(choices)}
                                                  for i in range(4)])
@@ -496,16 +502,7 @@ def test_a_sliding_window_model_shares_the_prefix_of_rows_that_fit_its_window(tm
     reach past the window compute the head each, and the plan says why."""
     import shutil
 
-    from batchrun import prefill as prefill_module
-
-    shared_at_run = []
-    real = prefill_module.SharedPrefix.__init__
-
-    def record(self, model, prefix, device):
-        shared_at_run.append(len(prefix))
-        real(self, model, prefix, device)
-
-    monkeypatch.setattr(prefill_module.SharedPrefix, "__init__", record)
+    shared_at_run = record_shared_prefixes(monkeypatch)
     wide = shutil.copytree(tiny_checkpoint("gemma3"), tmp_path / "gemma3-window-128")
     config = json.loads((wide / "config.json").read_text())
     (wide / "config.json").write_text(json.dumps(config | {"sliding_window": 128}))
