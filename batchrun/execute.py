@@ -180,13 +180,9 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
     rows = [r for r in prepared.rows if r.request.index in pending and not r.error]
     status = store.status(job_id)
     summary = RunSummary(job_id, "done", status["rows_total"], 0, 0, len(rows), 0, 0.0, None, None, None)
-    if reused.answers or reused.partial_rows:
-        note = (f"{reused.answers} answer(s) taken from earlier job(s) {', '.join(reused.from_jobs)}: the same rows "
-                "on the same model")
-        if reused.partial_rows:
-            note += f"; {reused.partial_rows} row(s) resume from the tokens generated for them there"
-        summary.notes.append(note)
-        log.warning(note)
+    reuse_note = _reuse_note(reused)
+    if reuse_note:
+        log.warning(reuse_note)
     if rows:
         prefixes = {i: len(partial[i][0]) for i in partial}
         options = _after_previous_run(prepared.options, store.previous_runs(job_id), summary.notes)
@@ -216,7 +212,19 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
     final = store.status(job_id)
     summary.rows_done, summary.rows_errored = final["rows_done"], final["rows_errored"]
     summary.seconds = time.monotonic() - started
+    if reuse_note:  # said above, before the plan; the summary keeps it too
+        summary.notes.insert(0, reuse_note)
     return summary
+
+
+def _reuse_note(reused) -> str | None:
+    if not (reused.answers or reused.partial_rows):
+        return None
+    note = (f"{reused.answers} answer(s) taken from earlier job(s) {', '.join(reused.from_jobs)}: the same rows on "
+            "the same model")
+    if reused.partial_rows:
+        note += f"; {reused.partial_rows} row(s) resume from the tokens generated for them there"
+    return note
 
 
 def _after_previous_run(options: JobOptions, previous: list[dict], notes: list[str]) -> JobOptions:
