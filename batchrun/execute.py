@@ -171,13 +171,15 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
          on_plan: Callable[[Candidate], None] | None) -> RunSummary:
     started = time.monotonic()
     reused = store.reuse_answers(job_id)
+    repeats_filled = store.fill_duplicates(job_id)  # repeats whose original a stopped run had finished
     pending = set(store.pending_indices(job_id))
     _record_refused_rows(prepared, store, job_id, pending)
     refusal = nothing_runs(prepared.rows, len(prepared.spec.invalid))
     if refusal:
         raise PlanRefused(refusal)
     partial = store.partial_tokens(job_id)
-    rows = [r for r in prepared.rows if r.request.index in pending and not r.error]
+    rows, repeats = _one_row_per_key(
+        [r for r in prepared.rows if r.request.index in pending and not r.error], prepared, partial)
     status = store.status(job_id)
     summary = RunSummary(job_id, "done", status["rows_total"], 0, 0, len(rows), 0, 0.0, None, None, None)
     reuse_note = _reuse_note(reused)
@@ -201,6 +203,7 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
         summary.mode, summary.batch_size = plan.mode, plan.batch_size
         batches = [[rows[i] for i in batch] for batch in plan.batches]
         _run_batches(prepared, store, job_id, plan, batches, partial, status, quiet, summary)
+        repeats_filled += store.fill_duplicates(job_id)
         if summary.empty_answers:
             note = (f"{summary.empty_answers} answer(s) are empty: the row stopped (EOS or a stop string) before "
                     "any text")
@@ -214,7 +217,26 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
     summary.seconds = time.monotonic() - started
     if reuse_note:  # said above, before the plan; the summary keeps it too
         summary.notes.insert(0, reuse_note)
+    if repeats:
+        summary.notes.append(f"{repeats} row(s) repeat another row of this job exactly (same tokens and settings): "
+                             f"computed once, {repeats_filled} answered from it")
     return summary
+
+
+def _one_row_per_key(rows: list[EncodedRow], prepared: PreparedJob, partial: dict) -> tuple[list[EncodedRow], int]:
+    """The rows to compute: one of each set of identical rows (a corpus's repeated documents), the one with the
+    most tokens already generated; the others are answered from it (Store.fill_duplicates). Returns (rows,
+    how many were left out)."""
+    key_of = {row.request.index: key for row, key in zip(prepared.rows, prepared.row_keys)}
+    chosen: dict[object, EncodedRow] = {}
+    for row in rows:
+        key = key_of.get(row.request.index) or ("row", row.request.index)  # no key: its own
+        held = chosen.get(key)
+        progress = len(partial.get(row.request.index, ((), 0))[0])
+        if held is None or progress > len(partial.get(held.request.index, ((), 0))[0]):
+            chosen[key] = row
+    kept = {row.request.index for row in chosen.values()}
+    return [row for row in rows if row.request.index in kept], len(rows) - len(kept)
 
 
 def _reuse_note(reused) -> str | None:

@@ -19,7 +19,7 @@ from batchrun import store_migrations
 from batchrun import faults
 from batchrun.store_locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, eta_seconds,
                                   job_summary, lock_holder_alive, mark_alive, process_identity, run_seconds)
-from batchrun.store_reuse import Reused, reuse_answers
+from batchrun.store_reuse import Reused, fill_duplicates, reuse_answers
 from batchrun.store_rows import ROW_UPDATE_SQL, RowResult, row_result_from_db, row_update_params
 
 __all__ = ["JobLocked", "JobNotFound", "RowResult", "Store", "StoreError", "integrity_ok"]
@@ -134,6 +134,11 @@ class Store:
         """Give this job's pending rows the answers (or tokens so far) other jobs have for the same rows."""
         with self._write("take answers from earlier jobs") as conn:
             return reuse_answers(conn, job_id)
+
+    def fill_duplicates(self, job_id: str) -> int:
+        """Answer pending rows that repeat a finished row of the same job exactly; returns how many."""
+        with self._write("answer repeated rows") as conn:
+            return fill_duplicates(conn, job_id)
 
     def set_state(self, job_id: str, state: str) -> None:
         _check_choice("job state", state, JOB_STATES)

@@ -4,7 +4,8 @@ A job is the fingerprint of its whole spec, so a blank line, one edited prompt o
 without this, its run would start from nothing while the old job's answers sat in the same database. Rows are
 matched by what their answer depends on (prepare.row_keys: model, compute dtype, tokens, choices, token limit, stop
 strings), never by id or position. Finished answers are copied; a row another job left mid-generation gives its
-tokens so far, which the run restores with one prefill pass as it would its own.
+tokens so far, which the run restores with one prefill pass as it would its own. Within one job, rows with the
+same key (a corpus's repeated documents) are computed once and the others filled from it (fill_duplicates).
 """
 from __future__ import annotations
 
@@ -53,3 +54,17 @@ def reuse_answers(conn: sqlite3.Connection, job_id: str) -> Reused:
         "and not exists (select 1 from partial own where own.job_id = rows.job_id and own.idx = rows.idx) "
         "group by rows.idx", (job_id,)).rowcount
     return Reused(answers, partial_rows, sources if answers or partial_rows else [])
+
+
+def fill_duplicates(conn: sqlite3.Connection, job_id: str) -> int:
+    """Answer this job's pending rows from its own finished rows with the same key; returns how many."""
+    same_job_done = ("from rows other where other.job_id = rows.job_id and other.row_key = rows.row_key "
+                     "and other.state = 'done' and other.idx != rows.idx")
+    columns = ", ".join(ANSWER_COLUMNS)
+    filled = conn.execute(
+        f"update rows set ({columns}) = (select {', '.join('other.' + c for c in ANSWER_COLUMNS)} {same_job_done} "
+        f"limit 1) where job_id = ? and state = 'pending' and row_key is not null and exists (select 1 "
+        f"{same_job_done})", (job_id,)).rowcount
+    conn.execute("delete from partial where job_id = ? and idx in (select idx from rows where job_id = ? "
+                 "and state != 'pending')", (job_id, job_id))
+    return filled

@@ -589,3 +589,22 @@ def test_a_stop_while_the_output_is_written_leaves_the_job_done(tmp_path, tiny_c
     with Store(tmp_path / "j.db") as store:
         job = store.jobs()[0]
         assert job["state"] == "done" and job["rows_done"] == len(REVIEWS)
+
+
+def test_rows_that_repeat_another_exactly_are_computed_once(tmp_path, tiny_checkpoint):
+    """A corpus's repeated documents (same prompt and settings, other ids) are computed once and answered alike; a
+    row that differs only in its settings is its own. The answers are plain transformers' ones."""
+    path = tiny_checkpoint("llama")
+    model, tokenizer = reference_model(path)
+    rows = [{"id": f"g{i}", "prompt": f"Summarise: {REVIEWS[i % 2]}", "max_new_tokens": 4} for i in range(4)]
+    rows += [{"id": "g-longer", "prompt": f"Summarise: {REVIEWS[0]}", "max_new_tokens": 5}]
+    rows += [{"id": f"c{i}", "prompt": f"Review: {REVIEWS[2]}", "choices": ["positive", "negative"]} for i in range(3)]
+    summary, out = run(write_jsonl(tmp_path / "rep.jsonl", rows), tmp_path, path, "rep")
+    assert summary.rows_computed_now == 4 and summary.rows_done == 8  # g0, g1, g-longer, c0
+    assert any("4 row(s) repeat another row of this job exactly" in note for note in summary.notes)
+    by_id = {row["id"]: row for row in out}
+    for i in range(4):
+        expected = reference_generation(model, tokenizer, f"Summarise: {REVIEWS[i % 2]}", 4)
+        assert (by_id[f"g{i}"]["answer"], by_id[f"g{i}"]["finish_reason"]) == expected
+    assert by_id["g-longer"]["answer"] == reference_generation(model, tokenizer, f"Summarise: {REVIEWS[0]}", 5)[0]
+    assert by_id["c0"]["choice_probs"] == by_id["c1"]["choice_probs"] == by_id["c2"]["choice_probs"]

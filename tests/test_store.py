@@ -519,3 +519,15 @@ def test_a_read_only_database_is_named_as_such_with_the_way_out(tmp_path, monkey
     assert "read-only" in message and "copy it to a writable place" in message and "--db" in message
     monkeypatch.setattr(store_module, "_writable", lambda path: True)  # writable: some other cause, said as before
     assert "read-only" not in store_module._describe_failure(tmp_path / "x.db", "open the progress database", error)
+
+
+def test_repeated_rows_of_a_job_take_the_answer_of_the_one_computed(store):
+    job = store.ensure_job("d" * 64, spec_path="s.jsonl", model="m", settings={},
+                           rows=[(0, "a", "same"), (1, "b", "same"), (2, "c", "other"), (3, "d", None)])
+    assert store.fill_duplicates(job) == 0  # nothing finished yet
+    store.acquire(job)
+    store.commit_batch(job, [answer(0, "a", text="once")], passes=1)
+    store.save_partial(job, {1: ([4], -0.1)})  # a repeat a stopped run had started anyway
+    assert store.fill_duplicates(job) == 1
+    assert [(r.idx, r.id, r.answer) for r in store.results(job)] == [(0, "a", "once"), (1, "b", "once")]
+    assert store.pending_indices(job) == [2, 3] and store.partial_tokens(job) == {}
