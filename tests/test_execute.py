@@ -160,7 +160,8 @@ def test_plan_shares_the_prefix_the_run_shares(tmp_path, tiny_checkpoint, monkey
     + 1 when a choice has several tokens): the plan sizes memory for the prefix the run really shares."""
     shared_at_run = record_shared_prefixes(monkeypatch)
     prompt = "Review: " + " ".join(REVIEWS) + "\nIs it positive or negative?"
-    spec = write_jsonl(tmp_path / "same.jsonl", [{"id": i, "prompt": prompt, "choices": list(choices)}
+    # the choices in two orders: otherwise the rows would repeat each other, and be computed once
+    spec = write_jsonl(tmp_path / "same.jsonl", [{"id": i, "prompt": prompt, "choices": list(choices)[::(-1) ** i]}
                                                  for i in range(4)])
     planned = []
     submit(spec, options=JobOptions(model=str(tiny_checkpoint("llama"))), output=tmp_path / "o.parquet",

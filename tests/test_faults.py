@@ -166,13 +166,14 @@ def capped_cgroup():
 
 def long_choice_job(path: Path, rows: int = 256) -> Path:
     """Rows of 150-word prompts: one pass over all of them needs far more memory than one row. They start with
-    different words (no shared prefix) and are all one token length (151 with the tiny tokenizer), so no cut by
-    length pays and the pass is one forward call (batching.prefill_groups)."""
+    different words (no shared prefix), differ throughout (rows that repeat another are computed once) and are all
+    one token length (151 with the tiny tokenizer), so no cut by length pays and the pass is one forward call
+    (batching.prefill_groups)."""
     rng = random.Random(1)
     words = "the report review customer product service order invoice contract meeting summary letter".split()
     openers = "the report review customer service order meeting summary letter".split()  # one token each
-    body = " ".join(rng.choice(words) for _ in range(149))
-    return write_jsonl(path, [{"id": i, "prompt": f"{openers[i % len(openers)]} {body}",
+    return write_jsonl(path, [{"id": i, "prompt": f"{openers[i % len(openers)]} "
+                                                  + " ".join(rng.choice(words) for _ in range(149)),
                                "choices": ["positive", "negative"]} for i in range(rows)])
 
 
