@@ -108,26 +108,35 @@ def _grow(sentences, count_tokens, target: int, rng: random.Random | None = None
                 return text if text.endswith((".", "?", "!")) else text.rstrip(",") + "."
 
 
+def _distinct(make, seed: int, earlier: list[str]) -> str:
+    """make(rng) seeded with `seed`, drawn again (other seeds) while it repeats an earlier prompt: batchrun computes a
+    repeated row once and the baselines every time, which would flatter its answers per hour."""
+    attempt = 0
+    while (prompt := make(random.Random(seed + 100_000 * attempt))) in earlier:
+        attempt += 1
+    return prompt
+
+
 def classification(tokenizer, rows: int, instruction_tokens: int = 230) -> Sweep:
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     instruction = _grow(CLASSIFY_INSTRUCTIONS, count, instruction_tokens)
-    prompts = []
+    prompts: list[str] = []
     for index in range(rows):
-        rng = random.Random(index)
-        pool = (POSITIVE if index % 2 == 0 else NEGATIVE) * 2 + NEUTRAL
-        review = _grow(pool, count, rng.randint(55, 85), rng)
-        prompts.append(f"{instruction}\n\nReview: {review}\nSentiment:")
+        def review_prompt(rng: random.Random) -> str:
+            pool = (POSITIVE if index % 2 == 0 else NEGATIVE) * 2 + NEUTRAL
+            return f"{instruction}\n\nReview: {_grow(pool, count, rng.randint(55, 85), rng)}\nSentiment:"
+        prompts.append(_distinct(review_prompt, index, prompts))
     return Sweep("classification", "choice", [f"review-{i}" for i in range(rows)], prompts, CHOICES, 0)
 
 
 def short_answer(tokenizer, rows: int, instruction_tokens: int = 150) -> Sweep:
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     instruction = _grow(SHORT_ANSWER_INSTRUCTIONS, count, instruction_tokens)
-    prompts = []
+    prompts: list[str] = []
     for index in range(rows):
-        rng = random.Random(1000 + index)
-        product = PRODUCTS[index % len(PRODUCTS)]
-        ticket = _grow([line.format(p=product) for line in TICKET_LINES], count, rng.randint(40, 120), rng)
-        prompts.append(f"{instruction}\n\nTicket: {ticket}\nProduct:")
+        def ticket_prompt(rng: random.Random) -> str:
+            lines = [line.format(p=PRODUCTS[index % len(PRODUCTS)]) for line in TICKET_LINES]
+            return f"{instruction}\n\nTicket: {_grow(lines, count, rng.randint(40, 120), rng)}\nProduct:"
+        prompts.append(_distinct(ticket_prompt, 1000 + index, prompts))
     return Sweep("short-answer", "generate", [f"ticket-{i}" for i in range(rows)], prompts, None,
                  SHORT_ANSWER_TOKENS)
