@@ -22,7 +22,7 @@ from batchrun.output import (OutputError, OutputExists, check_output_writable, d
                              output_format, write_results)
 from batchrun.paths import default_db_path
 from batchrun.plan import Candidate
-from batchrun.prepare import JobOptions, PreparedJob, nothing_runs, plan_rows, prepare_job
+from batchrun.prepare import JobOptions, PreparedJob, nothing_runs, one_row_per_key, plan_rows, prepare_job
 from batchrun.prompts import EncodedRow, uses_chat_template
 from batchrun.runtime import open_model
 from batchrun.score import Answer, GreedyBatch, eos_token_ids, generation_answer, score_choices
@@ -178,8 +178,10 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
     if refusal:
         raise PlanRefused(refusal)
     partial = store.partial_tokens(job_id)
-    rows, repeats = _one_row_per_key(
-        [r for r in prepared.rows if r.request.index in pending and not r.error], prepared, partial)
+    runnable = [r for r in prepared.rows if r.request.index in pending and not r.error]
+    rows = one_row_per_key(runnable, dict(zip((r.request.index for r in prepared.rows), prepared.row_keys)),
+                           lambda row: len(partial.get(row.request.index, ((), 0))[0]))
+    repeats = len(runnable) - len(rows)
     status = store.status(job_id)
     summary = RunSummary(job_id, "done", status["rows_total"], 0, 0, len(rows), 0, 0.0, None, None, None)
     reuse_note = _reuse_note(reused)
@@ -221,22 +223,6 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
         summary.notes.append(f"{repeats} row(s) repeat another row of this job exactly (same tokens and settings): "
                              f"computed once, {repeats_filled} answered from it")
     return summary
-
-
-def _one_row_per_key(rows: list[EncodedRow], prepared: PreparedJob, partial: dict) -> tuple[list[EncodedRow], int]:
-    """The rows to compute: one of each set of identical rows (a corpus's repeated documents), the one with the
-    most tokens already generated; the others are answered from it (Store.fill_duplicates). Returns (rows,
-    how many were left out)."""
-    key_of = {row.request.index: key for row, key in zip(prepared.rows, prepared.row_keys)}
-    chosen: dict[object, EncodedRow] = {}
-    for row in rows:
-        key = key_of.get(row.request.index) or ("row", row.request.index)  # no key: its own
-        held = chosen.get(key)
-        progress = len(partial.get(row.request.index, ((), 0))[0])
-        if held is None or progress > len(partial.get(held.request.index, ((), 0))[0]):
-            chosen[key] = row
-    kept = {row.request.index for row in chosen.values()}
-    return [row for row in rows if row.request.index in kept], len(rows) - len(kept)
 
 
 def _reuse_note(reused) -> str | None:

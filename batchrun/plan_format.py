@@ -148,6 +148,8 @@ def _job_summary(report: Mapping) -> str:
         parts.append(f"up to {report['new_tokens_max']} new tokens per row")
     if report.get("unrunnable_rows"):  # too long for the context, or refused by the chat template: errored rows
         parts.append(f"{len(report['unrunnable_rows'])} cannot run (errored rows; `--json` says why)")
+    if report.get("repeated_rows"):
+        parts.append(f"{report['repeated_rows']} repeat another row exactly (computed once)")
     return "; ".join(parts)
 
 

@@ -11,7 +11,7 @@ import os
 from array import array
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 from batchrun import measure
 from batchrun.checkpoint import (CheckpointError, CheckpointSizes, checkpoint_sizes, read_tensor_infos,
@@ -303,6 +303,21 @@ def prepare_job(spec_path: Path, options: JobOptions) -> PreparedJob:
                        row_keys(model_identity, dtype, rows))
 
 
+def one_row_per_key(rows: Sequence[EncodedRow], key_of: Mapping[int, str | None],
+                    progress: Callable[[EncodedRow], int] = lambda row: 0) -> list[EncodedRow]:
+    """The rows to compute: one of each set of identical rows (a corpus's repeated documents: same key), the one with
+    the most `progress` (tokens a stopped run generated), else the first; the others are answered from it
+    (Store.fill_duplicates). A row without a key is its own."""
+    chosen: dict[object, EncodedRow] = {}
+    for row in rows:
+        key = key_of.get(row.request.index) or ("row", row.request.index)
+        held = chosen.get(key)
+        if held is None or progress(row) > progress(held):
+            chosen[key] = row
+    kept = {row.request.index for row in chosen.values()}
+    return [row for row in rows if row.request.index in kept]
+
+
 def nothing_runs(rows: Sequence[EncodedRow], invalid_rows: int = 0) -> str | None:
     """Why a job none of whose rows can run on this model is refused (a spec meant for another model, a context
     too short for every prompt): a run would only record errors, and exit as if it had answered."""
@@ -334,12 +349,15 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
         rows = encode_requests(prepared.tokenizer, spec.requests, raw=options.raw,
                                context_length=prepared.context_length)
         runnable = [r for r in rows if not r.error]
+        keys = row_keys(model_identity_parts(prepared.checkpoint), compute_dtype_for(options, device), runnable)
+        distinct = one_row_per_key(runnable, dict(zip((r.request.index for r in runnable), keys)))
         if "prompt_tokens_total" not in report:
+            report["repeated_rows"] = len(runnable) - len(distinct)
             report["prompt_tokens_total"] = sum(len(r.prompt_ids) for r in rows)
             report["prompt_tokens_max"] = max((len(r.prompt_ids) for r in rows), default=0)
             report["new_tokens_max"] = max((r.request.max_new_tokens for r in rows if not r.is_choice), default=0)
             report["unrunnable_rows"] = [{"location": r.request.location, "reason": r.error} for r in rows if r.error]
-        candidate = plan_rows(prepared, runnable, options, device).to_json()
+        candidate = plan_rows(prepared, distinct, options, device).to_json()
         refusal = nothing_runs(rows, len(spec.invalid))
         if refusal:
             candidate["blockers"].append(refusal)

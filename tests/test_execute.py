@@ -600,7 +600,13 @@ def test_rows_that_repeat_another_exactly_are_computed_once(tmp_path, tiny_check
     rows = [{"id": f"g{i}", "prompt": f"Summarise: {REVIEWS[i % 2]}", "max_new_tokens": 4} for i in range(4)]
     rows += [{"id": "g-longer", "prompt": f"Summarise: {REVIEWS[0]}", "max_new_tokens": 5}]
     rows += [{"id": f"c{i}", "prompt": f"Review: {REVIEWS[2]}", "choices": ["positive", "negative"]} for i in range(3)]
-    summary, out = run(write_jsonl(tmp_path / "rep.jsonl", rows), tmp_path, path, "rep")
+    from batchrun.plan_format import format_plan_table
+    from batchrun.prepare import plan_report
+
+    spec = write_jsonl(tmp_path / "rep.jsonl", rows)
+    report = plan_report(spec, [str(path)], JobOptions(model=str(path)))
+    assert report["repeated_rows"] == 4 and "4 repeat another row exactly (computed once)" in format_plan_table(report)
+    summary, out = run(spec, tmp_path, path, "rep")
     assert summary.rows_computed_now == 4 and summary.rows_done == 8  # g0, g1, g-longer, c0
     assert any("4 row(s) repeat another row of this job exactly" in note for note in summary.notes)
     by_id = {row["id"]: row for row in out}
