@@ -258,7 +258,9 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
                  batches: list[list[EncodedRow]], partial: dict, status: dict, quiet: bool,
                  summary: RunSummary) -> None:
     finished_before = status["rows_done"] + status["rows_errored"]
-    bar = tqdm(total=status["rows_total"], initial=finished_before, unit="row", disable=quiet,
+    # rows answered before, and those this run computes (a row repeating another is answered after the run)
+    bar = tqdm(total=finished_before + sum(len(batch) for batch in batches), initial=finished_before, unit="row",
+               disable=quiet,
                desc=f"batchrun {job_id[:8]} ({plan.mode})", dynamic_ncols=True)
     transformers_logging.disable_progress_bar()  # ours is the progress bar that matters
     model = open_model(prepared.model.checkpoint, mode=plan.mode, device=prepared.device,
