@@ -152,7 +152,7 @@ def _release(store: Store, job_id: str, state: str, error: str | None = None) ->
 
 
 def _all_row_ids(prepared: PreparedJob) -> list[tuple[int, object, str | None]]:
-    ids = [(r.request.index, r.request.id, key) for r, key in zip(prepared.rows, prepared.row_keys)]
+    ids = [(r.request.index, r.request.id, prepared.row_keys[r.request.index]) for r in prepared.rows]
     # An invalid row whose id could not be read is named by its location ("spec.jsonl:12").
     ids += [(bad.index, bad.output_id, None) for bad in prepared.spec.invalid]
     return sorted(ids, key=lambda row: row[0])
@@ -179,8 +179,7 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
         raise PlanRefused(refusal)
     partial = store.partial_tokens(job_id)
     runnable = [r for r in prepared.rows if r.request.index in pending and not r.error]
-    rows = one_row_per_key(runnable, dict(zip((r.request.index for r in prepared.rows), prepared.row_keys)),
-                           lambda row: len(partial.get(row.request.index, ((), 0))[0]))
+    rows = one_row_per_key(runnable, prepared.row_keys, lambda row: len(partial.get(row.request.index, ((), 0))[0]))
     repeats = len(runnable) - len(rows)
     status = store.status(job_id)
     summary = RunSummary(job_id, "done", status["rows_total"], 0, 0, len(rows), 0, 0.0, None, None, None)

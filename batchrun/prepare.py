@@ -97,7 +97,7 @@ class PreparedJob:
     fingerprint: str
     device: str
     compute_dtype: str
-    row_keys: list[str | None]  # per row of `rows`: what its answer depends on (store_reuse.py)
+    row_keys: dict[int, str | None]  # row index -> what its answer depends on (store_reuse.py)
 
 
 def names_default_model(model: str | None) -> bool:
@@ -154,17 +154,18 @@ def model_identity_parts(checkpoint: Path) -> list[bytes]:
     return parts
 
 
-def row_keys(model_identity: Sequence[bytes], compute_dtype: str, rows: Sequence[EncodedRow]) -> list[str | None]:
-    """What each row's answer depends on, the row's share of the fingerprint without its id and place: the same key
-    in another job of the database is the same answer (store_reuse.py). None for a row that cannot run."""
+def row_keys(model_identity: Sequence[bytes], compute_dtype: str,
+             rows: Sequence[EncodedRow]) -> dict[int, str | None]:
+    """Row index -> what its answer depends on, the row's share of the fingerprint without its id and place: the
+    same key in another job of the database is the same answer (store_reuse.py). None for a row that cannot run."""
     model = hashlib.sha256()
     for part in model_identity:
         model.update(part)
     model.update(compute_dtype.encode())
-    keys: list[str | None] = []
+    keys: dict[int, str | None] = {}
     for row in rows:
         if row.error:
-            keys.append(None)
+            keys[row.request.index] = None
             continue
         digest = model.copy()
         generates = not row.is_choice
@@ -172,7 +173,7 @@ def row_keys(model_identity: Sequence[bytes], compute_dtype: str, rows: Sequence
                                   row.request.stop if generates else None]).encode())
         for ids in (row.prompt_ids, *row.choice_ids):
             digest.update(array("q", [len(ids), *ids]).tobytes())
-        keys.append(digest.hexdigest())
+        keys[row.request.index] = digest.hexdigest()
     return keys
 
 
@@ -349,8 +350,8 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
         rows = encode_requests(prepared.tokenizer, spec.requests, raw=options.raw,
                                context_length=prepared.context_length)
         runnable = [r for r in rows if not r.error]
-        keys = row_keys(model_identity_parts(prepared.checkpoint), compute_dtype_for(options, device), runnable)
-        distinct = one_row_per_key(runnable, dict(zip((r.request.index for r in runnable), keys)))
+        distinct = one_row_per_key(runnable, row_keys(model_identity_parts(prepared.checkpoint),
+                                                      compute_dtype_for(options, device), runnable))
         if "prompt_tokens_total" not in report:
             report["repeated_rows"] = len(runnable) - len(distinct)
             report["prompt_tokens_total"] = sum(len(r.prompt_ids) for r in rows)

@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 ANSWER_COLUMNS = ("state", "answer", "choice_probs_json", "score", "logprob", "prompt_tokens", "output_tokens",
                   "finish_reason", "error", "output_token_ids_json")
 
+# The finished rows a pending row of this job may take its answer from: another job's, or its own job's repeats.
 _DONE_ELSEWHERE = ("from rows other where other.row_key = rows.row_key and other.state = 'done' "
                    "and other.job_id != rows.job_id")
+_DONE_IN_THIS_JOB = ("from rows other where other.row_key = rows.row_key and other.state = 'done' "
+                     "and other.job_id = rows.job_id and other.idx != rows.idx")
 
 
 @dataclass
@@ -35,14 +38,7 @@ def reuse_answers(conn: sqlite3.Connection, job_id: str) -> Reused:
         "where rows.job_id = ? and rows.state = 'pending' and rows.row_key is not null", (job_id,))]
     if not sources:
         return Reused()
-    columns = ", ".join(ANSWER_COLUMNS)
-    answers = conn.execute(
-        f"update rows set ({columns}) = (select {', '.join('other.' + c for c in ANSWER_COLUMNS)} "
-        f"{_DONE_ELSEWHERE} limit 1) "
-        f"where job_id = ? and state = 'pending' and row_key is not null and exists (select 1 {_DONE_ELSEWHERE})",
-        (job_id,)).rowcount
-    conn.execute("delete from partial where job_id = ? and idx in (select idx from rows where job_id = ? "
-                 "and state != 'pending')", (job_id, job_id))
+    answers = _copy_answers(conn, job_id, _DONE_ELSEWHERE)
     # The longest run of tokens another job generated for a row this job has not started (SQLite takes the bare
     # columns from the row where max() is found).
     partial_rows = conn.execute(
@@ -58,13 +54,17 @@ def reuse_answers(conn: sqlite3.Connection, job_id: str) -> Reused:
 
 def fill_duplicates(conn: sqlite3.Connection, job_id: str) -> int:
     """Answer this job's pending rows from its own finished rows with the same key; returns how many."""
-    same_job_done = ("from rows other where other.job_id = rows.job_id and other.row_key = rows.row_key "
-                     "and other.state = 'done' and other.idx != rows.idx")
+    return _copy_answers(conn, job_id, _DONE_IN_THIS_JOB)
+
+
+def _copy_answers(conn: sqlite3.Connection, job_id: str, sources: str) -> int:
+    """Give each pending keyed row of the job the answer of a row `sources` finds for it (a `from rows other ...`
+    clause); drop the tokens so far of the rows that got one. Returns how many did."""
     columns = ", ".join(ANSWER_COLUMNS)
-    filled = conn.execute(
-        f"update rows set ({columns}) = (select {', '.join('other.' + c for c in ANSWER_COLUMNS)} {same_job_done} "
-        f"limit 1) where job_id = ? and state = 'pending' and row_key is not null and exists (select 1 "
-        f"{same_job_done})", (job_id,)).rowcount
+    copied = conn.execute(
+        f"update rows set ({columns}) = (select {', '.join('other.' + c for c in ANSWER_COLUMNS)} {sources} limit 1) "
+        f"where job_id = ? and state = 'pending' and row_key is not null and exists (select 1 {sources})",
+        (job_id,)).rowcount
     conn.execute("delete from partial where job_id = ? and idx in (select idx from rows where job_id = ? "
                  "and state != 'pending')", (job_id, job_id))
-    return filled
+    return copied
