@@ -13,14 +13,14 @@ from pathlib import Path
 from batchrun.checkpoint_files import (
     CONFIG_NAME, DTYPE_BITS, INDEX_NAME, SINGLE_SHARD_NAME, CheckpointError, TensorInfo,
     decoder_layer_prefix, load_config, read_header, read_tensor_infos, read_weight_map, refuse_without_safetensors,
-    tensor_index,
+    storage_dtype, tensor_index,
 )
 from batchrun.sizes import CheckpointSizes, checkpoint_sizes, sizes_from_config
 
 __all__ = [
     "CONFIG_NAME", "DTYPE_BITS", "CheckpointError", "CheckpointSizes", "TensorInfo", "checkpoint_sizes",
     "decoder_layer_prefix", "load_config", "read_header", "read_tensor_infos", "resolve_checkpoint",
-    "sizes_from_config", "tensor_index",
+    "sizes_from_config", "storage_dtype", "tensor_index",
 ]
 
 # Everything a run needs besides the weights; shards are fetched in a second step, only those the index names,

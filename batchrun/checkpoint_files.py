@@ -11,8 +11,10 @@ import json
 import math
 import os
 import struct
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -60,6 +62,14 @@ def tensor_index(checkpoint: str | os.PathLike) -> dict[str, str]:
         return read_weight_map(index_file)
     shard = _single_shard(directory)
     return {name: shard.name for name in read_header(shard)}
+
+
+def storage_dtype(infos: Mapping[str, TensorInfo]) -> str:
+    """The checkpoint's dtype (safetensors code): the one holding the most bytes (a few norms may be float32)."""
+    bytes_by_dtype: Counter[str] = Counter()
+    for info in infos.values():
+        bytes_by_dtype[info.dtype] += info.nbytes
+    return bytes_by_dtype.most_common(1)[0][0]
 
 
 def read_tensor_infos(checkpoint: str | os.PathLike) -> dict[str, TensorInfo]:

@@ -83,7 +83,9 @@ def job_options(fn):
         click.option("--raw", is_flag=True, help="Send prompts as plain text, without the chat template."),
         click.option("--skip-invalid", is_flag=True, help="Record bad rows as errors and run the rest."),
         click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-                     show_default=True, help="Compute dtype (auto: float32 on CPU, half on accelerators)."),
+                     show_default=True, help="Compute dtype (auto: half on accelerators; on a CPU a bfloat16 "
+                                             "checkpoint's own bfloat16 where the CPU has bfloat16 units, else "
+                                             "float32)."),
         click.option("--device", help="cuda, mps or cpu (default: the best available)."),
         click.option("--batch-size", type=click.IntRange(min=1), help="Override the planned sequences per pass."),
         click.option("--memory", "memory_gb", type=click.FloatRange(min=0, min_open=True),

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from batchrun.compute_dtype import cpu_auto_dtype
+
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -37,19 +39,21 @@ def check_device(name: str) -> str:
     return name
 
 
-def default_dtype(device: str | torch.device) -> torch.dtype:
-    """Half precision on accelerators; float32 on CPU, where half precision is emulated or inexact."""
+def default_dtype(device: str | torch.device, storage_dtype: str | None = None) -> torch.dtype:
+    """Half precision on accelerators; on the CPU a bfloat16 checkpoint's own dtype where the CPU has bfloat16 units,
+    else float32 (compute_dtype.py; `storage_dtype`: the checkpoint's safetensors code, "BF16")."""
     kind = torch.device(device).type
     if kind == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if kind == "mps":
         return torch.float16
-    return torch.float32
+    return DTYPE_NAMES[cpu_auto_dtype(storage_dtype)]
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device,
+                  storage_dtype: str | None = None) -> torch.dtype:
     if dtype is None or dtype == "auto":
-        return default_dtype(device)
+        return default_dtype(device, storage_dtype)
     if isinstance(dtype, torch.dtype):
         return dtype
     try:

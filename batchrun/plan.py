@@ -124,6 +124,7 @@ class Candidate:
     decode_prefetch_depth: int = 0  # the same in decode passes (one more where memory allows)
     pass_seconds: list[float | None] = field(default_factory=list)  # every pass in run order
     linear_kernel: str = "aten"  # what computes the nn.Linear layers (measure.linear_kernel; a CPU choice)
+    compute_dtype_reason: str | None = None  # why --dtype auto chose compute_dtype (compute_dtype.py; the CPU)
 
     @property
     def fits(self) -> bool:

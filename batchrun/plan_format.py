@@ -101,7 +101,8 @@ def _candidate_table(report: Mapping) -> str:
                        f"(largest {format_bytes(report['largest_layer_bytes'])}), "
                        f"outside the layers {format_bytes(report['non_decoder_bytes'])}"),
         ("compute", f"{report['compute_dtype']} on {report['device']}"
-                    + (f", {report['linear_kernel']} linears" if report.get("linear_kernel") else "")),
+                    + (f", {report['linear_kernel']} linears" if report.get("linear_kernel") else "")
+                    + (f" ({report['compute_dtype_reason']})" if report.get("compute_dtype_reason") else "")),
         ("memory", f"peak {format_bytes(report['peak_memory_bytes'])} of a "
                    f"{format_bytes(report['memory_budget_bytes'])} budget "
                    f"(KV cache {format_bytes(report['kv_bytes_per_token'])} per token)"),

@@ -17,6 +17,7 @@ from batchrun import measure
 from batchrun.checkpoint import (CheckpointError, CheckpointSizes, checkpoint_sizes, read_tensor_infos,
                                  resolve_checkpoint)
 from batchrun.checkpoint_files import weight_sample_digest
+from batchrun.compute_dtype import cpu_auto_dtype, cpu_auto_reason
 from batchrun.errors import SettingRefused
 from batchrun.batching import shared_prefix_tokens, windows_allow_sharing
 from batchrun.plan import Bandwidth, Candidate, RowCost, make_plan, parse_streaming
@@ -218,11 +219,15 @@ def row_costs(rows: Sequence[EncodedRow], prefixes: dict[int, int] | None = None
     return costs
 
 
-def compute_dtype_for(options: JobOptions, device: str) -> str:
+def compute_dtype_for(options: JobOptions, device: str, storage_dtype: str | None) -> str:
+    """--dtype, else auto for the device and the checkpoint's storage dtype (safetensors code), as
+    devices.default_dtype."""
     if options.dtype and options.dtype != "auto":
         return options.dtype
     kind = device.split(":")[0]  # "cpu:0" is the CPU too
-    return {"cpu": "float32", "mps": "float16"}.get(kind, "bfloat16")  # as devices.default_dtype
+    if kind == "cpu":
+        return cpu_auto_dtype(storage_dtype)
+    return "float16" if kind == "mps" else "bfloat16"
 
 
 def bandwidth_for(checkpoint: Path, options: JobOptions) -> Bandwidth:
@@ -248,7 +253,7 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
                                   shortest_sequence=shortest)
     common = 0 if windows_allow else shared_prefix_tokens(prompts, own_tokens=kept_positions(rows),
                                                           shortest_sequence=shortest)
-    compute_dtype = compute_dtype_for(options, device)
+    compute_dtype = compute_dtype_for(options, device, sizes.storage_dtype)
     budget = int(options.memory_gb * 1e9) if options.memory_gb else measure.available_memory_bytes(device)
     plan = make_plan(
         prepared.sizes, costs, model=prepared.name, device=device, compute_dtype=compute_dtype,
@@ -267,7 +272,10 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
         caveats.append(f"the rows share a {common}-token prompt head, but the longest reaches past the model's "
                        f"{window}-token sliding window, so each row computes it (no shared prefix: the window would "
                        f"count the padding between the head and a row's own tokens)")
-    return replace(plan, linear_kernel=measure.linear_kernel(compute_dtype, device), caveats=caveats)
+    reason = (cpu_auto_reason(sizes.storage_dtype)
+              if device.split(":")[0] == "cpu" and options.dtype in (None, "auto") else None)
+    return replace(plan, linear_kernel=measure.linear_kernel(compute_dtype, device), caveats=caveats,
+                   compute_dtype_reason=reason)
 
 
 def _glued_choices_caveat(tokenizer, rows: Sequence[EncodedRow], raw: bool) -> list[str]:
@@ -298,7 +306,7 @@ def prepare_job(spec_path: Path, options: JobOptions) -> PreparedJob:
     prepared = prepare_model(options.model, options)
     rows = encode_requests(prepared.tokenizer, spec.requests, raw=options.raw,
                            context_length=prepared.context_length)
-    dtype = compute_dtype_for(options, device)
+    dtype = compute_dtype_for(options, device, prepared.sizes.storage_dtype)
     model_identity = model_identity_parts(prepared.checkpoint)
     return PreparedJob(spec, options, prepared, rows, fingerprint(spec, model_identity, dtype, rows), device, dtype,
                        row_keys(model_identity, dtype, rows))
@@ -351,7 +359,8 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
                                context_length=prepared.context_length)
         runnable = [r for r in rows if not r.error]
         distinct = one_row_per_key(runnable, row_keys(model_identity_parts(prepared.checkpoint),
-                                                      compute_dtype_for(options, device), runnable))
+                                                      compute_dtype_for(options, device, prepared.sizes.storage_dtype),
+                                                      runnable))
         if "prompt_tokens_total" not in report:
             report["repeated_rows"] = len(runnable) - len(distinct)
             report["prompt_tokens_total"] = sum(len(r.prompt_ids) for r in rows)

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchrun.checkpoint import load_config, read_tensor_infos
+from batchrun.checkpoint import load_config, read_tensor_infos, storage_dtype
 from batchrun.devices import resolve_dtype
 from batchrun.linear_kernels import route_linears
 from batchrun.passes import keep_heap_flat, return_freed_memory
@@ -22,7 +22,7 @@ class ResidentModel(TokenizerOnDemand):
         infos = read_tensor_infos(checkpoint)  # same refusals as streaming: pickle-only, truncated, missing shards
         self.checkpoint = Path(checkpoint)
         self.device = torch.device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = resolve_dtype(dtype, self.device, storage_dtype(infos))
         keep_heap_flat()  # before the first weight is allocated, so no heap grows under the model
         files = {info.file for info in infos.values()}
         _read_sequentially(files)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from batchrun.checkpoint_files import (
     CONFIG_NAME, DTYPE_BITS, CheckpointError, TensorInfo, decoder_layer_prefix, load_config, read_tensor_infos,
+    storage_dtype,
 )
 
 # Alternative spellings of the same config field across architectures (generic names, not a per-family table).
@@ -129,11 +129,8 @@ def checkpoint_sizes(checkpoint: str | os.PathLike, trust_remote_code: bool = Fa
     # Tied weights are saved once; an untied head is a second matrix of the embedding's shape.
     tied = arch.tied if embedding is None else sum(m.shape == embedding.shape for m in matrices) == 1
 
-    bytes_by_dtype: Counter[str] = Counter()
-    for info in infos.values():
-        bytes_by_dtype[info.dtype] += info.nbytes
     return CheckpointSizes(
-        path=directory, storage_dtype=bytes_by_dtype.most_common(1)[0][0],
+        path=directory, storage_dtype=storage_dtype(infos),
         num_layers=num_layers, layer_bytes=layer_bytes, non_decoder_bytes=sum(i.nbytes for i in outside),
         layer_params=layer_params, non_decoder_params=sum(i.numel for i in outside),
         tied_embeddings=bool(tied), estimated=False, source="headers", decoder_prefix=prefix, **arch.size_fields(),

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from batchrun import faults
-from batchrun.checkpoint import CheckpointError, load_config, read_tensor_infos, resolve_checkpoint
+from batchrun.checkpoint import CheckpointError, load_config, read_tensor_infos, resolve_checkpoint, storage_dtype
 from batchrun.devices import default_device, resolve_dtype
 from batchrun.loader import LayerLoader, LayerWeights
 from batchrun.passes import LayerTurns, PassGroup, keep_heap_flat, return_freed_memory, run_threads
@@ -96,7 +96,8 @@ class StreamedModel(TokenizerOnDemand):
         self.checkpoint = resolve_checkpoint(model, hf_token=hf_token)
         load_config(self.checkpoint, trust_remote_code=trust_remote_code)  # refuses remote code unless asked
         self.device = torch.device(device or default_device())
-        self.dtype = resolve_dtype(dtype, self.device)
+        infos = read_tensor_infos(self.checkpoint)
+        self.dtype = resolve_dtype(dtype, self.device, storage_dtype(infos))
         keep_heap_flat()  # before the first weight is allocated, so no heap grows under the model
         self.config = AutoConfig.from_pretrained(self.checkpoint, trust_remote_code=trust_remote_code)
         quantization = getattr(self.config, "quantization_config", None)
@@ -109,7 +110,6 @@ class StreamedModel(TokenizerOnDemand):
         self.num_layers = text_config(self.config).num_hidden_layers
         self.max_seq_len = max_seq_len or getattr(text_config(self.config), "max_position_embeddings", None)
         self._trust_remote_code = trust_remote_code
-        infos = read_tensor_infos(self.checkpoint)
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype,
                                                           trust_remote_code=trust_remote_code)

@@ -15,7 +15,9 @@ answer (32 rows, ~250-token prompts, 8 new tokens). Each variant runs in its own
 
 One-prompt-at-a-time variants (-1, -b1) run the first --subset rows only: their cost per answer does not depend on
 the other rows, and all rows would take hours. Answers per hour = rows measured / answer seconds (first prompt to
-last answer; imports and model construction excluded, for every variant alike).
+last answer; imports and model construction excluded, for every variant alike). Every variant computes in the dtype
+batchrun's `--dtype auto` picks for the checkpoint on this machine (bfloat16 on a CPU with bfloat16 units, else
+float32), and each bound uses the matmul rate measured in that dtype.
 
     /work/venv/bin/python -m benchmarks.throughput                   # the full run, ~35-45 min on 2 cores
     /work/venv/bin/python -m benchmarks.throughput --checkpoint-bytes 3e8 --cap-gb 1 --classify-rows 8 --short-rows 4 \\
@@ -42,9 +44,9 @@ from benchmarks.baselines.common import encode_prompts
 
 AIRLLM_PYTHON = Path(os.environ.get("BATCHRUN_BENCH_AIRLLM_PYTHON", "/work/bench-venv/bin/python"))
 # About half the checkpoint: 1.55 GB for the 2.97 GB model. Streaming a bf16 model in float32 needs ~0.9 GB before any
-# sequence (torch and transformers ~0.4 GB, two float32 layer slots, the non-decoder tensors), whatever the model's
-# depth; under the 1.2 GB cap of a 2.2 GB model that left room for ~15 of the short-answer sweep's 32 sequences
-# (results/throughput-2.2GB-after-fix.md), under 52% of a 33-layer model all 32 fit.
+# sequence (torch and transformers ~0.4 GB, two float32 layer slots, the non-decoder tensors; less in bfloat16),
+# whatever the model's depth; under the 1.2 GB cap of a 2.2 GB model that left room for ~15 of the short-answer
+# sweep's 32 sequences (results/throughput-2.2GB-after-fix.md), under 52% of a 33-layer model all 32 fit.
 CAP_SHARE = 0.52
 # glibc keeps freed layer-sized blocks in its heap; without this the baselines' anonymous memory grows by a layer
 # per layer until the cap kills them (see the facts file). batchrun runs without it: it must hold memory flat itself.
@@ -78,22 +80,31 @@ class Setting:
     shape: ModelShape
     cap_bytes: int
     bandwidth: float  # bytes/s, cold
-    compute_rate: float  # FLOP/s, float32, of the linear kernel batchrun picks (measure.linear_kernel)
+    compute_rate: float  # FLOP/s at `dtype`, of the linear kernel batchrun picks (measure.linear_kernel)
     subset: int
     work: Path
     linear_kernel: str = "aten"
+    dtype: str = "float32"  # what batchrun's --dtype auto computes the checkpoint in here; every variant uses it
+
+
+def batchrun_auto_dtype(checkpoint: Path) -> str:
+    """The dtype `batchrun submit` computes the checkpoint in on this machine's CPU without --dtype."""
+    from batchrun.checkpoint import read_tensor_infos, storage_dtype
+    from batchrun.prepare import JobOptions, compute_dtype_for
+
+    return compute_dtype_for(JobOptions(), "cpu", storage_dtype(read_tensor_infos(checkpoint)))
 
 
 def measure_rates(setting: Setting) -> Setting:
-    """The setting with the cold read bandwidth (median of 3) and float32 matmul rate measured now: the rate of the
+    """The setting with the cold read bandwidth (median of 3) and matmul rate at its dtype measured now: the rate of the
     faster linear kernel, the one batchrun then uses (the baselines keep torch's own)."""
     from batchrun import measure
 
     harness.wait_for_quiet(QUIET_CORES, timeout_s=300)
     harness.drop_page_cache()
     bandwidth = harness.cold_read_bandwidth(setting.checkpoint)
-    rate = measure.measure_compute_rate("float32", "cpu")
-    kernel = measure.linear_kernel("float32", "cpu")
+    rate = measure.measure_compute_rate(setting.dtype, "cpu")
+    kernel = measure.linear_kernel(setting.dtype, "cpu")
     return replace(setting, bandwidth=bandwidth, compute_rate=rate, linear_kernel=kernel)
 
 
@@ -109,7 +120,7 @@ def run_variant(variant: Variant, sweep: sweeps.Sweep, setting: Setting) -> dict
     if variant.key.startswith("batchrun"):
         return record | run_batchrun(variant, sweep, setting, rows, stem)
     job_file = stem.with_suffix(".job.json")
-    job_file.write_text(json.dumps(sweep.runner_job(setting.checkpoint, rows)))
+    job_file.write_text(json.dumps(sweep.runner_job(setting.checkpoint, setting.dtype, rows)))
     if variant.key == "airllm-1":
         return record | run_airllm(job_file, setting, stem)
     if variant.key == "accelerate-1":
@@ -388,11 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     with harness.exclusive_machine(), tempfile.TemporaryDirectory(prefix="throughput-") as temporary:
         cap = int(args.cap_gb * 1e9) if args.cap_gb else int(harness.checkpoint_bytes(checkpoint) * CAP_SHARE)
         setting = measure_rates(Setting(checkpoint, ModelShape.of(checkpoint), cap, 0.0, 0.0,
-                                                    args.subset, Path(temporary)))
+                                        args.subset, Path(temporary), dtype=batchrun_auto_dtype(checkpoint)))
         bandwidth, compute_rate = setting.bandwidth, setting.compute_rate
         print(f"{checkpoint.name}: {setting.shape.checkpoint_bytes / 1e9:.2f} GB, "
               f"cap {setting.cap_bytes / 1e9:.2f} GB; "
-              f"cold read {bandwidth / 1e9:.2f} GB/s; float32 compute {compute_rate / 1e9:.0f} GFLOP/s "
+              f"cold read {bandwidth / 1e9:.2f} GB/s; {setting.dtype} compute {compute_rate / 1e9:.0f} GFLOP/s "
               f"({setting.linear_kernel} linears)", flush=True)
         for job in args.jobs.split(","):
             sweep = all_sweeps[job]
@@ -425,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     spread = (f"; before each run {_range(bandwidths, 1e9, '.2f')} GB/s and {_range(rates, 1e9, '.0f')} GFLOP/s"
               if measured_now else "")
     markdown = (f"Checkpoint {checkpoint.name} ({setting.shape.checkpoint_bytes / 1e9:.2f} GB bf16), memory cap "
-                f"{setting.cap_bytes / 1e9:.2f} GB, cold read {bandwidth / 1e9:.2f} GB/s, float32 compute "
+                f"{setting.cap_bytes / 1e9:.2f} GB, cold read {bandwidth / 1e9:.2f} GB/s, {setting.dtype} compute "
                 f"{compute_rate / 1e9:.0f} GFLOP/s ({setting.linear_kernel} linears) at the start{spread}, 2 cores. "
                 f"Each run's bound uses the rates measured just before it (columns GB/s, GFLOP/s)."
                 f"\n\n{table}\n\nTargets:\n{targets_markdown(targets)}\n")
@@ -435,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     path = harness.save_results(args.name, {
         "checkpoint": str(checkpoint), "shape": setting.shape.__dict__, "cap_bytes": setting.cap_bytes,
         "read_bandwidth_bytes_per_s": bandwidth, "compute_flops_per_s": compute_rate,
-        "linear_kernel": setting.linear_kernel, "subset_rows": args.subset,
+        "linear_kernel": setting.linear_kernel, "dtype": setting.dtype, "subset_rows": args.subset,
         "targets": targets, "records": records})
     print(f"saved {path}")
     return 0

@@ -22,8 +22,9 @@ def machine_measurements(tmp_path_factory) -> Path:
     previous = _os.environ.get("BATCHRUN_HOME")
     _os.environ["BATCHRUN_HOME"] = str(home)
     try:
-        measure.compute_rate("float32", "cpu")
-        measure.memory_read_rate("float32", "cpu")
+        for dtype in ("float32", "bfloat16"):  # bfloat16: what --dtype auto may pick for a bfloat16 checkpoint
+            measure.compute_rate(dtype, "cpu")
+            measure.memory_read_rate(dtype, "cpu")
         measure.runtime_overhead_bytes()
     finally:
         if previous is None:

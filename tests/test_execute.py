@@ -335,13 +335,23 @@ def test_default_model_answers_equal_reference(tmp_path, default_checkpoint, str
         assert (by_id[f"g{i}"]["answer"], by_id[f"g{i}"]["finish_reason"]) == (answer, finish)
 
 
-@pytest.mark.parametrize("device, dtype", [("cpu", "float32"), ("cpu:0", "float32"), ("mps", "float16"),
-                                           ("cuda", "bfloat16"), ("cuda:1", "bfloat16")])
-def test_the_default_compute_dtype_follows_the_device_kind(device, dtype):
+@pytest.mark.parametrize("device, storage, cpu_feature, dtype", [
+    ("cpu", "BF16", None, "float32"), ("cpu:0", "BF16", None, "float32"),
+    ("cpu", "BF16", "avx512_bf16", "bfloat16"), ("cpu:0", "BF16", "amx_bf16", "bfloat16"),
+    ("cpu", "F32", "avx512_bf16", "float32"), ("cpu", "F16", "avx512_bf16", "float32"),
+    ("mps", "F32", None, "float16"), ("cuda", "F32", None, "bfloat16"), ("cuda:1", "BF16", None, "bfloat16")])
+def test_the_default_compute_dtype_follows_the_device_and_the_checkpoint(device, storage, cpu_feature, dtype,
+                                                                         monkeypatch):
+    """auto: half precision on accelerators; on the CPU a bfloat16 checkpoint's own dtype only where the CPU has
+    bfloat16 units (compute_dtype.py). An explicit --dtype always wins."""
+    from batchrun import compute_dtype
     from batchrun.prepare import compute_dtype_for
 
-    assert compute_dtype_for(JobOptions(), device) == dtype
-    assert compute_dtype_for(JobOptions(dtype="bfloat16"), device) == "bfloat16"
+    monkeypatch.setattr(compute_dtype, "cpu_bfloat16_feature", lambda: cpu_feature)
+    assert compute_dtype_for(JobOptions(), device, storage) == dtype
+    assert compute_dtype_for(JobOptions(dtype="auto"), device, storage) == dtype
+    assert compute_dtype_for(JobOptions(dtype="float32"), device, storage) == "float32"
+    assert compute_dtype_for(JobOptions(dtype="bfloat16"), device, storage) == "bfloat16"
 
 
 @pytest.mark.parametrize("streaming", ["never", "always"])

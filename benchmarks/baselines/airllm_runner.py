@@ -7,7 +7,7 @@ Runs in its own virtual environment (AirLLM pins its own dependencies), from the
 
 AirLLM first splits the checkpoint into one safetensors file per layer under DIR/splitted_model (a second copy of
 the weights on disk); `--prepare` does only that, outside any measurement. Measured runs then stream every module
-(embedding, decoder layers, norm, head) from those files with its own prefetch, computing in float32 like the
+(embedding, decoder layers, norm, head) from those files with its own prefetch, computing in the job's dtype like the
 other runners. It needs the checkpoint's tokenizer (the benchmark checkpoint ships one).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from benchmarks.baselines.common import (ForwardClock, Job, RunnerResult, choice
 def open_model(job: Job, split_dir: str):
     from airllm import AutoModel
 
-    return AutoModel.from_pretrained(job.checkpoint, device="cpu", dtype=torch.float32,
+    return AutoModel.from_pretrained(job.checkpoint, device="cpu", dtype=getattr(torch, job.dtype),
                                      layer_shards_saving_path=split_dir, max_seq_len=2048)
 
 

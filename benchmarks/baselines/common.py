@@ -22,6 +22,7 @@ class Job:
     prompts: list[str]
     choices: list[str] | None = None
     max_new_tokens: int = 0
+    dtype: str = "float32"  # the compute dtype, batchrun's own for the checkpoint on this machine (--dtype auto)
 
     @classmethod
     def read(cls, path: str | Path) -> "Job":

@@ -89,9 +89,9 @@ class Sweep:
         path.write_text("\n".join(lines) + "\n")
         return path
 
-    def runner_job(self, checkpoint: Path, rows: int | None = None) -> dict:
+    def runner_job(self, checkpoint: Path, dtype: str, rows: int | None = None) -> dict:
         return {"kind": self.kind, "checkpoint": str(checkpoint), "prompts": self.prompts[:rows],
-                "choices": self.choices, "max_new_tokens": self.max_new_tokens}
+                "choices": self.choices, "max_new_tokens": self.max_new_tokens, "dtype": dtype}
 
 
 def _grow(sentences, count_tokens, target: int, rng: random.Random | None = None) -> str:

@@ -4,10 +4,11 @@
 
 offload: `from_pretrained(device_map=...)` with every decoder layer on "disk" (transformers 5.24 reads the original
 safetensors in place; accelerate's hooks load each layer's weights before its forward, with no prefetch), the
-embedding, final norm and head on the CPU. resident: an ordinary float32 model in memory.
+embedding, final norm and head on the CPU. resident: an ordinary model in memory.
 
-Both compute in float32 like batchrun on a CPU, batch N prompts per forward call (left padding), score choices with
-one forward (the last position's log-probabilities of each single-token choice) and generate greedily.
+Both compute in the job's dtype (batchrun's own choice for the checkpoint on this machine), batch N prompts per
+forward call (left padding), score choices with one forward (the last position's log-probabilities of each
+single-token choice) and generate greedily.
 """
 from __future__ import annotations
 
@@ -31,14 +32,14 @@ def offload_device_map(checkpoint: str) -> dict[str, str]:
     return device_map
 
 
-def load_model(checkpoint: str, mode: str, offload_folder: str):
+def load_model(checkpoint: str, mode: str, offload_folder: str, dtype: torch.dtype):
     if mode == "offload":
-        return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+        return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype,
                                                     device_map=offload_device_map(checkpoint),
                                                     offload_folder=offload_folder)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype)
     # transformers 5 may keep safetensors memory-mapped; touching every weight once makes it truly resident
-    # (a bf16 checkpoint loaded as float32 is converted, hence copied, anyway).
+    # (a bf16 checkpoint loaded as float32 is converted, hence copied, anyway; loaded as bfloat16 it may not be).
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.data = parameter.data.contiguous().clone()
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     job = Job.read(args.job)
     with tempfile.TemporaryDirectory(prefix="offload-") as offload_folder:
-        model = load_model(job.checkpoint, args.mode, offload_folder)
+        model = load_model(job.checkpoint, args.mode, offload_folder, getattr(torch, job.dtype))
         model.eval()
         tokenizer = AutoTokenizer.from_pretrained(job.checkpoint)
         clock = ForwardClock(model)
