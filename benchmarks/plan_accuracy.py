@@ -316,7 +316,7 @@ def run_case(case: Case, bandwidth: float, work: Path) -> dict:
     arguments = job_arguments(case, checkpoint, memory_gb, bandwidth / 1e9)
     predicted = predict(spec, arguments)
     measured = measure_run(case, spec, arguments, cap, work)
-    measured["rates"] = _rates_now()
+    measured["rates"] = _rates_now(predicted["compute_dtype"])
     row = {
         "case": case.name, "model": checkpoint.name, "checkpoint_bytes": size, "mode": predicted["mode"],
         "job": case.job, "rows": case.rows, "batch_size": predicted["batch_size"], "passes": predicted["passes"],
@@ -339,11 +339,12 @@ def run_case(case: Case, bandwidth: float, work: Path) -> dict:
     return {"row": row, "predicted": predicted, "measured": measured}
 
 
-def _rates_now() -> dict:
+def _rates_now(dtype: str) -> dict:
+    """The cached rates the plan priced this case with (its compute dtype: --dtype auto's choice here)."""
     from batchrun import measure
 
-    return {"compute_flops_per_s": measure.compute_rate("float32", "cpu"),
-            "memory_bytes_per_s": measure.memory_read_rate("float32", "cpu")}
+    return {"compute_dtype": dtype, "compute_flops_per_s": measure.compute_rate(dtype, "cpu"),
+            "memory_bytes_per_s": measure.memory_read_rate(dtype, "cpu")}
 
 
 def _ratio(predicted: float | None, measured: float | None) -> float | None:
@@ -401,11 +402,13 @@ def main(argv: list[str] | None = None) -> int:
         harness.drop_page_cache()
         bandwidth = harness.cold_read_bandwidth(large)
         harness.wait_for_quiet(QUIET_BUSY_CORES, QUIET_WAIT_SECONDS)
-        compute = measure.measure_compute_rate("float32", "cpu")  # now, on the machine as it is now
-        memory = measure.measure_memory_read_rate("float32", "cpu")
+        rates = []
+        for dtype in ("float32", "bfloat16"):  # bfloat16: --dtype auto picks it for the large model on such a CPU
+            compute = measure.measure_compute_rate(dtype, "cpu")  # now, on the machine as it is now
+            memory = measure.measure_memory_read_rate(dtype, "cpu")
+            rates.append(f"{dtype} compute {compute / 1e9:.0f} GFLOP/s, memory read {memory / 1e9:.1f} GB/s")
         measure.runtime_overhead_bytes()
-        print(f"cold read {bandwidth / 1e9:.2f} GB/s, float32 compute {compute / 1e9:.0f} GFLOP/s, "
-              f"memory read {memory / 1e9:.1f} GB/s", flush=True)
+        print(f"cold read {bandwidth / 1e9:.2f} GB/s; {'; '.join(rates)}", flush=True)
         for case in CASES:
             if case.name in wanted:
                 result = run_case(case, bandwidth, work)

@@ -1,0 +1,27 @@
+"""The benchmarks' process measurements: what a measured child really held, not its parent."""
+from __future__ import annotations
+
+import sys
+
+from benchmarks import harness
+
+CHILD_MB = 64
+
+
+def test_a_childs_peak_is_its_own_not_the_parents_it_was_spawned_from():
+    """Linux keeps the pre-exec high-water mark, so wait4's ru_maxrss reports the parent's RSS for a small child."""
+    ballast = bytearray(400 * 2**20)
+    ballast[::4096] = b"\1" * len(ballast[::4096])  # touched: the parent's RSS is at least 400 MB
+    # The child holds its memory a moment: the poll (every RSS_POLL_SECONDS) is what sees a short-lived peak.
+    command = [sys.executable, "-c", f"import time; x = bytearray({CHILD_MB} * 2**20); "
+               "x[::4096] = b'1' * len(x[::4096]); time.sleep(0.3)"]
+    run = harness.run_measured(command)
+    assert run.returncode == 0
+    assert run.ru_maxrss_bytes >= 400 * 2**20  # the quirk this guards against
+    assert CHILD_MB * 2**20 <= run.peak_rss_bytes < 200 * 2**20
+    del ballast
+
+
+def test_a_child_above_its_parent_keeps_the_exact_wait4_figure():
+    assert harness.child_peak_rss(polled_hwm=900, ru_maxrss=1_000, parent_hwm=500) == 1_000
+    assert harness.child_peak_rss(polled_hwm=300, ru_maxrss=1_000, parent_hwm=1_000) == 300
