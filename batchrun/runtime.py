@@ -1,6 +1,11 @@
 """One entry point for the executor: a model that runs resident when it fits, streamed when not."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import mmap
+import sys
 from pathlib import Path
 
 import torch
@@ -118,10 +123,39 @@ def copy_out_of_file_mappings(model: torch.nn.Module, files) -> int:
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
             if mapped is None or lies_in(tensor, mapped):
-                tensor.data = tensor.data.clone()
+                original = tensor.data
+                tensor.data = original.clone()
+                if mapped is not None:
+                    release_mapped_pages(original.data_ptr(), original.numel() * original.element_size())
                 copied += 1
     model.tie_weights()
     return copied
+
+
+MADV_DONTNEED = 4  # Linux
+
+
+def release_mapped_pages(address: int, nbytes: int) -> None:
+    """Unmap from this process the file pages wholly inside [address, address + nbytes) of a tensor just copied out:
+    the file mapping stays until its last tensor is copied, and meanwhile every page the copies read stayed resident
+    beside the copies (SmolLM2 resident, float32: a 1,495 MB peak at load where the loaded model held 957 MB). Pages a
+    neighbouring tensor shares are kept; the page cache keeps them all, and the mapping faults a page back in from
+    it if anything reads it again. Only the copied tensor's own pages go, so whatever was written there is in its
+    copy."""
+    libc = _libc()
+    page = mmap.PAGESIZE
+    start = -(-address // page) * page
+    end = (address + nbytes) // page * page
+    if libc is not None and end > start:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None
+    except OSError:
+        return None
 
 
 def file_mapped_ranges(files, maps: Path = Path("/proc/self/maps")) -> list[tuple[int, int]] | None:

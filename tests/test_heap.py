@@ -43,3 +43,29 @@ def test_memory_freed_by_a_layer_turn_does_not_stay_resident():
     trimmed = _extra_resident_bytes("trim")
     assert kept > 24e6, "the heap did not keep the freed activations: the check below proves nothing"
     assert trimmed < 8e6
+
+
+def test_a_turn_that_grew_the_process_little_skips_the_trim(monkeypatch):
+    """The trim walks the whole heap; after a decode step's small turn there is next to nothing to hand back."""
+    from batchrun import measure, passes
+
+    trims = []
+    resident = [100 << 20]
+
+    class FakeLibc:
+        def malloc_trim(self, pad):
+            trims.append(resident[0])
+            resident[0] -= 4 << 20  # what the trim handed back
+
+    monkeypatch.setattr(passes, "_glibc", lambda: FakeLibc())
+    monkeypatch.setattr(measure, "resident_bytes", lambda: resident[0])
+    monkeypatch.setattr(passes, "_resident_after_trim", 0)
+    passes.return_freed_memory()  # the first turn: trimmed, 96 MB held after it
+    for _ in range(3):
+        resident[0] += 5 << 20  # small turns: 101, 106, 111 MB, under 96 + 16
+        passes.return_freed_memory()
+    assert trims == [100 << 20]
+    resident[0] += 5 << 20  # 116 MB: 20 MB above what the last trim left
+    passes.return_freed_memory()
+    assert trims == [100 << 20, 116 << 20]
+    assert passes._resident_after_trim == 112 << 20
