@@ -273,6 +273,9 @@ class _Architecture:
                             ("num_key_value_heads", kv_heads), ("vocab_size", vocab)):
             if not isinstance(value, int) or value < 1:
                 raise CheckpointError(f"{where}: {name} must be a positive integer, got {value!r}")
+        if heads % kv_heads:  # transformers builds such a model, then fails in its first attention call
+            raise CheckpointError(f"{where}: num_attention_heads={heads} is not a multiple of the "
+                                  f"{kv_heads} key/value heads, so no attention can group its query heads")
         windows, unplaced_window = _sliding_windows(text, num_layers)
         if unplaced_window:
             assumptions.append(f"sliding_window={unplaced_window} without layer types: KV sized as full attention on "

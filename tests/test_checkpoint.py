@@ -366,6 +366,15 @@ def test_sparse_hub_config_is_sized_conservatively_with_its_assumptions_listed()
     assert any("num_attention_heads missing" in note for note in sizes.assumptions)
 
 
+def test_query_heads_that_key_value_heads_cannot_group_are_refused():
+    """transformers builds such a model and fails only in its first attention call, mid-job."""
+    config = {"hidden_size": 1216, "num_attention_heads": 19, "num_key_value_heads": 2, "intermediate_size": 4096,
+              "num_hidden_layers": 2, "vocab_size": 100}
+    with pytest.raises(CheckpointError, match="num_attention_heads=19 is not a multiple of the 2 key/value heads"):
+        sizes_from_config(config)
+    assert sizes_from_config(config | {"num_attention_heads": 16, "num_key_value_heads": 4}).num_kv_heads == 4
+
+
 def test_config_without_layer_count_is_refused():
     with pytest.raises(CheckpointError, match="num_hidden_layers"):
         sizes_from_config({"hidden_size": 8, "vocab_size": 10})

@@ -197,11 +197,13 @@ LARGE_INIT_STD = 0.02
 
 def _large_shape(hidden: int) -> dict:
     heads = max(1, hidden // LARGE_HEAD_DIM)
+    # Key/value heads must divide the query heads (19 heads took 2 and made a model no attention could run).
+    kv_heads = max(d for d in range(1, max(1, heads // LARGE_GQA_GROUP) + 1) if heads % d == 0)
     return dict(
         hidden_size=hidden,
         intermediate_size=max(64, LARGE_INTERMEDIATE * hidden // LARGE_HIDDEN // 64 * 64),
         num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // LARGE_GQA_GROUP),
+        num_key_value_heads=kv_heads,
     )
 
 
