@@ -59,10 +59,15 @@ def mapping_resident_bytes(files) -> int:
     return total
 
 
-def test_copying_weights_out_of_the_file_mapping_leaves_its_pages_unmapped(tmp_path):
+@pytest.mark.parametrize("chunk_bytes", [None, 64 << 10])  # the default, and many chunks a tensor
+def test_copying_weights_out_of_the_file_mapping_leaves_its_pages_unmapped(tmp_path, monkeypatch, chunk_bytes):
     """Otherwise every page the copies read stays resident beside them until the last tensor is copied: a resident
     load peaked at twice the weights."""
+    from batchrun import runtime
     from tests.tiny_models import build_large_llama
+
+    if chunk_bytes:
+        monkeypatch.setattr(runtime, "COPY_CHUNK_BYTES", chunk_bytes)
 
     path = build_large_llama(tmp_path, 24_000_000, dtype="float32", num_layers=2, vocab_size=2000)
     files = weight_files(path)
