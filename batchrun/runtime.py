@@ -135,10 +135,8 @@ COPY_CHUNK_BYTES = 16 << 20
 def copy_releasing_pages(original: torch.Tensor) -> torch.Tensor:
     """A copy of a file-mapped tensor, made COPY_CHUNK_BYTES at a time, each chunk's file pages unmapped once copied:
     a whole-tensor copy held the tensor twice at its end (Gemma 3's 335 MB embedding: a 137 MB spike at load)."""
-    if not original.is_contiguous():
-        copy = original.clone()
-        release_mapped_pages(original.data_ptr(), original.numel() * original.element_size())
-        return copy
+    if not original.is_contiguous():  # a view: its byte span may hold other tensors' bytes, so nothing is released
+        return original.clone()
     copy = torch.empty_like(original)
     source, target = original.view(-1), copy.view(-1)
     step = max(1, COPY_CHUNK_BYTES // original.element_size())
