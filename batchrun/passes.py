@@ -26,7 +26,7 @@ MMAP_THRESHOLD_BYTES = 32 << 20
 
 
 @functools.cache  # once per process: find_library may spawn ldconfig, far too slow for every pass
-def _glibc():
+def glibc():
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
@@ -46,7 +46,7 @@ def keep_heap_flat() -> None:
     around the KV cache and held hidden states allocated among the activations); with a trim after every turn 44.2 s
     and 1.35 GB. Micro-batch threads would also each get an arena keeping its own high-water mark; one arena keeps
     the retention of a single micro-batch, which is what the plan sizes. No-op where libc is not glibc."""
-    libc = _glibc()
+    libc = glibc()
     if libc is not None:
         libc.mallopt(M_ARENA_MAX, 1)
         libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
@@ -66,7 +66,7 @@ def return_freed_memory() -> None:
     what one layer turn freed does not stay resident beside the next one. Skipped while the process has grown by
     less than TRIM_AFTER_GROWTH_BYTES since the last trim."""
     global _resident_after_trim
-    libc = _glibc()
+    libc = glibc()
     if libc is None:
         return
     resident = measure.resident_bytes()

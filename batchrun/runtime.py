@@ -2,10 +2,7 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import functools
 import mmap
-import sys
 from pathlib import Path
 
 import torch
@@ -14,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from batchrun.checkpoint import load_config, read_tensor_infos, storage_dtype
 from batchrun.devices import resolve_dtype
 from batchrun.linear_kernels import route_linears
-from batchrun.passes import keep_heap_flat, return_freed_memory
+from batchrun.passes import glibc, keep_heap_flat, return_freed_memory
 from batchrun.stream import StreamedModel, find_decoder_stack, text_config
 from batchrun.tokenizer import TokenizerOnDemand
 
@@ -158,20 +155,12 @@ def release_mapped_pages(address: int, nbytes: int) -> None:
     neighbouring tensor shares are kept; the page cache keeps them all, and the mapping faults a page back in from
     it if anything reads it again. Only the copied tensor's own pages go, so whatever was written there is in its
     copy."""
-    libc = _libc()
+    libc = glibc()
     page = mmap.PAGESIZE
     start = -(-address // page) * page
     end = (address + nbytes) // page * page
     if libc is not None and end > start:
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
-
-
-@functools.cache
-def _libc():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None
-    except OSError:
-        return None
 
 
 def file_mapped_ranges(files, maps: Path = Path("/proc/self/maps")) -> list[tuple[int, int]] | None:

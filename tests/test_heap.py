@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from batchrun.passes import _glibc
+from batchrun.passes import glibc
 
 SCRIPT = """
 import sys, torch
@@ -37,7 +37,7 @@ def _extra_resident_bytes(mode: str) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(_glibc() is None, reason="glibc's malloc only")
+@pytest.mark.skipif(glibc() is None, reason="glibc's malloc only")
 def test_memory_freed_by_a_layer_turn_does_not_stay_resident():
     from batchrun.passes import TRIM_AFTER_GROWTH_BYTES
 
@@ -59,7 +59,7 @@ def test_a_turn_that_grew_the_process_little_skips_the_trim(monkeypatch):
             trims.append(resident[0])
             resident[0] -= 4 << 20  # what the trim handed back
 
-    monkeypatch.setattr(passes, "_glibc", lambda: FakeLibc())
+    monkeypatch.setattr(passes, "glibc", lambda: FakeLibc())
     monkeypatch.setattr(measure, "resident_bytes", lambda: resident[0])
     monkeypatch.setattr(passes, "_resident_after_trim", 0)
     passes.return_freed_memory()  # the first turn: trimmed, 96 MB held after it
