@@ -7,6 +7,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from batchrun import native_env  # noqa: E402 - before torch loads anywhere: MKL reads its settings then
+
+native_env.apply()
+
 _EXPORTS = {
     "StreamedModel": "batchrun.stream",
     "ResidentModel": "batchrun.runtime",

@@ -181,6 +181,12 @@ def prefill_groups(lengths: Sequence[int], size: int | None, device) -> list[lis
     return micro_batches(lengths, size)
 
 
+def prefill_call_count(rows: Sequence[RowCost], batch: Sequence[int], size: int | None, device) -> int:
+    """Forward calls of a batch's prefill, each a thread of its own, cut as the executor cuts them (prefill_groups)."""
+    lengths = [rows[i].prefill_length() for i in batch for _ in range(rows[i].sequences())]
+    return len(prefill_groups(lengths, size, device))
+
+
 def batch_shape(rows: Sequence[RowCost], batch: Sequence[int]) -> tuple[int, int, int, int]:
     """(sequences, longest sequence, longest prefill, most logit positions) of a batch, padding included."""
     members = [rows[i] for i in batch]

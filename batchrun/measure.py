@@ -35,16 +35,24 @@ DECODE_MATRICES = 4
 # Used only when the probe below cannot run: resident set of a CPU process that imported torch and
 # transformers' model code, rounded up.
 RUNTIME_OVERHEAD_FALLBACK_BYTES = 700 << 20
-# What a run holds before its first weight: everything the executor imports, and torch's kernels and thread pools
-# warmed by a forward pass (with KV cache) of a model too small to count.
+# What a run holds before its first weight: everything the executor imports, torch's kernels and thread pools
+# warmed by a forward pass (with KV cache) of a model too small to count, and oneDNN's and ideep's kernel caches
+# filled to their caps (native_env) as a long run fills them, one matmul shape at a time.
 _RUNTIME_PROBE = (
     "import resource, sys, torch\n"
     "import batchrun.execute\n"
+    "from batchrun.linear_kernels import onednn_available\n"
+    "from batchrun.native_env import KERNEL_CACHE_CAPACITY\n"
     "from transformers import LlamaConfig, LlamaForCausalLM\n"
     "config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,\n"
     "                     num_key_value_heads=2, vocab_size=256)\n"
     "with torch.inference_mode():\n"
     "    LlamaForCausalLM(config).eval()(input_ids=torch.ones((2, 64), dtype=torch.long), use_cache=True)\n"
+    "    weight = torch.randn(512, 512)\n"
+    "    for rows in range(1, 2 * KERNEL_CACHE_CAPACITY + 1):\n"
+    "        if onednn_available():\n"
+    "            torch.ops.mkldnn._linear_pointwise(torch.randn(rows, 512), weight, None, 'none', [], '')\n"
+    "        torch.nn.functional.linear(torch.randn(rows, 512, dtype=torch.bfloat16), weight.bfloat16())\n"
     # VmHWM belongs to this process's own address space; ru_maxrss would carry over the parent's peak across
     # fork + exec (Linux keeps it), e.g. a parent that has just converted the default model.
     "try:\n"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from batchrun.batching import RowCost, batch_shape
+from batchrun.batching import RowCost, batch_shape, prefill_call_count
 from batchrun.sizes import CheckpointSizes, kv_bytes_for_sequence
 
 # Activations of one sequence at prefill, the peak of a batch (checked against RSS in benchmarks/plan_accuracy.py):
@@ -29,6 +29,10 @@ HEAP_RETAINS_ON = frozenset({"cpu"})  # accelerator allocators hold freed blocks
 # Micro-batches (passes.py): when a pass's activations do not fit all at once, its sequences enter each layer in
 # turns, so only one micro-batch's activations are live while every sequence's KV cache and hidden state wait.
 HELD_HIDDEN_COPIES = 2  # a waiting micro-batch holds its hidden states and the residual they add to
+# Each of a prefill's forward calls runs on a thread of its own (passes.py), holding its Python stack, its OpenMP
+# team and matmul scratch until the pass ends: 0.36-0.52 MiB a thread measured (float32 on 2 cores, oneDNN or MKL,
+# with MKL's per-thread buffer cache off: native_env), rounded up.
+PREFILL_THREAD_BYTES = 1 << 20
 
 
 def linear_activation_bytes_per_token(sizes: CheckpointSizes, compute_bytes: int, device: str = "cuda") -> int:
@@ -52,15 +56,17 @@ def activation_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, de
 def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
                 batch: Sequence[int], micro_sequences: int | None = None) -> int:
     """KV cache at the batch's longest sequence (none for choice rows) plus activations at its longest prefill, for
-    every sequence; with micro-batches, activations for one micro-batch and held hidden states for the others."""
+    every sequence; with micro-batches, activations for one micro-batch and held hidden states for the others; and
+    the threads of the prefill's forward calls."""
     sequences, longest, prefill, positions = batch_shape(rows, batch)
     holds_cache = any(rows[i].holds_cache for i in batch)
     kv = kv_bytes_for_sequence(sizes, compute_bytes, longest) if holds_cache else 0
     activations = activation_bytes_for_sequence(sizes, compute_bytes, device, prefill, positions)
+    threads = prefill_call_count(rows, batch, micro_sequences, device) * PREFILL_THREAD_BYTES
     if micro_sequences is None or micro_sequences >= sequences:
-        return sequences * (kv + activations)
+        return sequences * (kv + activations) + threads
     held = prefill * sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
-    return sequences * (kv + held) + micro_sequences * activations
+    return sequences * (kv + held) + micro_sequences * activations + threads
 
 
 def decode_call_bytes_per_sequence(sizes: CheckpointSizes, compute_bytes: int, device: str, context: int) -> int:

@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from batchrun.batching import RowCost, batch_shape, prefill_groups, without_prefix
+from batchrun.batching import RowCost, batch_shape, prefill_call_count, without_prefix
 from batchrun.sizes import CheckpointSizes, attended_positions, kv_bytes_for_sequence
 
 # A decode pass streams every weight from RAM once, so below a few dozen sequences it runs at the speed of memory,
@@ -90,8 +90,7 @@ def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequenc
         weights, kv = pass_memory_bytes(sizes, compute_bytes, live[step], shared_prefix + prefill + step, step > 0)
         group = micro_batches[0 if step == 0 else 1]
         if step == 0:  # the prefill's micro-batches are cut by length, as the executor cuts them
-            lengths = [rows[i].prefill_length() for i in batch for _ in range(rows[i].sequences())]
-            calls = len(prefill_groups(lengths, group, device))
+            calls = prefill_call_count(rows, batch, group, device)
         else:
             calls = math.ceil(live[step] / group) if group else 1
         seconds.append(pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s,
