@@ -26,7 +26,7 @@ def test_importing_batchrun_sets_the_bounds_and_keeps_what_the_user_set():
 # A long run meets a new matmul shape with every micro-batch and decode group. Uncapped, oneDNN's and ideep's caches
 # kept ~0.57 MB a shape here (200 shapes: +113 MiB); capped, the growth stops at the caps (+27 MiB).
 GROWTH_SCRIPT = """
-import ctypes, torch
+import torch
 import batchrun
 from batchrun.linear_kernels import onednn_available
 from batchrun.measure import resident_bytes
