@@ -5,6 +5,7 @@ No torch.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -183,8 +184,15 @@ def prefill_groups(lengths: Sequence[int], size: int | None, device) -> list[lis
 
 def prefill_call_count(rows: Sequence[RowCost], batch: Sequence[int], size: int | None, device) -> int:
     """Forward calls of a batch's prefill, each a thread of its own, cut as the executor cuts them (prefill_groups)."""
-    lengths = [rows[i].prefill_length() for i in batch for _ in range(rows[i].sequences())]
-    return len(prefill_groups(lengths, size, device))
+    if len(batch) == 1 and rows[batch[0]].sequences() == 1:  # the plan sizes every row alone: skip the cache
+        return 1
+    lengths = tuple(rows[i].prefill_length() for i in batch for _ in range(rows[i].sequences()))
+    return _call_count(lengths, size, str(device).split(":")[0])
+
+
+@functools.lru_cache(maxsize=64)  # the plan asks once for a batch's memory and once for its time
+def _call_count(lengths: tuple[int, ...], size: int | None, device_kind: str) -> int:
+    return len(prefill_groups(lengths, size, device_kind))
 
 
 def batch_shape(rows: Sequence[RowCost], batch: Sequence[int]) -> tuple[int, int, int, int]:

@@ -48,9 +48,9 @@ _RUNTIME_PROBE = (
     "                     num_key_value_heads=2, vocab_size=256)\n"
     "with torch.inference_mode():\n"
     "    LlamaForCausalLM(config).eval()(input_ids=torch.ones((2, 64), dtype=torch.long), use_cache=True)\n"
-    "    weight = torch.randn(512, 512)\n"
+    "    weight, onednn = torch.randn(512, 512), onednn_available()\n"
     "    for rows in range(1, 2 * KERNEL_CACHE_CAPACITY + 1):\n"
-    "        if onednn_available():\n"
+    "        if onednn:\n"
     "            torch.ops.mkldnn._linear_pointwise(torch.randn(rows, 512), weight, None, 'none', [], '')\n"
     "        torch.nn.functional.linear(torch.randn(rows, 512, dtype=torch.bfloat16), weight.bfloat16())\n"
     # VmHWM belongs to this process's own address space; ru_maxrss would carry over the parent's peak across
