@@ -25,3 +25,22 @@ def test_a_childs_peak_is_its_own_not_the_parents_it_was_spawned_from():
 def test_a_child_above_its_parent_keeps_the_exact_wait4_figure():
     assert harness.child_peak_rss(polled_hwm=900, ru_maxrss=1_000, parent_hwm=500) == 1_000
     assert harness.child_peak_rss(polled_hwm=300, ru_maxrss=1_000, parent_hwm=1_000) == 300
+
+
+def test_the_bounds_matmul_rate_multiplies_the_checkpoints_own_layer_matrices(tiny_checkpoint):
+    """The throughput bound's compute rate is timed on decoder layer 0's 2-D weights, in their [out, in] shapes."""
+    import json
+    import math
+
+    from benchmarks.baselines import layer_rate
+
+    checkpoint = tiny_checkpoint("llama")
+    config = json.loads((checkpoint / "config.json").read_text())
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    queries, keys = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    assert sorted(layer_rate.layer_matrix_shapes(checkpoint)) == sorted(
+        [(queries, hidden), (keys, hidden), (keys, hidden), (hidden, queries), (inner, hidden), (inner, hidden),
+         (hidden, inner)])
+    rate = layer_rate.layer_matmul_rate(checkpoint, "float32", "aten", tokens=16, repeats=1)
+    assert math.isfinite(rate) and rate > 0
