@@ -39,8 +39,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from benchmarks import harness
-from benchmarks.baselines import sweeps
-from benchmarks.baselines import layer_rate
+from benchmarks.baselines import layer_rate, sweeps
 from benchmarks.baselines.bounds import ModelShape, Strategy, lower_bound_passes, strategy_bound
 from benchmarks.baselines.common import encode_prompts
 
@@ -104,7 +103,7 @@ def measure_rates(setting: Setting) -> Setting:
     of three (one probe alone read 428 GFLOP/s amid 820-880 in s20; a low rate makes the bound lenient, a high one
     only stricter). The bound's rate is the checkpoint's own layer matmuls with weights from RAM (layer_rate), on the
     linear kernel batchrun picks (the baselines keep torch's own); batchrun's plan probe, a cache-warm 2k matmul
-    that no pass can match, is recorded beside it."""
+    unlike any a pass computes, is recorded beside it."""
     from batchrun import measure
 
     harness.wait_for_quiet(QUIET_CORES, timeout_s=300)
