@@ -103,8 +103,8 @@ def pack_batches(rows: Sequence[RowCost], max_sequences: int, max_tokens: int) -
 
 
 # A micro-batch computes every padding position like a real token; each further micro-batch costs one more turn at
-# every layer (a thread hand-off and a heap trim: 2.8 s over 198 turns on the benchmark's classification sweep, about
-# 30 tokens' float32 compute a turn on 2 cores) and a smaller matmul. Charged as this many padded tokens per layer.
+# every layer (a hand-off and a heap trim: 2.8 s over 198 turns on the benchmark's classification sweep with a thread
+# per call, about 30 tokens' float32 compute a turn on 2 cores) and a smaller matmul. Charged as this many padded tokens per layer.
 MICRO_BATCH_COST_TOKENS = 32
 
 
@@ -183,7 +183,7 @@ def prefill_groups(lengths: Sequence[int], size: int | None, device) -> list[lis
 
 
 def prefill_call_count(rows: Sequence[RowCost], batch: Sequence[int], size: int | None, device) -> int:
-    """Forward calls of a batch's prefill, each a thread of its own, cut as the executor cuts them (prefill_groups)."""
+    """Forward calls of a batch's prefill, cut as the executor cuts them (prefill_groups)."""
     if len(batch) == 1 and rows[batch[0]].sequences() == 1:  # the plan sizes every row alone: skip the cache
         return 1
     lengths = tuple(rows[i].prefill_length() for i in batch for _ in range(rows[i].sequences()))

@@ -17,7 +17,7 @@ from batchrun.batching import (
 from batchrun.checkpoint_files import DTYPE_BITS
 from batchrun.plan_format import format_bytes, format_duration, format_rate
 from batchrun.plan_memory import (  # noqa: F401 (re-exported)
-    ATTENTION_SCORE_BYTES, HEAP_RETAINED_ACTIVATION_COPIES, HELD_HIDDEN_COPIES, LOGIT_BYTES, PREFILL_THREAD_BYTES,
+    ATTENTION_SCORE_BYTES, HEAP_RETAINED_ACTIVATION_COPIES, HELD_HIDDEN_COPIES, LOGIT_BYTES, PREFILL_CALL_BYTES,
     activation_bytes_for_sequence, batch_bytes, decode_group_size, decode_pass_bytes, heap_factor,
     linear_activation_bytes_per_token, scores_materialised)
 from batchrun.plan_time import (  # noqa: F401 (re-exported)
@@ -214,9 +214,9 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     micro_per_sequence = longest_prefill * activation_per_token + per_sequence
     micro_sequences = max(int(free_bytes * MICRO_BATCH_MEMORY_SHARE // micro_per_sequence), 1)
     held_per_token = kv_per_token + sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
-    # Each forward call (micro-batch) has a thread (PREFILL_THREAD_BYTES), shared by its sequences.
+    # Each forward call (micro-batch) is held suspended (PREFILL_CALL_BYTES), shared by its sequences.
     max_sequences = ((free_bytes - micro_sequences * micro_per_sequence)
-                     // (typical_length * held_per_token + PREFILL_THREAD_BYTES / micro_sequences))
+                     // (typical_length * held_per_token + PREFILL_CALL_BYTES / micro_sequences))
     if max_sequences > wanted:
         # The job needs fewer sequences than memory holds. Every row is held at the longest row's length, so the
         # token budget packs them all into one batch, and the micro-batch gets what that leaves (at least one
@@ -230,19 +230,19 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
             return max(1, min(int(wanted) - 1, int(room // (longest * activation_per_token + per_sequence))))
 
         micro_sequences = micro_fitting(leftover)
-        micro_sequences = micro_fitting(leftover - _threads_bytes(wanted, micro_sequences))  # room for its threads
+        micro_sequences = micro_fitting(leftover - _calls_bytes(wanted, micro_sequences))  # room for its calls
     max_sequences = max(int(max_sequences), 1)
     if max_sequences <= micro_sequences:  # no room to gain: the old single-forward bound
         max_sequences = max(int(min(all_live, wanted)), 1)
         return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
     max_tokens = max(int((free_bytes - micro_sequences * micro_per_sequence
-                          - _threads_bytes(max_sequences, micro_sequences)) // held_per_token), 1)
+                          - _calls_bytes(max_sequences, micro_sequences)) // held_per_token), 1)
     return max_sequences, max_tokens, micro_sequences
 
 
-def _threads_bytes(sequences: int, micro_sequences: int) -> int:
-    """The threads of a pass's forward calls, one per micro-batch (the plan's peak counts the executor's cut)."""
-    return math.ceil(sequences / micro_sequences) * PREFILL_THREAD_BYTES
+def _calls_bytes(sequences: int, micro_sequences: int) -> int:
+    """The suspended forward calls of a pass, one per micro-batch (the plan's peak counts the executor's cut)."""
+    return math.ceil(sequences / micro_sequences) * PREFILL_CALL_BYTES
 
 
 def _on_host(device: str) -> bool:
@@ -331,7 +331,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     own_rows = [without_prefix(row, shared) for row in rows]
     prefix_bytes = (kv_bytes_for_sequence(sizes, compute_bytes, shared)
                     + activation_bytes_for_sequence(sizes, compute_bytes, device, shared, 0)
-                    + PREFILL_THREAD_BYTES) if shared else 0  # the prefix's forward call has a thread too
+                    + PREFILL_CALL_BYTES) if shared else 0  # the prefix's forward call is held too
     sizing_budget = int(budget * (1 - MEMORY_HEADROOM_SHARE))
     batch_free_bytes = sizing_budget - fixed_bytes - prefix_bytes  # what a batch's sequences may hold
     max_sequences, max_tokens, micro_sequences = batch_limits(

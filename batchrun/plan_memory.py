@@ -29,10 +29,10 @@ HEAP_RETAINS_ON = frozenset({"cpu"})  # accelerator allocators hold freed blocks
 # Micro-batches (passes.py): when a pass's activations do not fit all at once, its sequences enter each layer in
 # turns, so only one micro-batch's activations are live while every sequence's KV cache and hidden state wait.
 HELD_HIDDEN_COPIES = 2  # a waiting micro-batch holds its hidden states and the residual they add to
-# Each of a prefill's forward calls runs on a thread of its own (passes.py), holding its Python stack, its OpenMP
-# team and matmul scratch until the pass ends: 0.36-0.52 MiB a thread measured (float32 on 2 cores, oneDNN or MKL,
-# with MKL's per-thread buffer cache off: native_env), rounded up.
-PREFILL_THREAD_BYTES = 1 << 20
+# Each of a prefill's forward calls is held suspended between its turns (passes.run_interleaved), keeping its saved
+# stack and Python frames until the pass ends: ~40 KiB a call measured (200 suspended calls of a tiny Llama); its
+# activations are counted apart. The OpenMP team and matmul scratch are the one calling thread's, in the runtime.
+PREFILL_CALL_BYTES = 256 << 10
 
 
 def linear_activation_bytes_per_token(sizes: CheckpointSizes, compute_bytes: int, device: str = "cuda") -> int:
@@ -57,16 +57,16 @@ def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: S
                 batch: Sequence[int], micro_sequences: int | None = None) -> int:
     """KV cache at the batch's longest sequence (none for choice rows) plus activations at its longest prefill, for
     every sequence; with micro-batches, activations for one micro-batch and held hidden states for the others; and
-    the threads of the prefill's forward calls."""
+    the prefill's suspended forward calls."""
     sequences, longest, prefill, positions = batch_shape(rows, batch)
     holds_cache = any(rows[i].holds_cache for i in batch)
     kv = kv_bytes_for_sequence(sizes, compute_bytes, longest) if holds_cache else 0
     activations = activation_bytes_for_sequence(sizes, compute_bytes, device, prefill, positions)
-    threads = prefill_call_count(rows, batch, micro_sequences, device) * PREFILL_THREAD_BYTES
+    calls = prefill_call_count(rows, batch, micro_sequences, device) * PREFILL_CALL_BYTES
     if micro_sequences is None or micro_sequences >= sequences:
-        return sequences * (kv + activations) + threads
+        return sequences * (kv + activations) + calls
     held = prefill * sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
-    return sequences * (kv + held) + micro_sequences * activations + threads
+    return sequences * (kv + held) + micro_sequences * activations + calls
 
 
 def decode_call_bytes_per_sequence(sizes: CheckpointSizes, compute_bytes: int, device: str, context: int) -> int:

@@ -22,7 +22,7 @@ from batchrun import faults
 from batchrun.checkpoint import CheckpointError, load_config, read_tensor_infos, resolve_checkpoint, storage_dtype
 from batchrun.devices import default_device, resolve_dtype
 from batchrun.loader import LayerLoader, LayerWeights
-from batchrun.passes import LayerTurns, PassGroup, keep_heap_flat, return_freed_memory, run_threads
+from batchrun.passes import LayerTurns, PassGroup, keep_heap_flat, return_freed_memory, run_interleaved
 from batchrun.tokenizer import TokenizerOnDemand
 from batchrun.weights import Recipe, build_recipes, read_into, realize, tensor_from_bytes
 
@@ -292,7 +292,7 @@ class StreamedModel(TokenizerOnDemand):
             self._start_pass()
             self._group = PassGroup(LayerTurns(len(calls)), before_layer)
             try:
-                return run_threads(self._group, calls, torch.inference_mode)
+                return run_interleaved(self._group, calls, torch.inference_mode)
             finally:
                 self._group = None
                 for index in list(self._active):  # after a failure, nothing stays materialised

@@ -62,24 +62,26 @@ def test_a_sigterm_during_a_runs_release_lets_the_release_finish(tmp_path):
         assert store.status(job_id)["state"] == "done" and store.status(job_id)["running_pid"] is None
 
 
-def test_a_stop_in_the_main_thread_stops_and_waits_for_the_micro_batches():
-    """SIGTERM lands in the main thread while it waits for a pass's micro-batch threads: they stop at their next
-    layer and are joined before the stop unwinds further, so none computes while the model closes."""
-    import threading
+def test_a_stop_unwinds_every_micro_batch_of_the_pass_before_it_goes_on():
+    """SIGTERM lands in whichever micro-batch is computing: it stops there, the others unwind at their next layer
+    (none is left suspended half-way), and the stop reaches the caller."""
     import time
 
-    from batchrun.passes import LayerTurns, PassGroup, run_threads
+    from batchrun.passes import LayerTurns, PassGroup, run_interleaved
 
     group = PassGroup(turns=LayerTurns(2))
-    layers_done = []
+    layers_done, unwound = [], []
 
     def micro_batch(micro):
         def walk():
-            for layer in range(10_000):
-                group.turns.wait(layer, micro)
-                time.sleep(0.001)  # a layer's compute
-                layers_done.append((layer, micro))
-                group.turns.advance(layer, micro)
+            try:
+                for layer in range(10_000):
+                    group.turns.wait(layer, micro)
+                    time.sleep(0.001)  # a layer's compute
+                    layers_done.append((layer, micro))
+                    group.turns.advance(layer, micro)
+            finally:
+                unwound.append(micro)
         return walk
 
     def stop(signum, frame):
@@ -89,10 +91,9 @@ def test_a_stop_in_the_main_thread_stops_and_waits_for_the_micro_batches():
     signal.setitimer(signal.ITIMER_REAL, 0.2)
     try:
         with pytest.raises(Stopped):
-            run_threads(group, [micro_batch(0), micro_batch(1)], lambda: contextlib.nullcontext())
+            run_interleaved(group, [micro_batch(0), micro_batch(1)], lambda: contextlib.nullcontext())
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert 0 < len(layers_done) < 20_000
-    # (a join a signal interrupted can leave a finished thread listed, as stopped: none may still run)
-    assert not [t for t in threading.enumerate() if t.name.startswith("batchrun-micro-") and t.is_alive()]
+    assert sorted(unwound) == [0, 1]

@@ -15,7 +15,7 @@ from batchrun.batching import (MICRO_BATCH_COST_TOKENS, micro_batches, prefill_g
 from batchrun.checkpoint import sizes_from_config
 from batchrun.plan_time import batch_pass_flops
 from batchrun.plan import (
-    HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, PREFILL_THREAD_BYTES, MEMORY_HEADROOM_SHARE, Bandwidth,
+    HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, PREFILL_CALL_BYTES, MEMORY_HEADROOM_SHARE, Bandwidth,
     RowCost,
     activation_bytes_for_sequence,
     compare_modes, format_duration, kv_bytes_for_sequence, KV_COPIES_PER_DECODE, lower_bound_passes, make_plan,
@@ -173,9 +173,9 @@ def test_choice_rows_hold_no_kv_cache_so_a_pass_carries_more_of_them():
     assert len(choices.batches) == 1 and choices.passes == 1 and choices.batch_size == 64
     assert generation.batch_size < 64 and generation.passes == 2
     assert choices.peak_memory_bytes <= int(1.546e9 * 0.9)
-    # one choice row: its activations at prompt + choice and two kept logit positions, and its forward call's thread
+    # one choice row: its activations at prompt + choice and two kept logit positions, and its forward call
     assert (batch_bytes(layers, 4, "cpu", [RowCost(300, 0, (1, 1))], [0])
-            == activation_bytes_for_sequence(layers, 4, "cpu", 301, 2) + PREFILL_THREAD_BYTES)
+            == activation_bytes_for_sequence(layers, 4, "cpu", 301, 2) + PREFILL_CALL_BYTES)
 
 
 def test_a_shared_prompt_prefix_is_sized_and_timed_once_per_batch():
@@ -636,12 +636,12 @@ def test_resumed_rows_are_packed_first_so_they_finish():
     assert without_prefix(rows[1], 30) == RowCost(370, 3, resumed=True)
 
 
-def test_the_peak_counts_a_thread_for_every_forward_call_of_the_prefill():
-    """Each micro-batch runs on a thread of its own, which holds memory until the pass ends: six equal sequences in
-    micro-batches of two make three calls, each counted."""
+def test_the_peak_counts_every_forward_call_of_the_prefill():
+    """Each micro-batch's forward call is held suspended until the pass ends: six equal sequences in micro-batches
+    of two make three calls, each counted."""
     rows = [RowCost(100, 0, (1, 1))] * 6
     one_call = batch_bytes(GEMMA_1B, 4, "cpu", rows, range(6), micro_sequences=None)
     three_calls = batch_bytes(GEMMA_1B, 4, "cpu", rows, range(6), micro_sequences=2)
     two_calls = batch_bytes(GEMMA_1B, 4, "cpu", rows, range(6), micro_sequences=3)
-    assert three_calls - two_calls == PREFILL_THREAD_BYTES - activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 101, 2)
-    assert one_call >= 6 * activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 101, 2) + PREFILL_THREAD_BYTES
+    assert three_calls - two_calls == PREFILL_CALL_BYTES - activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 101, 2)
+    assert one_call >= 6 * activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 101, 2) + PREFILL_CALL_BYTES
