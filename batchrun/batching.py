@@ -104,7 +104,8 @@ def pack_batches(rows: Sequence[RowCost], max_sequences: int, max_tokens: int) -
 
 # A micro-batch computes every padding position like a real token; each further micro-batch costs one more turn at
 # every layer (a hand-off and a heap trim: 2.8 s over 198 turns on the benchmark's classification sweep with a thread
-# per call, about 30 tokens' float32 compute a turn on 2 cores) and a smaller matmul. Charged as this many padded tokens per layer.
+# per call, about 30 tokens' float32 compute a turn on 2 cores) and a smaller matmul. Charged as this many padded
+# tokens per layer.
 MICRO_BATCH_COST_TOKENS = 32
 
 

@@ -1,7 +1,8 @@
 """Settings of torch's native libraries that keep a long run's memory bounded, applied when batchrun is imported.
 
-Every micro-batch and decode group of a pass multiplies a matmul of a new shape. Two things then grow that the plan cannot size, measured on a 400 MB Llama streamed at `--memory 1.0` (96
-rows, ~24 micro-batches a pass): peak RSS 1,088 MiB against a 853 MiB plan, rising by ~35 MiB with every batch.
+Every micro-batch and decode group of a pass multiplies a matmul of a new shape. Two things then grow that the plan
+cannot size, measured on a 400 MB Llama streamed at `--memory 1.0` (96 rows, ~24 micro-batches a pass): peak RSS
+1,088 MiB against a 853 MiB plan, rising by ~35 MiB with every batch.
 - oneDNN keeps every primitive it creates (its primitive cache, 1,024 by default) and torch's ideep layer keeps its
   own cache of them (LRU_CACHE_CAPACITY, 1,024): ~0.57 MB a row count for the two, whatever the weight's size. Capped
   at 64 each they hold ~30 MB (the runtime probe in measure.py fills them, so the plan counts it): the run above
@@ -11,7 +12,8 @@ rows, ~24 micro-batches a pass): peak RSS 1,088 MiB against a 853 MiB plan, risi
 - MKL's fast memory manager keeps ~9 MiB of sgemm buffers per thread that ever called it (aten linears): when each
   micro-batch had a thread of its own (until s23), 24 threads, ~216 MB. With it off, its buffers come from malloc and
   go back after each call: 0.36 MiB a thread. Micro-batches now share one thread (passes.run_interleaved); it stays
-  off for any thread a caller multiplies on. MKL reads this when torch loads it, so it takes effect only if batchrun is imported before torch.
+  off for any thread a caller multiplies on. MKL reads this when torch loads it, so it takes effect only if batchrun
+  is imported before torch.
 
 A variable the user has set is kept as it is.
 """
