@@ -20,6 +20,7 @@ from batchrun.interrupts import stops_deferred
 from batchrun.oom import batch_cap_after_oom, killed_by_oom, memory_cgroup_dir, oom_kill_count
 from batchrun.output import (OutputError, OutputExists, check_output_writable, default_output_path,
                              output_format, write_results)
+from batchrun.passes import keep_freed_pages_below
 from batchrun.paths import default_db_path
 from batchrun.plan import Candidate
 from batchrun.prepare import JobOptions, PreparedJob, nothing_runs, one_row_per_key, plan_rows, prepare_job
@@ -273,21 +274,25 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
     pass_times = summary.pass_seconds
     micro_batch = prepared.options.micro_batch or plan.micro_batch_size
     decode_micro_batch = plan.decode_micro_batch_size
+    # A --micro-batch of the user's own makes calls the plan did not size: trim after every turn then.
+    keep_below = None if prepared.options.micro_batch else plan.peak_memory_bytes - plan.turn_bytes
     try:
-        for batch in batches:
-            ids = {r.request.index: r.request.id for r in batch}
-            if batch[0].is_choice:
-                tick = time.monotonic()
-                answers = score_choices(model, batch, pad_id, micro_batch=micro_batch)
-                faults.reached("pass")
-                store.commit_batch(job_id, [to_row_result(a, ids[a.idx]) for a in answers], passes=1)
-                faults.reached("committed")
-                pass_times.append(time.monotonic() - tick)
-                bar.update(len(answers))
-            else:
-                summary.empty_answers += _run_generation(model, batch, tokenizer, eos, pad_id, store, job_id, partial,
-                                                         ids, bar, pass_times, (micro_batch, decode_micro_batch))
-            _show_rate(bar, pass_times, batch)
+        with keep_freed_pages_below(keep_below):
+            for batch in batches:
+                ids = {r.request.index: r.request.id for r in batch}
+                if batch[0].is_choice:
+                    tick = time.monotonic()
+                    answers = score_choices(model, batch, pad_id, micro_batch=micro_batch)
+                    faults.reached("pass")
+                    store.commit_batch(job_id, [to_row_result(a, ids[a.idx]) for a in answers], passes=1)
+                    faults.reached("committed")
+                    pass_times.append(time.monotonic() - tick)
+                    bar.update(len(answers))
+                else:
+                    summary.empty_answers += _run_generation(model, batch, tokenizer, eos, pad_id, store, job_id,
+                                                             partial, ids, bar, pass_times,
+                                                             (micro_batch, decode_micro_batch))
+                _show_rate(bar, pass_times, batch)
     finally:
         bar.close()
         summary.passes_now = len(pass_times)

@@ -19,7 +19,7 @@ from batchrun.plan_format import format_bytes, format_duration, format_rate
 from batchrun.plan_memory import (  # noqa: F401 (re-exported)
     ATTENTION_SCORE_BYTES, HEAP_RETAINED_ACTIVATION_COPIES, HELD_HIDDEN_COPIES, LOGIT_BYTES, PREFILL_CALL_BYTES,
     activation_bytes_for_sequence, batch_bytes, decode_group_size, decode_pass_bytes, heap_factor,
-    linear_activation_bytes_per_token, scores_materialised)
+    largest_turn_bytes, linear_activation_bytes_per_token, scores_materialised)
 from batchrun.plan_time import (  # noqa: F401 (re-exported)
     KV_COPIES_PER_DECODE, Timeline, host_streaming_bytes, job_timeline, pass_bound)
 from batchrun.sizes import (  # noqa: F401 (re-exported)
@@ -95,6 +95,7 @@ class Candidate:
     weights_bytes: int
     runtime_overhead_bytes: int
     peak_memory_bytes: int
+    turn_bytes: int  # the most one forward call's turn at a layer allocates (plan_memory.largest_turn_bytes)
     batch_size: int  # most sequences in a batch
     micro_batch_size: int | None  # sequences per forward call within a pass; None: the whole batch at once
     batch_tokens: int  # padded-token budget used for packing
@@ -378,6 +379,8 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     if read_ahead and decode_bytes and decode_bytes + slot_bytes <= batch_free_bytes:
         decode_depth += 1
         peak_batch_bytes = max(peak_batch_bytes, prefix_bytes + decode_bytes + slot_bytes)
+    turn_bytes = max((largest_turn_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
+                                         decode_micro, shared) for b in batches), default=0)
     flops_rate, memory_rate = effective_rates(device, compute_flops_per_s, memory_bytes_per_s)
     host_traffic = streaming_traffic(sizes, compute_bytes, device, mode)
     timeline = job_timeline(sizes, rows, batches, io_seconds, flops_rate, compute_bytes, memory_rate,
@@ -407,6 +410,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         kv_bytes_per_token=kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers,
         compute_dtype=compute_dtype, memory_budget_bytes=budget, weights_bytes=weights.bytes,
         runtime_overhead_bytes=runtime_overhead_bytes, peak_memory_bytes=fixed_bytes + peak_batch_bytes,
+        turn_bytes=turn_bytes,
         batch_size=max_sequences, micro_batch_size=micro_sequences, batch_tokens=max_tokens, batches=batches,
         rows=len(rows), passes=passes,
         lower_bound_passes=lower_bound_passes([rows[i] for i in planned], max_sequences),

@@ -9,8 +9,8 @@ import pytest
 from batchrun.passes import glibc
 
 SCRIPT = """
-import sys, torch
-from batchrun.passes import keep_heap_flat, return_freed_memory
+import contextlib, resource, sys, torch
+from batchrun.passes import keep_freed_pages_below, keep_heap_flat, return_freed_memory
 
 def rss():
     for line in open("/proc/self/status"):
@@ -18,23 +18,33 @@ def rss():
             return int(line.split()[1]) * 1024
 
 keep_heap_flat()
-trim = sys.argv[1] == "trim"
+trim = sys.argv[1] != "keep"
 kv_cache = []
 start = rss()
-for layer in range(24):
-    activations = [torch.ones(4_000_000) for _ in range(4)]  # 16 MB each: from the heap, under the threshold
-    kv_cache.append(torch.ones(100_000))  # 400 KB that stays, allocated among them like a KV slice
-    del activations
-    if trim:
-        return_freed_memory()
+room = {"room": start + 200_000_000, "no-room": start}.get(sys.argv[1])  # under the limit, trims are skipped
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+with keep_freed_pages_below(room) if room else contextlib.nullcontext():
+    for layer in range(24):
+        activations = [torch.ones(4_000_000) for _ in range(4)]  # 16 MB each: from the heap, under the threshold
+        if "no-kv" not in sys.argv:
+            kv_cache.append(torch.ones(100_000))  # 400 KB that stays, allocated among them like a KV slice
+        del activations
+        if trim:
+            return_freed_memory()
 live = sum(t.numel() * t.element_size() for t in kv_cache)
-print(rss() - start - live)
+print(rss() - start - live, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 """
 
 
 def _extra_resident_bytes(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    return _run(mode)[0]
+
+
+def _run(*mode: str) -> tuple[int, int]:
+    """(bytes resident beyond what is live, page faults) after 24 layer turns."""
+    out = subprocess.run([sys.executable, "-c", SCRIPT, *mode], capture_output=True, text=True, check=True)
+    extra, faults = out.stdout.strip().splitlines()[-1].split()
+    return int(extra), int(faults)
 
 
 @pytest.mark.skipif(glibc() is None, reason="glibc's malloc only")
@@ -45,6 +55,21 @@ def test_memory_freed_by_a_layer_turn_does_not_stay_resident():
     trimmed = _extra_resident_bytes("trim")
     assert kept > 48e6, "the heap did not keep the freed activations: the check below proves nothing"
     assert trimmed < TRIM_AFTER_GROWTH_BYTES + 4e6  # a trim is skipped only below that much growth
+
+
+@pytest.mark.skipif(glibc() is None, reason="glibc's malloc only")
+def test_with_room_under_the_plan_a_turn_reuses_the_pages_the_last_one_freed():
+    """Under the limit the executor gives (the plan's peak less the largest turn) the freed activations stay for the
+    next turn instead of being faulted in again, glibc's own trim of the heap's top included; with no room the
+    trims go on as before. (Allocations that stay, landing among the freed ones, grow the heap turn by turn: the
+    limit then brings the trims back, as test_trims_resume_once_the_process_nears_the_plans_peak checks.)"""
+    from batchrun.passes import TRIM_AFTER_GROWTH_BYTES
+
+    kept, faults_kept = _run("room", "no-kv")
+    trimmed, faults_trimmed = _run("no-room", "no-kv")
+    assert 48e6 < kept < 200e6  # one turn's 64 MB of activations held for the next, under the limit
+    assert trimmed < TRIM_AFTER_GROWTH_BYTES + 4e6
+    assert faults_kept * 4 < faults_trimmed  # 16k pages a turn faulted in again when trimmed
 
 
 def test_a_turn_that_grew_the_process_little_skips_the_trim(monkeypatch):
@@ -71,3 +96,30 @@ def test_a_turn_that_grew_the_process_little_skips_the_trim(monkeypatch):
     passes.return_freed_memory()
     assert trims == [100 << 20, 116 << 20]
     assert passes._resident_after_trim == 112 << 20
+
+
+def test_trims_resume_once_the_process_nears_the_plans_peak(monkeypatch):
+    from batchrun import measure, passes
+
+    trims = []
+    resident = [100 << 20]
+
+    class FakeLibc:
+        def malloc_trim(self, pad):
+            trims.append(resident[0])
+            resident[0] -= 30 << 20
+
+        def mallopt(self, parameter, value):
+            pass
+
+    monkeypatch.setattr(passes, "glibc", lambda: FakeLibc())
+    monkeypatch.setattr(measure, "resident_bytes", lambda: resident[0])
+    monkeypatch.setattr(passes, "_resident_after_trim", 0)
+    with passes.keep_freed_pages_below(200 << 20):
+        for _ in range(3):
+            resident[0] += 40 << 20  # 140, 180, 220 MB
+            passes.return_freed_memory()
+    assert trims == [220 << 20]  # only the turn that left the process over the limit
+    resident[0] += 40 << 20  # 230 MB, outside the run: 40 MB above what the trim left, trimmed as before
+    passes.return_freed_memory()
+    assert trims == [220 << 20, 230 << 20] and passes._keep_below is None

@@ -645,3 +645,18 @@ def test_the_peak_counts_every_forward_call_of_the_prefill():
     two_calls = batch_bytes(GEMMA_1B, 4, "cpu", rows, range(6), micro_sequences=3)
     assert three_calls - two_calls == PREFILL_CALL_BYTES - activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 101, 2)
     assert one_call >= 6 * activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 101, 2) + PREFILL_CALL_BYTES
+
+
+def test_a_turn_is_sized_by_the_largest_forward_call_not_the_whole_batch():
+    """The executor may keep a turn's freed pages while the process stays under the plan's peak less turn_bytes
+    (passes.keep_freed_pages_below): that is the largest call the prefill makes, cut by length as the executor cuts
+    it. 16 short and 16 long choice rows make two calls on the CPU; the long one is the largest turn."""
+    rows = [RowCost(40, 0, (1, 1))] * 16 + [RowCost(900, 0, (1, 1))] * 16
+    candidate = plan(GEMMA_1B, rows, compute_dtype="float32", memory_budget_bytes=64 * GiB)
+    assert candidate.micro_batch_size is None and candidate.batches == [list(range(32))]
+    long_call = 16 * activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 901, 2)
+    assert candidate.turn_bytes == long_call
+    assert candidate.turn_bytes < batch_bytes(GEMMA_1B, 4, "cpu", rows, range(32), micro_sequences=None)
+    fixed = candidate.weights_bytes + candidate.runtime_overhead_bytes
+    assert fixed + candidate.turn_bytes <= candidate.peak_memory_bytes
+
