@@ -87,7 +87,7 @@ def largest_turn_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, 
     if sharing:
         turns.append(activation_bytes_for_sequence(sizes, compute_bytes, device, shared, 0))
     if any(rows[i].passes() > 1 for i in batch):
-        context = shared + max(costs[i].sequence_length() for i in batch)
+        context = (shared if sharing else 0) + max(costs[i].sequence_length() for i in batch)
         turns.append(min(decode_group or sequences, sequences)
                      * decode_call_bytes_per_sequence(sizes, compute_bytes, device, context))
     return max(turns)
