@@ -72,54 +72,52 @@ def test_with_room_under_the_plan_a_turn_reuses_the_pages_the_last_one_freed():
     assert faults_kept * 4 < faults_trimmed  # 16k pages a turn faulted in again when trimmed
 
 
+class FakeHeap:
+    """glibc and /proc stood in for: `resident` is what the process holds; each trim records it, then hands back
+    `trim_frees` bytes."""
+
+    def __init__(self, monkeypatch, resident: int, trim_frees: int):
+        from batchrun import measure, passes
+
+        self.resident, self.trim_frees, self.trims = resident, trim_frees, []
+        monkeypatch.setattr(passes, "glibc", lambda: self)
+        monkeypatch.setattr(measure, "resident_bytes", lambda: self.resident)
+        monkeypatch.setattr(passes, "_resident_after_trim", 0)
+
+    def malloc_trim(self, pad):
+        self.trims.append(self.resident)
+        self.resident -= self.trim_frees
+
+    def mallopt(self, parameter, value):
+        pass
+
+
 def test_a_turn_that_grew_the_process_little_skips_the_trim(monkeypatch):
     """The trim walks the whole heap; after a decode step's small turn there is next to nothing to hand back."""
-    from batchrun import measure, passes
+    from batchrun import passes
 
-    trims = []
-    resident = [100 << 20]
-
-    class FakeLibc:
-        def malloc_trim(self, pad):
-            trims.append(resident[0])
-            resident[0] -= 4 << 20  # what the trim handed back
-
-    monkeypatch.setattr(passes, "glibc", lambda: FakeLibc())
-    monkeypatch.setattr(measure, "resident_bytes", lambda: resident[0])
-    monkeypatch.setattr(passes, "_resident_after_trim", 0)
+    heap = FakeHeap(monkeypatch, 100 << 20, 4 << 20)
     passes.return_freed_memory()  # the first turn: trimmed, 96 MB held after it
     for _ in range(3):
-        resident[0] += 5 << 20  # small turns: 101, 106, 111 MB, under 96 + 16
+        heap.resident += 5 << 20  # small turns: 101, 106, 111 MB, under 96 + 16
         passes.return_freed_memory()
-    assert trims == [100 << 20]
-    resident[0] += 5 << 20  # 116 MB: 20 MB above what the last trim left
+    assert heap.trims == [100 << 20]
+    heap.resident += 5 << 20  # 116 MB: 20 MB above what the last trim left
     passes.return_freed_memory()
-    assert trims == [100 << 20, 116 << 20]
+    assert heap.trims == [100 << 20, 116 << 20]
     assert passes._resident_after_trim == 112 << 20
 
 
 def test_trims_resume_once_the_process_nears_the_plans_peak(monkeypatch):
-    from batchrun import measure, passes
+    """Under the limit no trim, however much the process grew since the last one; over it, trimmed again."""
+    from batchrun import passes
 
-    trims = []
-    resident = [100 << 20]
-
-    class FakeLibc:
-        def malloc_trim(self, pad):
-            trims.append(resident[0])
-            resident[0] -= 30 << 20
-
-        def mallopt(self, parameter, value):
-            pass
-
-    monkeypatch.setattr(passes, "glibc", lambda: FakeLibc())
-    monkeypatch.setattr(measure, "resident_bytes", lambda: resident[0])
-    monkeypatch.setattr(passes, "_resident_after_trim", 0)
+    heap = FakeHeap(monkeypatch, 100 << 20, 30 << 20)
     with passes.keep_freed_pages_below(200 << 20):
         for _ in range(3):
-            resident[0] += 40 << 20  # 140, 180, 220 MB
+            heap.resident += 40 << 20  # 140, 180, 220 MB
             passes.return_freed_memory()
-    assert trims == [220 << 20]  # only the turn that left the process over the limit
-    resident[0] += 40 << 20  # 230 MB, outside the run: 40 MB above what the trim left, trimmed as before
+    assert heap.trims == [220 << 20]  # only the turn that left the process over the limit
+    heap.resident += 40 << 20  # 230 MB, outside the run: 40 MB above what the trim left, trimmed as before
     passes.return_freed_memory()
-    assert trims == [220 << 20, 230 << 20] and passes._keep_below is None
+    assert heap.trims == [220 << 20, 230 << 20] and passes._keep_below is None
