@@ -48,7 +48,10 @@ IO_EFFICIENCY = {True: 1.0, False: 0.70}
 # and zero. Measured with and without it: a 2.2 GB Llama prefill (32 sequences, resident) 28.6 -> 35.5 s, SmolLM2
 # streamed decode passes 0.44 -> 0.53 s, a resident choice pass 2.21 -> 2.56 s: about a fifth slower. Measured
 # before keep_heap_flat served activations from a heap trimmed per layer turn, which faults fewer pages (3 GB Llama
-# streamed prefill: 4% faster, median of 4 pairs); not re-measured against the unflattened heap, so kept.
+# streamed prefill: 4% faster, median of 4 pairs); not re-measured against the unflattened heap, so kept. Since a job
+# keeps freed pages while it has room under the plan's peak (passes.keep_freed_pages_below) fewer pages are fresh, yet
+# the plan still underestimates the pass there (benchmark classification pass, bfloat16: 14.3 s planned, 16.4 s
+# measured), so the factor stays.
 HOST_FRESH_PAGE_SLOWDOWN = 1.2
 MICRO_BATCH_MEMORY_SHARE = 0.25  # of the free memory given to one micro-batch's activations; the rest buys sequences
 # Batches are sized to leave this share of the budget unused: allocator fragmentation and transient copies are not
