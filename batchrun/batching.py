@@ -185,15 +185,21 @@ def prefill_groups(lengths: Sequence[int], size: int | None, device) -> list[lis
 
 def prefill_call_count(rows: Sequence[RowCost], batch: Sequence[int], size: int | None, device) -> int:
     """Forward calls of a batch's prefill, cut as the executor cuts them (prefill_groups)."""
+    return len(prefill_calls(rows, batch, size, device))
+
+
+def prefill_calls(rows: Sequence[RowCost], batch: Sequence[int], size: int | None,
+                  device) -> tuple[tuple[int, ...], ...]:
+    """The prefill lengths of each forward call of a batch's prefill, cut as the executor cuts them."""
     if len(batch) == 1 and rows[batch[0]].sequences() == 1:  # the plan sizes every row alone: skip the cache
-        return 1
+        return ((rows[batch[0]].prefill_length(),),)
     lengths = tuple(rows[i].prefill_length() for i in batch for _ in range(rows[i].sequences()))
-    return _call_count(lengths, size, str(device).split(":")[0])
+    return _calls(lengths, size, str(device).split(":")[0])
 
 
-@functools.lru_cache(maxsize=64)  # the plan asks once for a batch's memory and once for its time
-def _call_count(lengths: tuple[int, ...], size: int | None, device_kind: str) -> int:
-    return len(prefill_groups(lengths, size, device_kind))
+@functools.lru_cache(maxsize=64)  # the plan asks for a batch's memory, its largest turn and its time
+def _calls(lengths: tuple[int, ...], size: int | None, device_kind: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(lengths[i] for i in group) for group in prefill_groups(lengths, size, device_kind))
 
 
 def batch_shape(rows: Sequence[RowCost], batch: Sequence[int]) -> tuple[int, int, int, int]:

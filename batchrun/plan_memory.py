@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from batchrun.batching import RowCost, batch_shape, prefill_call_count, prefill_groups
+from batchrun.batching import RowCost, batch_shape, prefill_call_count, prefill_calls
 from batchrun.sizes import CheckpointSizes, kv_bytes_for_sequence
 
 # Activations of one sequence at prefill, the peak of a batch (checked against RSS in benchmarks/plan_accuracy.py):
@@ -73,17 +73,14 @@ def largest_turn_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, 
                        own_rows: Sequence[RowCost], batch: Sequence[int], micro_sequences: int | None,
                        decode_group: int | None, shared: int) -> int:
     """The most activation memory one forward call's turn at a layer takes in a batch's passes: its largest prefill
-    call (cut as the executor cuts them, prefill_groups), the shared prefix's call, or a decode call. A turn that
-    finds no freed pages to reuse takes this much more memory (passes.keep_freed_pages_below)."""
+    call (cut as the executor cuts them), the shared prefix's call, or a decode call. A turn that finds no freed
+    pages to reuse takes this much more memory (passes.keep_freed_pages_below)."""
     sequences = batch_shape(rows, batch)[0]
     sharing = bool(shared) and sequences > 1
     costs = own_rows if sharing else rows
-    lengths = [costs[i].prefill_length() for i in batch for _ in range(costs[i].sequences())]
     positions = batch_shape(costs, batch)[3]
-    groups = prefill_groups(lengths, micro_sequences, device) if sequences > 1 else [list(range(len(lengths)))]
-    turns = [len(group) * activation_bytes_for_sequence(sizes, compute_bytes, device,
-                                                         max(lengths[i] for i in group), positions)
-             for group in groups]
+    turns = [len(call) * activation_bytes_for_sequence(sizes, compute_bytes, device, max(call), positions)
+             for call in prefill_calls(costs, batch, micro_sequences, device)]
     if sharing:
         turns.append(activation_bytes_for_sequence(sizes, compute_bytes, device, shared, 0))
     if any(rows[i].passes() > 1 for i in batch):

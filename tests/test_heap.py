@@ -36,10 +36,6 @@ print(rss() - start - live, resource.getrusage(resource.RUSAGE_SELF).ru_minflt -
 """
 
 
-def _extra_resident_bytes(mode: str) -> int:
-    return _run(mode)[0]
-
-
 def _run(*mode: str) -> tuple[int, int]:
     """(bytes resident beyond what is live, page faults) after 24 layer turns."""
     out = subprocess.run([sys.executable, "-c", SCRIPT, *mode], capture_output=True, text=True, check=True)
@@ -51,8 +47,8 @@ def _run(*mode: str) -> tuple[int, int]:
 def test_memory_freed_by_a_layer_turn_does_not_stay_resident():
     from batchrun.passes import TRIM_AFTER_GROWTH_BYTES
 
-    kept = _extra_resident_bytes("keep")  # without the trim the freed activations stay resident
-    trimmed = _extra_resident_bytes("trim")
+    kept = _run("keep")[0]  # without the trim the freed activations stay resident
+    trimmed = _run("trim")[0]
     assert kept > 48e6, "the heap did not keep the freed activations: the check below proves nothing"
     assert trimmed < TRIM_AFTER_GROWTH_BYTES + 4e6  # a trim is skipped only below that much growth
 
