@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,6 +24,7 @@ M_ARENA_MAX = -8  # glibc mallopt parameters
 M_MMAP_THRESHOLD = -3
 M_TRIM_THRESHOLD = -1
 DEFAULT_TRIM_THRESHOLD_BYTES = 128 << 10  # glibc's
+TRIM_THRESHOLD_TUNABLE = "glibc.malloc.trim_threshold"
 NEVER_TRIM_ON_FREE_BYTES = (1 << 31) - 1  # mallopt takes an int
 # Blocks this large or larger get their own mapping, returned to the kernel when freed; smaller ones (every
 # activation of a micro-batch of a few thousand tokens) come from the heap, so a layer's later ops reuse the pages its
@@ -83,6 +85,31 @@ def return_freed_memory() -> None:
     _resident_after_trim = measure.resident_bytes() or 0
 
 
+def trim_threshold_at_start(environ=os.environ) -> int:
+    """The trim threshold glibc took at start-up (GLIBC_TUNABLES' glibc.malloc.trim_threshold, else
+    MALLOC_TRIM_THRESHOLD_, else its default): what keep_freed_pages_below puts back. glibc has no call that reads
+    it, so a threshold the program itself set with mallopt is not known here."""
+    tunables = dict(entry.partition("=")[::2] for entry in environ.get("GLIBC_TUNABLES", "").split(":") if entry)
+    for text in (tunables.get(TRIM_THRESHOLD_TUNABLE), environ.get("MALLOC_TRIM_THRESHOLD_")):
+        value = _c_integer(text)
+        if value is not None:
+            return min(value, NEVER_TRIM_ON_FREE_BYTES)
+    return DEFAULT_TRIM_THRESHOLD_BYTES
+
+
+def _c_integer(text: str | None) -> int | None:
+    """An unsigned integer as glibc reads one (decimal, 0x hex, leading-0 octal); None if it is not one."""
+    text = (text or "").strip().lower()
+    if not text.isalnum():  # signs, spaces inside: not a number glibc would take either
+        return None
+    try:
+        if text.startswith("0x"):
+            return int(text[2:], 16)
+        return int(text[1:] or "0", 8) if text.startswith("0") else int(text, 10)
+    except ValueError:
+        return None
+
+
 @contextlib.contextmanager
 def keep_freed_pages_below(limit_bytes: int | None):
     """While the process holds at most `limit_bytes`, a layer turn's freed pages stay in the heap for the next turn.
@@ -92,7 +119,7 @@ def keep_freed_pages_below(limit_bytes: int | None):
     is off meanwhile: it would hand back the same pages. The trims cost what faulting the pages in again costs: on
     the benchmark's classification pass (3 GB Llama, bfloat16, AMX, 2 cores) 5.3 million page faults and 9.8 s of
     system time, pass 20.3 s; keeping the pages 0.85-1.5 million, 2.5-3.6 s and 15.8-16.5 s, peak RSS 896-916 MB
-    against the plan's 1,275 MB. None: trim as before."""
+    against the plan's 1,275 MB. None: trim as before. Afterwards glibc's trim threshold is the one it started with."""
     global _keep_below
     previous, _keep_below = _keep_below, limit_bytes
     libc = glibc()
@@ -103,7 +130,7 @@ def keep_freed_pages_below(limit_bytes: int | None):
     finally:
         _keep_below = previous
         if libc is not None and limit_bytes is not None:
-            libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD_BYTES)
+            libc.mallopt(M_TRIM_THRESHOLD, trim_threshold_at_start())
 
 
 class PassAborted(RuntimeError):

@@ -75,7 +75,7 @@ class FakeHeap:
     def __init__(self, monkeypatch, resident: int, trim_frees: int):
         from batchrun import measure, passes
 
-        self.resident, self.trim_frees, self.trims = resident, trim_frees, []
+        self.resident, self.trim_frees, self.trims, self.settings = resident, trim_frees, [], []
         monkeypatch.setattr(passes, "glibc", lambda: self)
         monkeypatch.setattr(measure, "resident_bytes", lambda: self.resident)
         monkeypatch.setattr(passes, "_resident_after_trim", 0)
@@ -85,7 +85,7 @@ class FakeHeap:
         self.resident -= self.trim_frees
 
     def mallopt(self, parameter, value):
-        pass
+        self.settings.append((parameter, value))
 
 
 def test_a_turn_that_grew_the_process_little_skips_the_trim(monkeypatch):
@@ -117,3 +117,29 @@ def test_trims_resume_once_the_process_nears_the_plans_peak(monkeypatch):
     heap.resident += 40 << 20  # 230 MB, outside the run: 40 MB above what the trim left, trimmed as before
     passes.return_freed_memory()
     assert heap.trims == [220 << 20, 230 << 20] and passes._keep_below is None
+
+
+def test_a_run_puts_back_the_trim_threshold_the_user_gave_glibc(monkeypatch):
+    """A job's pages are kept by raising glibc's trim threshold; afterwards the process trims as its user set it."""
+    from batchrun import passes
+
+    heap = FakeHeap(monkeypatch, 100 << 20, 0)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1048576")
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    with passes.keep_freed_pages_below(200 << 20):
+        assert heap.settings == [(passes.M_TRIM_THRESHOLD, passes.NEVER_TRIM_ON_FREE_BYTES)]
+    assert heap.settings[-1] == (passes.M_TRIM_THRESHOLD, 1 << 20)
+
+
+def test_the_start_up_trim_threshold_is_read_as_glibc_reads_it():
+    from batchrun.passes import DEFAULT_TRIM_THRESHOLD_BYTES, NEVER_TRIM_ON_FREE_BYTES, trim_threshold_at_start
+
+    assert trim_threshold_at_start({}) == DEFAULT_TRIM_THRESHOLD_BYTES
+    assert trim_threshold_at_start({"MALLOC_TRIM_THRESHOLD_": "0x200000"}) == 2 << 20
+    assert trim_threshold_at_start({"MALLOC_TRIM_THRESHOLD_": "010"}) == 8  # C's octal
+    tunables = "glibc.malloc.arena_max=2:glibc.malloc.trim_threshold=65536"
+    # GLIBC_TUNABLES wins over the older variable, as in glibc
+    assert trim_threshold_at_start({"GLIBC_TUNABLES": tunables, "MALLOC_TRIM_THRESHOLD_": "4096"}) == 65536
+    assert trim_threshold_at_start({"MALLOC_TRIM_THRESHOLD_": "-1"}) == DEFAULT_TRIM_THRESHOLD_BYTES
+    assert trim_threshold_at_start({"MALLOC_TRIM_THRESHOLD_": "lots"}) == DEFAULT_TRIM_THRESHOLD_BYTES
+    assert trim_threshold_at_start({"MALLOC_TRIM_THRESHOLD_": str(1 << 40)}) == NEVER_TRIM_ON_FREE_BYTES
