@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from batchrun import default
@@ -258,3 +259,7 @@ def test_tied_embeddings_need_no_second_copy_but_a_missing_tensor_is_caught(tmp_
     untied.load_state_dict(model.state_dict())
     with pytest.raises(DefaultModelError, match="lacks the tensor lm_head.weight"):
         check_saved_tensors(tmp_path, untied)
+
+    save_file({"model.extra.weight": torch.zeros(2)}, tmp_path / "model-extra.safetensors")
+    with pytest.raises(DefaultModelError, match="holds model.extra.weight, which the model"):
+        check_saved_tensors(tmp_path, model)
