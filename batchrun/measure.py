@@ -1,6 +1,7 @@
 """What the plan must learn from this machine: cold read bandwidth of the checkpoint's disk, compute rate, the
 runtime's own memory, and the memory and disk available. Measurements are cached in
-state_dir()/measurements.json. Importing this module imports no torch; only measuring compute does.
+state_dir()/measurements.json, each with the identity of what it measured (machine.py). Importing this module
+imports no torch; only measuring compute does.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from batchrun import machine
+from batchrun.native_env import NATIVE_DEFAULTS
 from batchrun.paths import state_dir
 from batchrun.plan import Bandwidth
 from batchrun.plan_format import format_bytes
@@ -94,7 +97,7 @@ def measure_read_bandwidth(path: Path, max_bytes: int = 1 << 30) -> Bandwidth:
 
 def cached_bandwidth(path: Path) -> Bandwidth | None:
     """The bandwidth measured earlier on the filesystem holding `path`, if any."""
-    entry = _load().get("bandwidth", {}).get(str(os.stat(path).st_dev))
+    entry = _cached("bandwidth", str(os.stat(path).st_dev))
     if entry is None:
         return None
     return Bandwidth(entry["bytes_per_s"], "measured", f"{entry['how']}, on {entry['measured_at'][:10]}")
@@ -230,7 +233,7 @@ def linear_kernel(dtype: str, device: str = "cpu") -> str:
 def _compute_entry(dtype: str, device: str) -> dict | None:
     import torch
 
-    return _load().get("compute", {}).get(_compute_key(dtype, device, torch.get_num_threads()))
+    return _cached("compute", _compute_key(dtype, device, torch.get_num_threads()))
 
 
 def measure_memory_read_rate(dtype: str, device: str = "cpu") -> float:
@@ -261,7 +264,7 @@ def memory_read_rate(dtype: str, device: str = "cpu") -> float:
     """The cached memory read rate for dtype on device, measured now if there is none for the kernel runs use."""
     import torch
 
-    entry = _load().get("memory", {}).get(_compute_key(dtype, device, torch.get_num_threads()))
+    entry = _cached("memory", _compute_key(dtype, device, torch.get_num_threads()))
     if entry and entry.get("linear_kernel") == linear_kernel(dtype, device):
         return entry["bytes_per_s"]
     return measure_memory_read_rate(dtype, device)
@@ -275,7 +278,7 @@ def runtime_overhead_bytes() -> int:
     """Peak resident memory of a fresh Python that imported torch and transformers' model code: what a run costs
     before any weight. Measured once per interpreter in a subprocess; RUNTIME_OVERHEAD_FALLBACK_BYTES if the
     probe fails."""
-    entry = _load().get("runtime_overhead", {}).get(sys.executable)
+    entry = _cached("runtime_overhead", sys.executable)
     if entry and entry.get("probe") == _probe_digest():  # a changed probe measures again
         return entry["bytes"]
     try:
@@ -408,9 +411,41 @@ def _load() -> dict:
         return {}  # nothing measured yet, or a damaged file that the next measurement replaces
 
 
+def _cached(section: str, key: str) -> dict | None:
+    """A figure cached for `key`, if it was measured on what this process runs on (machine.py)."""
+    entry = _load().get(section, {}).get(key)
+    return entry if entry is not None and entry.get("machine") == _identity(section, key) else None
+
+
+def _identity(section: str, key: str) -> dict:
+    """What a figure of `section` depends on besides its key: the disk's mount for a bandwidth; the processor and
+    torch build for a rate, and the accelerator's name off the CPU; for the runtime's memory also transformers and
+    the native libraries' cache settings (native_env: a user's ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 measured 536 MB
+    against 467 MB at batchrun's 64)."""
+    if section == "bandwidth":
+        return machine.disk_identity(int(key))
+    identity = machine.kernels_identity()
+    if section == "runtime_overhead":
+        return {**identity, "transformers": machine.package_version("transformers"),
+                "native": {name: os.environ.get(name) for name in NATIVE_DEFAULTS}}
+    device = key.rsplit(":", 2)[0]  # compute and memory keys: "<device>:<dtype>:threads=<n>"
+    if device.split(":")[0] != "cpu":
+        identity["accelerator"] = _accelerator_name(device)
+    return identity
+
+
+def _accelerator_name(device: str) -> str:
+    import torch
+
+    if device.split(":")[0] == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return device
+
+
 def _store(section: str, key: str, entry: dict) -> None:
     measurements = _load()
-    entry = {**entry, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    entry = {**entry, "machine": _identity(section, key),
+             "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     measurements.setdefault(section, {})[key] = entry
     file = state_dir() / MEASUREMENTS_FILE
     temporary = file.with_suffix(f".{os.getpid()}.tmp")

@@ -207,3 +207,58 @@ def test_available_host_memory_is_positive_and_within_meminfo():
 def test_disk_free_for_a_path_not_yet_created_is_its_filesystem_free_space(tmp_path):
     free = measure.disk_free_bytes(tmp_path / "hub" / "models--acme--big")
     assert free == pytest.approx(shutil.disk_usage(tmp_path).free, rel=0.01)
+
+
+# --- measurements of another machine ----------------------------------------------------------------------------
+
+
+def _measured_elsewhere(section: str, key: str, **differences) -> None:
+    """Rewrite a cached entry's identity as another machine's."""
+    measurements = cached_measurements()
+    measurements[section][key]["machine"].update(differences)
+    (state_dir() / measure.MEASUREMENTS_FILE).write_text(json.dumps(measurements))
+
+
+def test_a_rate_measured_on_another_processor_or_torch_is_measured_again(monkeypatch):
+    import torch
+
+    key = f"cpu:float32:threads={torch.get_num_threads()}"
+    measure._store("compute", key, {"flops_per_s": 1.0, "linear_kernel": "aten"})
+    assert measure.compute_rate("float32", "cpu") == 1.0
+    monkeypatch.setattr(measure, "measure_compute_rate", lambda *a: 2.0)
+    _measured_elsewhere("compute", key, cpu="AMD EPYC 7B13")
+    assert measure.compute_rate("float32", "cpu") == 2.0
+    measure._store("compute", key, {"flops_per_s": 1.0, "linear_kernel": "aten"})
+    _measured_elsewhere("compute", key, torch="1.13.0")
+    assert measure.compute_rate("float32", "cpu") == 2.0
+
+
+def test_a_rate_cached_before_measurements_carried_their_machine_is_measured_again(monkeypatch):
+    import torch
+
+    key = f"cpu:float32:threads={torch.get_num_threads()}"
+    measurements = {"memory": {key: {"bytes_per_s": 1.0, "linear_kernel": measure.linear_kernel("float32")}}}
+    (state_dir() / measure.MEASUREMENTS_FILE).write_text(json.dumps(measurements))
+    monkeypatch.setattr(measure, "measure_memory_read_rate", lambda *a: 3.0)
+    assert measure.memory_read_rate("float32", "cpu") == 3.0
+
+
+def test_a_bandwidth_measured_on_another_mount_or_machine_is_not_used(tmp_path):
+    write_file(tmp_path / "model.safetensors", measure.MIN_CACHED_SAMPLE_BYTES)
+    measured = measure.measure_read_bandwidth(tmp_path)
+    assert measure.cached_bandwidth(tmp_path).bytes_per_s == measured.bytes_per_s
+    key = str(os.stat(tmp_path).st_dev)
+    _measured_elsewhere("bandwidth", key, filesystem="ext4 /dev/nvme1n1")
+    assert measure.cached_bandwidth(tmp_path) is None
+    measure.measure_read_bandwidth(tmp_path)
+    _measured_elsewhere("bandwidth", key, cpu="Ampere Altra")
+    assert measure.cached_bandwidth(tmp_path) is None
+
+
+def test_the_runtime_overhead_is_measured_again_when_a_native_cache_setting_changes(monkeypatch):
+    answers = iter(["456789\n", "567890\n"])
+    monkeypatch.setattr(measure.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": next(answers)})())
+    assert measure.runtime_overhead_bytes() == 456789
+    assert measure.runtime_overhead_bytes() == 456789  # cached
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
+    assert measure.runtime_overhead_bytes() == 567890
