@@ -262,3 +262,9 @@ def test_the_runtime_overhead_is_measured_again_when_a_native_cache_setting_chan
     assert measure.runtime_overhead_bytes() == 456789  # cached
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
     assert measure.runtime_overhead_bytes() == 567890
+
+
+def test_an_accelerators_rates_are_kept_apart_by_its_name(monkeypatch):
+    monkeypatch.setattr(measure, "_accelerator_name", lambda device: f"H200 at {device}")
+    assert measure._identity("compute", "cuda:1:bfloat16:threads=2")["accelerator"] == "H200 at cuda:1"
+    assert "accelerator" not in measure._identity("memory", "cpu:float32:threads=2")
