@@ -16,6 +16,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Sequence
 
 from batchrun import machine
 from batchrun.native_env import NATIVE_DEFAULTS
@@ -35,6 +36,9 @@ COMPUTE_REPEATS = 5
 # the weights stream from RAM, not at COMPUTE_SHAPE's rate. Several matrices in turn, so none is cached on a repeat.
 DECODE_SHAPE = (8, 2048, 8192)
 DECODE_MATRICES = 4
+# Row counts at which a checkpoint's own layer matrices are timed (decode_rates); a pass's rows interpolate.
+DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+SHAPES_SEPARATOR = "|"  # decode keys: "<compute key>|<digest of the layer's shapes>"
 # Used only when the probe below cannot run: resident set of a CPU process that imported torch and
 # transformers' model code, rounded up.
 RUNTIME_OVERHEAD_FALLBACK_BYTES = 700 << 20
@@ -270,6 +274,30 @@ def memory_read_rate(dtype: str, device: str = "cpu") -> float:
     return measure_memory_read_rate(dtype, device)
 
 
+def decode_rates(shapes: Sequence[tuple[int, int]], num_layers: int, dtype: str,
+                 device: str = "cpu") -> dict[int, float] | None:
+    """{rows: weight bytes/s} of the checkpoint's own layer matrices (`shapes`, layer 0's) at each of DECODE_ROWS
+    rows, on the kernel runs use (layer_rates.py): what prices a decode pass. Cached per shape set, device, dtype and
+    thread count; None without shapes (sizes estimated from the config)."""
+    if not shapes:
+        return None
+    import torch
+
+    kernel = linear_kernel(dtype, device)
+    digest = hashlib.sha256(repr((sorted(shapes), num_layers)).encode()).hexdigest()[:16]
+    key = f"{_compute_key(dtype, device, torch.get_num_threads())}{SHAPES_SEPARATOR}{digest}"
+    entry = _cached("decode", key)
+    if entry and entry.get("linear_kernel") == kernel:
+        return {int(rows): rate for rows, rate in entry["bytes_per_s"].items()}
+    from batchrun import layer_rates, linear_kernels
+
+    linear = linear_kernels.onednn_linear if kernel == "onednn" else torch.nn.functional.linear
+    rates = layer_rates.weight_read_rates(shapes, num_layers, dtype, device, DECODE_ROWS, linear)
+    _store("decode", key, {"bytes_per_s": {str(rows): rate for rows, rate in rates.items()}, "linear_kernel": kernel,
+                           "matrices": len(shapes)})
+    return rates
+
+
 def _compute_key(dtype: str, device: str, threads: int) -> str:
     return f"{device}:{dtype}:threads={threads}"
 
@@ -428,7 +456,7 @@ def _identity(section: str, key: str) -> dict:
     if section == "runtime_overhead":
         return {**identity, "transformers": machine.package_version("transformers"),
                 "native": {name: os.environ.get(name) for name in NATIVE_DEFAULTS}}
-    device = key.rsplit(":", 2)[0]  # compute and memory keys: "<device>:<dtype>:threads=<n>"
+    device = key.split(SHAPES_SEPARATOR)[0].rsplit(":", 2)[0]  # "<device>:<dtype>:threads=<n>[|<shapes>]"
     if device.split(":")[0] != "cpu":
         identity["accelerator"] = _accelerator_name(device)
     return identity

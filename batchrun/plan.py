@@ -280,11 +280,13 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
               compute_flops_per_s: float | None, disk_free_bytes: int | None, checkpoint_is_local: bool,
               runtime_overhead_bytes: int, batch_size: int | None = None,
               context_length: int | None = None, memory_bytes_per_s: float | None = None,
-              shared_prefix_tokens: int = 0) -> Candidate:
+              shared_prefix_tokens: int = 0, decode_rates: Mapping[int, float] | None = None) -> Candidate:
     """How to run `rows` through the model within a memory budget, and how long it will take.
 
     memory_bytes_per_s: how fast a decode-shaped matmul streams weights from RAM (measure.memory_read_rate); without
     it a pass is timed by its FLOPs alone, which undercounts decode passes several times over on a CPU.
+    decode_rates: {rows: weight bytes/s} of the checkpoint's own layer matrices (measure.decode_rates), which price
+    each decode pass's weights at its row count instead of the memory rate.
     shared_prefix_tokens: prompt tokens all rows start with (batching.shared_prefix_tokens). A batch computes them
     once and keeps their KV once, so its sequences are sized, packed and timed by their own tokens."""
     if compute_dtype not in COMPUTE_BYTES:
@@ -385,9 +387,11 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     turn_bytes = max((largest_turn_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
                                          decode_micro, shared) for b in batches), default=0)
     flops_rate, memory_rate = effective_rates(device, compute_flops_per_s, memory_bytes_per_s)
+    weight_rates = ({count: effective_rates(device, None, rate)[1] for count, rate in decode_rates.items()}
+                    if decode_rates and memory_rate else None)
     host_traffic = streaming_traffic(sizes, compute_bytes, device, mode)
     timeline = job_timeline(sizes, rows, batches, io_seconds, flops_rate, compute_bytes, memory_rate,
-                            shared, (micro_sequences, decode_micro), host_traffic, device)
+                            shared, (micro_sequences, decode_micro), host_traffic, device, weight_rates)
     if mode == "streamed" and timeline.compute_bound_passes:
         caveats.append(f"{timeline.compute_bound_passes} of {passes} passes are compute-bound (long prefills): "
                        "faster reads would not speed those up")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from batchrun.batching import RowCost, batch_shape, prefill_call_count, without_prefix
 from batchrun.sizes import CheckpointSizes, attended_positions, kv_bytes_for_sequence
@@ -62,39 +62,61 @@ def host_streaming_bytes(sizes: CheckpointSizes, compute_bytes: int) -> int:
 
 
 def pass_compute_seconds(flops: int, memory: tuple[int, int], flops_per_s: float | None,
-                         memory_bytes_per_s: float | None) -> float | None:
-    """Roofline of one pass: matmuls take the longer of their FLOPs and streaming their weights from RAM; KV cache
-    traffic adds to that. The memory terms count only when the memory rate is known."""
+                         memory_bytes_per_s: float | None, weights_bytes_per_s: float | None = None) -> float | None:
+    """Roofline of one pass: matmuls take the longer of their FLOPs and streaming their weights from RAM (at
+    weights_bytes_per_s where the pass's row count has a measured rate, else the memory rate); KV cache traffic adds
+    to that. The memory terms count only when the memory rate is known."""
     if flops_per_s is None:
         return None
     if memory_bytes_per_s is None:
         return flops / flops_per_s
     weights, kv = memory
-    return max(flops / flops_per_s, weights / memory_bytes_per_s) + kv / memory_bytes_per_s
+    return max(flops / flops_per_s, weights / (weights_bytes_per_s or memory_bytes_per_s)) + kv / memory_bytes_per_s
+
+
+def weight_rate_at(rates: Mapping[int, float], rows: int) -> float:
+    """Weight bytes/s of a matmul of `rows` rows from the rates measured at a few row counts (measure.decode_rates):
+    time per byte interpolated linearly between the nearest two; below the fewest rows, theirs; past the most, time
+    per byte grows with the rows, as it does where a matmul turns compute-bound (the FLOP term takes over there)."""
+    counts = sorted(rates)
+    if rows <= counts[0]:
+        return rates[counts[0]]
+    if rows >= counts[-1]:
+        return rates[counts[-1]] * counts[-1] / rows
+    upper = next(count for count in counts if count >= rows)
+    lower = counts[counts.index(upper) - 1]
+    share = (rows - lower) / (upper - lower)
+    return 1 / ((1 - share) / rates[lower] + share / rates[upper])
 
 
 def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost], batch: Sequence[int],
                        flops_per_s: float | None, memory_bytes_per_s: float | None,
                        shared_prefix: int = 0, micro_batches: tuple[int | None, int | None] = (None, None),
-                       streaming_bytes: int = 0, device: str = "cpu") -> list[float | None]:
+                       streaming_bytes: int = 0, device: str = "cpu",
+                       decode_rates: Mapping[int, float] | None = None) -> list[float | None]:
     """Compute seconds of each pass of a batch, in the order of batch_pass_flops. With a shared prefix, `rows` are
     the rows without it (batching.without_prefix); attention still reads the prefix for every sequence.
     micro_batches: sequences per forward call in the prefill and in decode passes (None: all; a CPU prefill still cuts
     by length, batching.prefill_groups); every call reads the layer's weights from memory once more.
     streaming_bytes: the host's own traffic of streaming the layers
-    (host_streaming_bytes), 0 when resident or when an accelerator computes."""
+    (host_streaming_bytes), 0 when resident or when an accelerator computes.
+    decode_rates: {rows: weight bytes/s} of the checkpoint's layer matrices (measure.decode_rates), which price a
+    decode pass's weights at the rows of each of its calls; None: the memory rate."""
     prefill = batch_shape(rows, batch)[2]
     live = _live_sequences(rows, batch)
     seconds = []
     for step, flops in enumerate(batch_pass_flops(sizes, rows, batch, shared_prefix)):
         weights, kv = pass_memory_bytes(sizes, compute_bytes, live[step], shared_prefix + prefill + step, step > 0)
         group = micro_batches[0 if step == 0 else 1]
+        weights_rate = None
         if step == 0:  # the prefill's micro-batches are cut by length, as the executor cuts them
             calls = prefill_call_count(rows, batch, group, device)
         else:
             calls = math.ceil(live[step] / group) if group else 1
+            if decode_rates:
+                weights_rate = weight_rate_at(decode_rates, math.ceil(live[step] / calls))
         seconds.append(pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s,
-                                            memory_bytes_per_s))
+                                            memory_bytes_per_s, weights_rate))
     return seconds
 
 
@@ -135,7 +157,7 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
                  io_seconds: float | None, compute_flops_per_s: float | None, compute_bytes: int = 4,
                  memory_bytes_per_s: float | None = None, shared_prefix: int = 0,
                  micro_batches: tuple[int | None, int | None] = (None, None), streaming_bytes: int = 0,
-                 device: str = "cpu") -> Timeline:
+                 device: str = "cpu", decode_rates: Mapping[int, float] | None = None) -> Timeline:
     """Seconds of every pass of the job, in run order, and of every batch. A batch of several sequences computes
     `shared_prefix` prompt tokens once (prefill.SharedPrefix); one sequence alone computes its whole prompt."""
     own_rows = [without_prefix(row, shared_prefix) for row in rows]
@@ -145,7 +167,7 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
         shared = shared_prefix if batch_shape(rows, batch)[0] > 1 else 0
         computes = batch_pass_seconds(sizes, compute_bytes, own_rows if shared else rows, batch,
                                       compute_flops_per_s, memory_bytes_per_s, shared, micro_batches,
-                                      streaming_bytes, device)
+                                      streaming_bytes, device, decode_rates)
         bounds = [pass_bound(io_seconds, c) for c in computes]
         compute_bound += sum(1 for c in computes if c is not None and io_seconds and c > io_seconds)
         all_computes += computes

@@ -265,7 +265,8 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
         disk_free_bytes=measure.disk_free_bytes(prepared.checkpoint), checkpoint_is_local=True,
         runtime_overhead_bytes=measure.runtime_overhead_bytes() + prepared.tokenizer_bytes,
         batch_size=options.batch_size,
-        context_length=prepared.context_length, shared_prefix_tokens=shared)
+        context_length=prepared.context_length, shared_prefix_tokens=shared,
+        decode_rates=_decode_rates(sizes, compute_dtype, device, costs))
     caveats = plan.caveats + _glued_choices_caveat(prepared.tokenizer, rows, options.raw)
     if common:
         window = min([window for window in sizes.sliding_windows if window] + [sizes.unplaced_window or math.inf])
@@ -276,6 +277,14 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
               if device.split(":")[0] == "cpu" and options.dtype in (None, "auto") else None)
     return replace(plan, linear_kernel=measure.linear_kernel(compute_dtype, device), caveats=caveats,
                    compute_dtype_reason=reason)
+
+
+def _decode_rates(sizes: CheckpointSizes, compute_dtype: str, device: str, costs) -> dict[int, float] | None:
+    """The layer matrices' rates by row count, measured only where a decode pass will run (a generating row) and
+    the weights are plain matrices (a quantized checkpoint's packed tensors are not what its matmuls multiply)."""
+    if sizes.quantization or not any(cost.passes() > 1 for cost in costs):
+        return None
+    return measure.decode_rates(sizes.layer_matrices, sizes.num_layers, compute_dtype, device)
 
 
 def _glued_choices_caveat(tokenizer, rows: Sequence[EncodedRow], raw: bool) -> list[str]:

@@ -56,6 +56,9 @@ class CheckpointSizes:
     # A window and no word on which layers use it: KV is sized as full attention, and a prefix is shared only by
     # rows that fit the window (transformers' config classes fill in layer types that config.json leaves out).
     unplaced_window: int | None = None
+    # [out, in] of decoder layer 0's 2-D weights, as stored: the matrices a decode step multiplies in every layer,
+    # whose own speed at a few rows prices decode passes (measure.decode_rates). Empty for an estimate.
+    layer_matrices: tuple[tuple[int, int], ...] = ()
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -134,8 +137,14 @@ def checkpoint_sizes(checkpoint: str | os.PathLike, trust_remote_code: bool = Fa
         num_layers=num_layers, layer_bytes=layer_bytes, non_decoder_bytes=sum(i.nbytes for i in outside),
         layer_params=layer_params, non_decoder_params=sum(i.numel for i in outside),
         tied_embeddings=bool(tied), estimated=False, source="headers", decoder_prefix=prefix, **arch.size_fields(),
-        quantization=_quant_method(config),
+        quantization=_quant_method(config), layer_matrices=_layer_matrices(infos, prefix),
     )
+
+
+def _layer_matrices(infos: dict[str, TensorInfo], prefix: str) -> tuple[tuple[int, int], ...]:
+    first = f"{prefix}.0."
+    return tuple((info.shape[0], info.shape[1]) for name, info in sorted(infos.items())
+                 if name.startswith(first) and len(info.shape) == 2)
 
 
 def _quant_method(config: dict) -> str | None:

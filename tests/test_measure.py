@@ -268,3 +268,34 @@ def test_an_accelerators_rates_are_kept_apart_by_its_name(monkeypatch):
     monkeypatch.setattr(measure, "_accelerator_name", lambda device: f"H200 at {device}")
     assert measure._identity("compute", "cuda:1:bfloat16:threads=2")["accelerator"] == "H200 at cuda:1"
     assert "accelerator" not in measure._identity("memory", "cpu:float32:threads=2")
+
+
+# --- decode rates of the checkpoint's own layer matrices --------------------------------------------------------
+
+
+def test_a_checkpoints_layer_matrices_are_timed_by_row_count_once(tiny_checkpoint, monkeypatch):
+    from batchrun.sizes import checkpoint_sizes
+
+    sizes = checkpoint_sizes(tiny_checkpoint("llama"))
+    assert sizes.layer_matrices and all(len(shape) == 2 for shape in sizes.layer_matrices)
+    assert (sizes.hidden_size, sizes.intermediate_size) in sizes.layer_matrices  # down_proj's [out, in]
+    rates = measure.decode_rates(sizes.layer_matrices, sizes.num_layers, "float32")
+    assert sorted(rates) == list(measure.DECODE_ROWS) and all(rate > 0 for rate in rates.values())
+    from batchrun import layer_rates
+
+    monkeypatch.setattr(layer_rates, "weight_read_rates", lambda *a, **k: pytest.fail("measured again"))
+    assert measure.decode_rates(sizes.layer_matrices, sizes.num_layers, "float32") == rates
+    monkeypatch.setattr(layer_rates, "weight_read_rates", lambda *a, **k: {1: 7.0})
+    assert measure.decode_rates(((32, 64),), sizes.num_layers, "float32") == {1: 7.0}  # other shapes: their own
+    assert measure.decode_rates((), sizes.num_layers, "float32") is None  # sizes estimated from a config
+
+
+def test_the_matrices_timed_are_the_models_working_set_or_a_bounded_slice_of_it():
+    from batchrun.layer_rates import cycled_shapes
+
+    small = [(64, 64), (128, 64)]  # 48 KiB a layer in float32
+    assert cycled_shapes(small, 4, num_layers=3) == small * 3  # the whole decoder: what its passes meet
+    assert cycled_shapes(small, 4, num_layers=10 ** 6, cycled_bytes=100 << 10) == small * 3  # 3 x 48 KiB > 100 KiB
+    huge = [(8192, 8192), (1024, 8192), (28672, 8192)]  # a 70B layer, bfloat16: 128, 16 and 448 MiB
+    assert cycled_shapes(huge, 2, num_layers=80, cycled_bytes=256 << 20) == [(8192, 8192), (1024, 8192)]
+    assert cycled_shapes(huge[2:], 2, num_layers=80, cycled_bytes=256 << 20) == [(28672, 8192)]  # at least one

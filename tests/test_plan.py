@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from batchrun.batching import (MICRO_BATCH_COST_TOKENS, micro_batches, prefill_groups, shared_prefix_tokens,
                                windows_allow_sharing, without_prefix)
 from batchrun.checkpoint import sizes_from_config
-from batchrun.plan_time import batch_pass_flops
+from batchrun.plan_time import batch_pass_flops, weight_rate_at
 from batchrun.plan import (
     HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, PREFILL_CALL_BYTES, MEMORY_HEADROOM_SHARE, Bandwidth,
     RowCost,
@@ -560,6 +560,32 @@ def test_decode_passes_take_as_long_as_streaming_the_weights_and_kv_cache_from_m
     # the prefill (1200 tokens) stays FLOP-bound: its weights stream once for all of them
     assert bound.eta_seconds - flops_only.eta_seconds == pytest.approx(
         sum(decode) - 7 * flops_only.seconds_per_pass, rel=0.01)
+
+
+def test_decode_passes_are_priced_at_the_rate_their_row_count_reads_the_layer_matrices():
+    """With rates measured by row count (measure.decode_rates), each decode pass's weights stream at its own rows'
+    rate, interpolated: 4 sequences at 4 rows' 5 GB/s take twice the 10 GB/s memory rate. The prefill and the KV
+    cache are priced as before."""
+    rows = [RowCost(300, 8)] * 4
+    options = dict(rows=rows, streaming="never", memory_budget_bytes=400 * GiB, compute_flops_per_s=4e11,
+                   memory_bytes_per_s=1e10)
+    flat = plan(**options)
+    by_rows = plan(**options, decode_rates={1: 2e10, 4: 5e9, 16: 1e9})
+    weights = (LLAMA_70B.decoder_params + LLAMA_70B.vocab_size * LLAMA_70B.hidden_size) * 2
+    assert by_rows.pass_seconds[0] == flat.pass_seconds[0]  # the prefill
+    for priced, before in zip(by_rows.pass_seconds[1:], flat.pass_seconds[1:]):
+        assert priced - before == pytest.approx(weights / (5e9 / HOST_FRESH_PAGE_SLOWDOWN)
+                                                - weights / (1e10 / HOST_FRESH_PAGE_SLOWDOWN))
+    assert plan(**options | dict(memory_bytes_per_s=None), decode_rates={4: 5e9}).pass_seconds == \
+        plan(**options | dict(memory_bytes_per_s=None)).pass_seconds  # FLOPs alone: no memory terms at all
+
+
+def test_a_row_counts_weight_rate_is_interpolated_in_time_per_byte():
+    rates = {1: 2e10, 4: 1e10, 16: 4e9}
+    assert weight_rate_at(rates, 1) == 2e10 and weight_rate_at(rates, 4) == 1e10
+    assert weight_rate_at(rates, 10) == pytest.approx(1 / (0.5 / 1e10 + 0.5 / 4e9))  # halfway from 4 to 16 rows
+    assert weight_rate_at(rates, 32) == pytest.approx(2e9)  # past the last: time per byte doubles with the rows
+    assert weight_rate_at({8: 1e10}, 2) == 1e10  # below the fewest measured: their rate
 
 
 def test_a_host_streaming_pass_also_moves_the_layers_through_ram_once_copied_and_once_widened():
