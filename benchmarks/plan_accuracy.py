@@ -166,6 +166,17 @@ def predicted_pass_kinds(spec: Path, arguments: list[str]) -> tuple[float | None
     return (statistics.median(prefill) if prefill else None, statistics.median(decode) if decode else None)
 
 
+def _forget_decode_rates() -> None:
+    """Drop the cached rates of checkpoints' layer matrices (measure.decode_rates) from the state directory."""
+    from batchrun import measure
+    from batchrun.paths import state_dir
+
+    file = state_dir() / measure.MEASUREMENTS_FILE
+    measurements = json.loads(file.read_text()) if file.exists() else {}
+    if measurements.pop("decode", None) is not None:
+        file.write_text(json.dumps(measurements, indent=2))
+
+
 def _options_from_arguments(arguments: list[str]):
     from batchrun.prepare import JobOptions
 
@@ -408,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             memory = measure.measure_memory_read_rate(dtype, "cpu")
             rates.append(f"{dtype} compute {compute / 1e9:.0f} GFLOP/s, memory read {memory / 1e9:.1f} GB/s")
         measure.runtime_overhead_bytes()
+        _forget_decode_rates()  # each case's plan measures its model's decode rates now, as the rates above
         print(f"cold read {bandwidth / 1e9:.2f} GB/s; {'; '.join(rates)}", flush=True)
         for case in CASES:
             if case.name in wanted:
