@@ -40,9 +40,10 @@ def cycled_shapes(shapes: Sequence[tuple[int, int]], element_bytes: int, num_lay
 
 
 def weight_read_rates(shapes: Sequence[tuple[int, int]], num_layers: int, dtype: str, device: str,
-                      rows: Sequence[int], linear, repeats: int = 3) -> dict[int, float]:
+                      rows: Sequence[int], linear, wait, repeats: int = 3) -> dict[int, float]:
     """{rows: weight bytes/s} of `linear(input, weight)` over the cycled matrices at each row count: the median of
-    `repeats` sweeps after an untimed one (first touch, kernel selection)."""
+    `repeats` sweeps after an untimed one (first touch, kernel selection). `wait` returns once an accelerator has
+    finished what it was given."""
     import torch
 
     torch_dtype = getattr(torch, dtype)
@@ -51,7 +52,6 @@ def weight_read_rates(shapes: Sequence[tuple[int, int]], num_layers: int, dtype:
     weights = [torch.randn(out, inner, generator=generator).to(device=device, dtype=torch_dtype)
                for out, inner in cycled_shapes(shapes, element_bytes, num_layers)]
     streamed = sum(weight.numel() for weight in weights) * element_bytes
-    wait = torch.cuda.synchronize if device.split(":")[0] == "cuda" else (lambda: None)
     rates = {}
     with torch.inference_mode():
         for count in rows:

@@ -292,7 +292,8 @@ def decode_rates(shapes: Sequence[tuple[int, int]], num_layers: int, dtype: str,
     from batchrun import layer_rates, linear_kernels
 
     linear = linear_kernels.onednn_linear if kernel == "onednn" else torch.nn.functional.linear
-    rates = layer_rates.weight_read_rates(shapes, num_layers, dtype, device, DECODE_ROWS, linear)
+    rates = layer_rates.weight_read_rates(shapes, num_layers, dtype, device, DECODE_ROWS, linear,
+                                          _synchronizer(torch, device))
     _store("decode", key, {"bytes_per_s": {str(rows): rate for rows, rate in rates.items()}, "linear_kernel": kernel,
                            "matrices": len(shapes)})
     return rates
