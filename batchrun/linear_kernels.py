@@ -51,6 +51,11 @@ def onednn_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return torch.ops.mkldnn._linear_pointwise(inputs, weight, bias, "none", [], "")
 
 
+def kernel_linear(kernel: str):
+    """The function `kernel` multiplies with, for inputs it takes (takes_onednn): what the measurements time."""
+    return onednn_linear if kernel == "onednn" else F.linear
+
+
 def dense_if_strided_bfloat16(inputs: torch.Tensor) -> torch.Tensor:
     """A strided bfloat16 CPU input made contiguous. transformers hands the head the last position of each sequence
     as a strided view ([b, S, d][:, -1:]), and torch's CPU bfloat16 linear of such an input expands the weight once

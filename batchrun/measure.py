@@ -291,7 +291,7 @@ def decode_rates(shapes: Sequence[tuple[int, int]], num_layers: int, dtype: str,
         return {int(rows): rate for rows, rate in entry["bytes_per_s"].items()}
     from batchrun import layer_rates, linear_kernels
 
-    linear = linear_kernels.onednn_linear if kernel == "onednn" else torch.nn.functional.linear
+    linear = linear_kernels.kernel_linear(kernel)
     rates = layer_rates.weight_read_rates(shapes, num_layers, dtype, device, DECODE_ROWS, linear,
                                           _synchronizer(torch, device))
     _store("decode", key, {"bytes_per_s": {str(rows): rate for rows, rate in rates.items()}, "linear_kernel": kernel,

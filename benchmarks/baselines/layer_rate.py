@@ -46,7 +46,7 @@ def layer_matmul_rate(checkpoint: Path, dtype: str, kernel: str, tokens: int = P
     layers = [[torch.randn(out, inner, generator=generator).to(torch_dtype) for out, inner in shapes]
               for _ in range(copies)]
     inputs = {inner: torch.randn(tokens, inner, generator=generator).to(torch_dtype) for _, inner in shapes}
-    linear = linear_kernels.onednn_linear if kernel == "onednn" else torch.nn.functional.linear
+    linear = linear_kernels.kernel_linear(kernel)
     flops = 2 * tokens * sum(out * inner for out, inner in shapes) * copies
     best = 0.0
     with torch.inference_mode():
