@@ -31,6 +31,9 @@ class LayerWeights:
     # Host widenings still running when the reads finished: the reader moves on to the next layer at once, and
     # the layer's user waits for these (wait_widened) before the first forward that reads it.
     widenings: list[Future] = field(default_factory=list)
+    # Linear weights kept at the checkpoint's narrower dtype (a narrow load): name -> the float32 buffer whose last
+    # bytes hold them, should a pass need them widened after all (LayerLoader.widen_narrow).
+    narrow: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def wait_widened(self) -> None:
         """Block until every tensor is widened; a widening that failed fails here."""
@@ -44,17 +47,21 @@ class LayerLoader:
     """Loads layer `i` into buffer slot `s`; slots are owned by the caller (see stream.SlotPool)."""
 
     def __init__(self, layer_recipes: list[list[Recipe]], layer_prefixes: list[str], meta_params: list[dict],
-                 *, device: torch.device, model, config, drop_page_cache: bool = True):
+                 *, device: torch.device, model, config, drop_page_cache: bool = True,
+                 narrowable: list[frozenset[str]] | None = None):
         self.layer_recipes = layer_recipes
         self.layer_prefixes = layer_prefixes
         self.meta_params = meta_params  # per layer: relative name -> meta tensor (shape, dtype of the target)
+        # per layer: the names whose module computes from a narrower weight as it would from the widened one
+        # (linear_kernels.widening_linear); a narrow load leaves these unwidened
+        self.narrowable = narrowable or [frozenset() for _ in layer_prefixes]
         self.device = device
         self.model = model
         self.config = config
         self.drop_page_cache = drop_page_cache and hasattr(os, "posix_fadvise")
         self._fds: dict[str, int] = {}
         self._buffers: dict[tuple[int, str, tuple, torch.dtype], torch.Tensor] = {}
-        self._read_targets: dict[tuple, tuple[torch.Tensor, memoryview]] = {}
+        self._read_targets: dict[tuple, tuple[torch.Tensor, memoryview, torch.Tensor]] = {}
         # One raw byte buffer (pinned on CUDA) serves every slot: loads run one at a time under the lock, and each
         # finishes its cast (CPU) or waits for its copy (CUDA) before the next load reuses the buffer.
         self._staging: torch.Tensor | None = None
@@ -75,15 +82,18 @@ class LayerLoader:
             self._buffers[key] = buf
         return buf
 
-    def _read_target(self, slot: int, name: str, like: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, memoryview]:
-        """The slot's buffer for `name` and a view of its last `nbytes` (where the read lands, so a widening can run
-        front to back), made once per slot: every torch call on the reader thread gives the GIL up and waits to get
-        it back from the forward thread; per tensor and load, that was ~0.5 ms of an idle disk."""
-        key = (slot, name, tuple(like.shape), like.dtype, nbytes)
+    def _read_target(self, slot: int, name: str, like: torch.Tensor, source: torch.dtype
+                     ) -> tuple[torch.Tensor, memoryview, torch.Tensor]:
+        """The slot's buffer for `name`, a view of its last bytes (where the read of `source` values lands, so a
+        widening can run front to back) and those values as a tensor of `like`'s shape, made once per slot: every
+        torch call on the reader thread gives the GIL up and waits to get it back from the forward thread; per
+        tensor and load, that was ~0.5 ms of an idle disk."""
+        key = (slot, name, tuple(like.shape), like.dtype, source)
         cached = self._read_targets.get(key)
         if cached is None:
             buf = self._buffer(slot, name, like)
-            cached = self._read_targets[key] = (buf, memoryview(buf.view(-1).view(torch.uint8)[-nbytes:].numpy()))
+            tail = buf.view(-1).view(torch.uint8)[-like.numel() * source.itemsize:]
+            cached = self._read_targets[key] = (buf, memoryview(tail.numpy()), tail.view(source).view(like.shape))
         return cached
 
     def slot_in_use_until(self, slot: int, event: torch.cuda.Event) -> None:
@@ -118,15 +128,19 @@ class LayerLoader:
         return fd
 
     # -- loading -------------------------------------------------------------------------------
-    def load(self, index: int, slot: int) -> LayerWeights:
+    def load(self, index: int, slot: int, narrow: bool = False) -> LayerWeights:
+        """Layer `index` into `slot`. `narrow`: leave the narrowable weights at the checkpoint's dtype (read as they
+        lie, not widened), for a pass whose linears widen them as they multiply."""
         with self._lock:
-            return self._load(index, slot)
+            return self._load(index, slot, narrow)
 
-    def _load(self, index: int, slot: int) -> LayerWeights:
+    def _load(self, index: int, slot: int, narrow: bool) -> LayerWeights:
         prefix = self.layer_prefixes[index]
         metas = self.meta_params[index]
         direct, widened, staged = self._split(index)
+        narrowable = self.narrowable[index] if narrow else frozenset()
         tensors: dict[str, torch.Tensor] = {}
+        narrowed: dict[str, torch.Tensor] = {}
         widenings: list[Future] = []
         try:
             read: list[TensorInfo] = []
@@ -137,15 +151,19 @@ class LayerLoader:
             for recipe in sorted(direct + widened, key=_file_position):
                 name = recipe.target[len(prefix):]
                 info = recipe.sources[0]
-                buf, target = self._read_target(slot, name, metas[name], info.nbytes)
+                source = SAFETENSORS_DTYPES[info.dtype]
+                buf, target, values = self._read_target(slot, name, metas[name], source)
                 read_into(self._fd(info.file), target, info.offset, info.file)
                 read.append(info)
                 self.bytes_read += info.nbytes
-                if recipe in widened:
+                tensors[name] = buf
+                if recipe in widened and name in narrowable:
+                    tensors[name] = values
+                    narrowed[name] = buf
+                elif recipe in widened:
                     # Widened on its own thread while the next tensor is read: done in turn, a widening left the
                     # disk idle for ~40% of a one-sequence pass (3 GB bf16 model: reads 1.6 s, widening 1.1 s).
-                    widenings.append(self._widener().submit(_widen_on_thread, buf, SAFETENSORS_DTYPES[info.dtype]))
-                tensors[name] = buf
+                    widenings.append(self._widener().submit(_widen_on_thread, buf, source))
             for path, start, end in contiguous_runs(read):
                 self._advise_dropped(path, start, end - start)
             ready = self._load_staged(staged, prefix, metas, slot, tensors) if staged else None
@@ -160,7 +178,16 @@ class LayerLoader:
             raise
         # Not waited for here: the last widenings of a layer end ~6 ms after its last read (3 GB bf16 model, 2 cores),
         # time in which the reader would leave the disk idle before the next layer.
-        return LayerWeights(index=index, slot=slot, tensors=tensors, ready=ready, widenings=widenings)
+        return LayerWeights(index=index, slot=slot, tensors=tensors, ready=ready, widenings=widenings, narrow=narrowed)
+
+    def widen_narrow(self, weights: LayerWeights) -> None:
+        """Widen a narrow load's weights in their slot after all (a pass that multiplies float32 weights reuses a
+        layer read ahead for a decode pass); wait_widened then waits for them."""
+        for name, buf in weights.narrow.items():
+            source = weights.tensors[name].dtype
+            weights.widenings.append(self._widener().submit(_widen_on_thread, buf, source))
+            weights.tensors[name] = buf
+        weights.narrow = {}
 
     def _split(self, index: int) -> tuple[list[Recipe], list[Recipe], list[Recipe]]:
         """(read as is, read then widened in place, read into the staging buffer then converted or copied)."""

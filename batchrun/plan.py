@@ -262,12 +262,12 @@ def effective_rates(device: str, flops_per_s: float | None,
     return slowed[0], slowed[1]
 
 
-def streaming_traffic(sizes: CheckpointSizes, compute_bytes: int, device: str, mode: str) -> int:
-    """The host's RAM traffic of streaming the layers once per pass (plan_time.host_streaming_bytes), which a host
-    pass's compute shares; an accelerator computes beside it."""
+def streaming_traffic(sizes: CheckpointSizes, compute_bytes: int, device: str, mode: str) -> tuple[int, int]:
+    """The host's RAM traffic of streaming the layers once in a prefill and in a decode pass
+    (plan_time.host_streaming_bytes), which a host pass's compute shares; an accelerator computes beside it."""
     if mode != "streamed" or not _on_host(device):
-        return 0
-    return host_streaming_bytes(sizes, compute_bytes)
+        return 0, 0
+    return host_streaming_bytes(sizes, compute_bytes), host_streaming_bytes(sizes, compute_bytes, decode=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

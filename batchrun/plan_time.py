@@ -19,7 +19,10 @@ KV_COPIES_PER_DECODE = 1
 # (read + write), and a checkpoint narrower than the compute dtype is widened in its slot (read + a wider write).
 # That traffic shares the memory bus with the pass's own compute. Measured on the 3 GB bf16 Llama streamed in float32
 # (2 cores, 32 sequences decoding): widening 1.1 s and copying 0.7 s of reader time per pass, decode passes 3.0 s
-# where reads took 1.6 s and the matmuls alone would take 1.9 s.
+# where reads took 1.6 s and the matmuls alone would take 1.9 s. A decode pass leaves the linear weights narrow and
+# widens them tile by tile inside the matmul (stream.run_pass, linear_kernels.widening_linear): the copy only, and the
+# matmuls at about the time they take on float32 weights from RAM (3 GB Llama layer, 32 rows, 2 cores: 43 against
+# 32-50 ms), so their weight term stays as it is.
 PAGE_CACHE_COPY_TRAFFIC = 2
 
 
@@ -54,11 +57,12 @@ def pass_memory_bytes(sizes: CheckpointSizes, compute_bytes: int, sequences: int
     return weights, kv * (KV_COPIES_PER_DECODE if decode else 1)
 
 
-def host_streaming_bytes(sizes: CheckpointSizes, compute_bytes: int) -> int:
-    """Bytes a host moves through RAM to stream the decoder layers once, beyond the disk read and the matmuls."""
+def host_streaming_bytes(sizes: CheckpointSizes, compute_bytes: int, decode: bool = False) -> int:
+    """Bytes a host moves through RAM to stream the decoder layers once, beyond the disk read and the matmuls: the
+    page-cache copy, and for a prefill the widening of a narrower checkpoint in its slots (a decode pass has none)."""
     copied = sizes.decoder_bytes * PAGE_CACHE_COPY_TRAFFIC
     widened = sizes.decoder_params * compute_bytes
-    return copied + (sizes.decoder_bytes + widened if widened > sizes.decoder_bytes else 0)
+    return copied + (sizes.decoder_bytes + widened if widened > sizes.decoder_bytes and not decode else 0)
 
 
 def pass_compute_seconds(flops: int, memory: tuple[int, int], flops_per_s: float | None,
@@ -92,13 +96,13 @@ def weight_rate_at(rates: Mapping[int, float], rows: int) -> float:
 def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost], batch: Sequence[int],
                        flops_per_s: float | None, memory_bytes_per_s: float | None,
                        shared_prefix: int = 0, micro_batches: tuple[int | None, int | None] = (None, None),
-                       streaming_bytes: int = 0, device: str = "cpu",
+                       streaming_bytes: tuple[int, int] = (0, 0), device: str = "cpu",
                        decode_rates: Mapping[int, float] | None = None) -> list[float | None]:
     """Compute seconds of each pass of a batch, in the order of batch_pass_flops. With a shared prefix, `rows` are
     the rows without it (batching.without_prefix); attention still reads the prefix for every sequence.
     micro_batches: sequences per forward call in the prefill and in decode passes (None: all; a CPU prefill still cuts
     by length, batching.prefill_groups); every call reads the layer's weights from memory once more.
-    streaming_bytes: the host's own traffic of streaming the layers
+    streaming_bytes: the host's own traffic of streaming the layers in the prefill and in a decode pass
     (host_streaming_bytes), 0 when resident or when an accelerator computes.
     decode_rates: {rows: weight bytes/s} of the checkpoint's layer matrices (measure.decode_rates), which price a
     decode pass's weights at the rows of each of its calls; None: the memory rate."""
@@ -115,7 +119,8 @@ def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequenc
             calls = math.ceil(live[step] / group) if group else 1
             if decode_rates:
                 weights_rate = weight_rate_at(decode_rates, math.ceil(live[step] / calls))
-        seconds.append(pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s,
+        streamed = streaming_bytes[0 if step == 0 else 1]
+        seconds.append(pass_compute_seconds(flops, (weights * calls, kv + streamed), flops_per_s,
                                             memory_bytes_per_s, weights_rate))
     return seconds
 
@@ -156,8 +161,8 @@ class Timeline:
 def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Sequence[Sequence[int]],
                  io_seconds: float | None, compute_flops_per_s: float | None, compute_bytes: int = 4,
                  memory_bytes_per_s: float | None = None, shared_prefix: int = 0,
-                 micro_batches: tuple[int | None, int | None] = (None, None), streaming_bytes: int = 0,
-                 device: str = "cpu", decode_rates: Mapping[int, float] | None = None) -> Timeline:
+                 micro_batches: tuple[int | None, int | None] = (None, None),
+                 streaming_bytes: tuple[int, int] = (0, 0), device: str = "cpu", decode_rates: Mapping[int, float] | None = None) -> Timeline:
     """Seconds of every pass of the job, in run order, and of every batch. A batch of several sequences computes
     `shared_prefix` prompt tokens once (prefill.SharedPrefix); one sequence alone computes its whole prompt."""
     own_rows = [without_prefix(row, shared_prefix) for row in rows]

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from batchrun import faults
 from batchrun.checkpoint import CheckpointError, load_config, read_tensor_infos, resolve_checkpoint, storage_dtype
 from batchrun.devices import default_device, resolve_dtype
+from batchrun.linear_kernels import route_linears, routed_weight_names
 from batchrun.loader import LayerLoader, LayerWeights
 from batchrun.passes import LayerTurns, PassGroup, keep_heap_flat, return_freed_memory, run_interleaved
 from batchrun.tokenizer import TokenizerOnDemand
@@ -116,6 +117,7 @@ class StreamedModel(TokenizerOnDemand):
         self.model.eval()
         self._read_generation_config()
         self.layers_path, self.layers = find_decoder_stack(self.model, self.num_layers)
+        route_linears(self.model, "aten")  # routed linears take a weight a decode pass leaves narrow (run_pass)
         recipes = build_recipes(self.model, infos)
         layer_recipes, resident = self._split_recipes(recipes)
         self._load_resident(resident)
@@ -130,7 +132,9 @@ class StreamedModel(TokenizerOnDemand):
         self.slots = SlotPool(self.prefetch_depth + 1)
         self.loader = LayerLoader(layer_recipes, [f"{self.layers_path}.{i}." for i in range(self.num_layers)],
                                   self._meta_params, device=self.device, model=self.model, config=self.config,
-                                  drop_page_cache=drop_page_cache)
+                                  drop_page_cache=drop_page_cache,
+                                  narrowable=[routed_weight_names(layer) for layer in self.layers])
+        self._narrow = False  # whether the pass in flight leaves linear weights narrow (run_pass(light=True))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-prefetch") \
             if prefetching else None
         self._pending: dict[int, Future] = {}
@@ -282,8 +286,12 @@ class StreamedModel(TokenizerOnDemand):
 
         `before_layer(layer, micro)` runs inside the turn, before that micro-batch enters the layer.
         `light`: the calls compute little per layer (one new token per sequence), less than reading the next layer
-        takes; on the CPU the forward then leaves a core to the reader and the widener.
+        takes; on the CPU the forward then leaves a core to the reader and the widener, and linear weights stored
+        narrower than the compute dtype stay so, widened tile by tile as they multiply (linear_kernels.widening_linear):
+        a layer crosses RAM once, at its checkpoint's size, instead of being widened into its slot and read back.
+        A prefill widens on the reader's thread instead, beside compute that outlasts it.
         """
+        self._narrow = light
         self._use_depth(self.decode_prefetch_depth if light else self.prefetch_depth)
         with self._leaving_a_core(light):
             if len(calls) == 1 and before_layer is None:
@@ -331,12 +339,12 @@ class StreamedModel(TokenizerOnDemand):
     def _schedule(self, index: int) -> None:
         if index in self._pending or index in self._active:
             return
-        self._pending[index] = self._executor.submit(self._load, index)
+        self._pending[index] = self._executor.submit(self._load, index, self._narrow)
 
-    def _load(self, index: int) -> LayerWeights:
+    def _load(self, index: int, narrow: bool) -> LayerWeights:
         slot = self.slots.take()
         try:
-            return self.loader.load(index, slot)
+            return self.loader.load(index, slot, narrow)
         except BaseException:
             self.slots.give(slot)
             raise
@@ -345,9 +353,11 @@ class StreamedModel(TokenizerOnDemand):
         future = self._pending.pop(index, None)
         if future is None and self._executor is not None:
             self._give_back_pending(keep=(index,))
-            future = self._executor.submit(self._load, index)
-        weights = future.result() if future is not None else self._load(index)
+            future = self._executor.submit(self._load, index, self._narrow)
+        weights = future.result() if future is not None else self._load(index, self._narrow)
         try:
+            if weights.narrow and not self._narrow:  # read ahead for a decode pass, needed by a prefill
+                self.loader.widen_narrow(weights)
             weights.wait_widened()
         except BaseException:
             self.slots.give(weights.slot)  # a failed widening fails this pass, not the slot pool
@@ -391,6 +401,7 @@ class StreamedModel(TokenizerOnDemand):
         return self.loader.bytes_read
 
     def forward(self, *args, **kwargs):
+        self._narrow = False
         self._use_depth(self.prefetch_depth)
         with torch.inference_mode():
             return self.model(*args, **kwargs)
@@ -398,6 +409,7 @@ class StreamedModel(TokenizerOnDemand):
     __call__ = forward
 
     def generate(self, *args, **kwargs):
+        self._narrow = False
         self._use_depth(self.prefetch_depth)
         with torch.inference_mode():
             return self.model.generate(*args, **kwargs)

@@ -133,6 +133,28 @@ def test_generation_equals_greedy_generate(tmp_path, tiny_checkpoint, arch, stre
         assert summary.passes_now == 6  # every row in one batch: one pass per new token
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("batch_size", [1, None])
+def test_a_bf16_checkpoint_streamed_in_float32_generates_as_in_memory(tmp_path, tiny_checkpoint, arch, batch_size,
+                                                                     monkeypatch):
+    """Decode passes multiply the checkpoint's bf16 linear weights as they lie (linear_kernels.widening_linear), the
+    prefill the weights widened in their slots: the answers are plain transformers' in float32."""
+    from batchrun import linear_kernels
+
+    path = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_checkpoint(arch), dtype=torch.bfloat16).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_checkpoint(arch)).save_pretrained(path)
+    model, tokenizer = reference_model(path)
+    narrow_calls = []
+    real = linear_kernels.widening_linear
+    monkeypatch.setattr(linear_kernels, "widening_linear", lambda *args: narrow_calls.append(1) or real(*args))
+    summary, rows = run(generation_spec(tmp_path), tmp_path, path, "gen", streaming="always", batch_size=batch_size,
+                        dtype="float32")
+    assert summary.mode == "streamed" and narrow_calls
+    for row, text in zip(rows, REVIEWS):
+        assert (row["answer"], row["finish_reason"]) == reference_generation(model, tokenizer, f"Summarise: {text}", 6)
+
+
 def test_numeric_choices_get_a_probability_weighted_score(tmp_path, tiny_checkpoint):
     spec = choice_spec(tmp_path, choices=("1", "2", "3", "4", "5"))
     _, rows = run(spec, tmp_path, tiny_checkpoint("llama"), "score")

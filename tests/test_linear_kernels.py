@@ -201,3 +201,64 @@ def test_the_memory_read_rate_is_timed_on_the_kernel_runs_use_and_again_when_tha
     monkeypatch.setenv(linear_kernels.KERNEL_ENV, "aten")
     measure.memory_read_rate("float32", "cpu")
     assert used[measure.DECODE_MATRICES:] == ["aten"] * measure.DECODE_MATRICES
+
+
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,transpose", [((5, 48), False), ((2, 7, 48), False), ((9, 48), True),
+                                             ((0, 48), False), ((1, 1, 48), False)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_a_narrow_weight_multiplies_tile_by_tile_as_the_widened_weight_does(source, shape, transpose, with_bias,
+                                                                           monkeypatch):
+    """Tiles of 5 rows: 64 output features cross 13 tiles, the last one short."""
+    monkeypatch.setattr(linear_kernels, "WIDEN_TILE_BYTES", 5 * 48 * 4)
+    inputs = _inputs(shape, transpose=transpose)
+    weight = _inputs((64, 48), seed=1).to(source)
+    bias = _inputs((64,), seed=2) if with_bias else None
+    got = linear_kernels.widening_linear(inputs, weight, bias)
+    expected = F.linear(inputs, weight.float(), bias)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_widening_tile_serves_calls_in_and_out_of_inference_mode(monkeypatch):
+    """The tile is kept per thread across calls: one made under inference_mode must not refuse a later plain call."""
+    monkeypatch.setattr(linear_kernels._tiles, "buffer", None, raising=False)
+    inputs, weight = _inputs((3, 48)), _inputs((64, 48), seed=1).to(torch.bfloat16)
+    expected = F.linear(inputs, weight.float())
+    with torch.inference_mode():
+        inside = linear_kernels.widening_linear(inputs, weight)
+    outside = linear_kernels.widening_linear(inputs, weight)
+    assert torch.allclose(inside, expected, rtol=1e-5, atol=1e-5) and torch.equal(inside, outside)
+
+
+@pytest.mark.parametrize("kernel", linear_kernels.KERNELS)
+def test_a_routed_linear_widens_only_a_narrow_weight_under_float32_inputs(kernel, monkeypatch):
+    widened = []
+    real = linear_kernels.widening_linear
+    monkeypatch.setattr(linear_kernels, "widening_linear", lambda *args: widened.append(1) or real(*args))
+    layer = torch.nn.Linear(48, 64)
+    inputs = _inputs((3, 48))
+    with torch.inference_mode():
+        expected = layer(inputs)
+        linear_kernels.route_linears(layer, kernel)
+        layer.weight = torch.nn.Parameter(layer.weight.to(torch.bfloat16), requires_grad=False)
+        got = layer(inputs)
+        assert widened == [1] and got.dtype == torch.float32
+        assert (got - F.linear(inputs, layer.weight.float(), layer.bias)).abs().max().item() <= TOLERANCE
+        assert (got - expected).abs().max().item() <= 0.05 * expected.abs().max().item()  # the weight's rounding
+        assert layer.to(torch.bfloat16)(inputs.to(torch.bfloat16)).dtype == torch.bfloat16  # bf16 compute: F.linear
+    assert widened == [1]
+
+
+def test_the_weights_a_layer_may_keep_narrow_are_its_routed_linears_only():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.norm = torch.nn.LayerNorm(4)
+            self.inner = torch.nn.Sequential(torch.nn.Linear(4, 4))
+
+    block = Block()
+    assert linear_kernels.routed_weight_names(block) == frozenset()
+    linear_kernels.route_linears(block, "aten")
+    assert linear_kernels.routed_weight_names(block) == {"proj.weight", "inner.0.weight"}

@@ -588,11 +588,13 @@ def test_a_row_counts_weight_rate_is_interpolated_in_time_per_byte():
     assert weight_rate_at({8: 1e10}, 2) == 1e10  # below the fewest measured: their rate
 
 
-def test_a_host_streaming_pass_also_moves_the_layers_through_ram_once_copied_and_once_widened():
-    """The kernel copies each layer out of the page cache and a bf16 checkpoint computed in float32 is widened in
-    its slot: RAM traffic the host's decode passes share; an accelerator computes beside it, a resident run has none."""
+def test_a_host_streaming_pass_also_moves_the_layers_through_ram_copied_and_a_prefill_widened():
+    """The kernel copies each layer out of the page cache, and for a prefill a bf16 checkpoint computed in float32 is
+    widened in its slot (a decode pass widens tiles inside its matmuls): RAM traffic the host's passes share; an
+    accelerator computes beside it, a resident run has none."""
     decoder = LLAMA_70B.decoder_bytes  # bf16
     assert host_streaming_bytes(LLAMA_70B, 4) == 2 * decoder + decoder + 2 * decoder  # copy; read bf16, write f32
+    assert host_streaming_bytes(LLAMA_70B, 4, decode=True) == 2 * decoder  # the copy only
     assert host_streaming_bytes(LLAMA_70B, 2) == 2 * decoder  # computed at its stored dtype: the copy only
     options = dict(rows=[RowCost(300, 8)] * 4, streaming="always", bandwidth=Bandwidth(1e15, "declared", "fast"),
                    memory_budget_bytes=400 * GiB, compute_flops_per_s=4e11, memory_bytes_per_s=1e10,
@@ -601,15 +603,16 @@ def test_a_host_streaming_pass_also_moves_the_layers_through_ram_once_copied_and
     slowed_rate = 1e10 / HOST_FRESH_PAGE_SLOWDOWN
     weights = (LLAMA_70B.decoder_params + LLAMA_70B.vocab_size * LLAMA_70B.hidden_size) * 4
     kv_at = [4 * kv_bytes_for_sequence(LLAMA_70B, 4, 300 + step) for step in range(1, 8)]
-    decode = sorted((weights + KV_COPIES_PER_DECODE * kv + host_streaming_bytes(LLAMA_70B, 4))
+    decode = sorted((weights + KV_COPIES_PER_DECODE * kv + host_streaming_bytes(LLAMA_70B, 4, decode=True))
                     / slowed_rate for kv in kv_at)
     assert host.seconds_per_pass == pytest.approx((decode[3] + decode[4]) / 2)  # median of 1 prefill + 7 decodes
     assert sorted(host.pass_seconds[1:]) == pytest.approx(decode)  # every pass, kept for benchmarks/plan_accuracy
     assert "pass_seconds" not in host.to_json()  # the JSON plan stays a summary
-    assert accelerator.seconds_per_pass < host.seconds_per_pass - host_streaming_bytes(LLAMA_70B, 4) / 1e10
+    copied = host_streaming_bytes(LLAMA_70B, 4, decode=True)
+    assert accelerator.seconds_per_pass < host.seconds_per_pass - copied / 1e10
     resident = plan(**options | dict(streaming="never"))
     assert resident.mode == "resident"
-    assert resident.seconds_per_pass < host.seconds_per_pass - host_streaming_bytes(LLAMA_70B, 4) / slowed_rate * 0.99
+    assert resident.seconds_per_pass < host.seconds_per_pass - copied / slowed_rate * 0.99
 
 
 def test_resident_eta_counts_loading_once_and_compute_per_pass():

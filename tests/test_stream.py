@@ -155,6 +155,35 @@ def test_bf16_checkpoint_streams_into_float32(tmp_path, tiny_checkpoint):
         assert (streamed(ids).logits - expected).abs().max().item() <= TOLERANCE
 
 
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_a_decode_pass_keeps_linear_weights_narrow_and_equals_in_memory(tmp_path, tiny_checkpoint, arch):
+    """A light pass (a decode step) multiplies the bf16 linear weights as they lie in the checkpoint, widening them
+    tile by tile; everything else is widened into its slot. A full pass after it finds the layers read ahead for it
+    narrow and widens them: both give the float32 model's logits."""
+    path = tmp_path / "bf16"
+    reference(tiny_checkpoint(arch)).to(torch.bfloat16).save_pretrained(path)
+    expected_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = sample_ids(expected_model.config.vocab_size)
+    with torch.inference_mode():
+        expected = expected_model(ids).logits
+    with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
+        seen: list[dict[str, torch.dtype]] = []
+        for layer in streamed.layers:  # after the streaming hook that assigns the layer's weights
+            layer.register_forward_pre_hook(lambda module, args: seen.append(
+                {name: p.dtype for name, p in module.named_parameters()}))
+        narrowable = streamed.loader.narrowable[0]
+        light = streamed.run_pass([lambda: streamed.model(ids).logits], light=True)[0]
+        assert (light - expected).abs().max().item() <= TOLERANCE
+        for dtypes in seen:
+            assert {name for name, dtype in dtypes.items() if dtype == torch.bfloat16} == narrowable
+        assert bool(narrowable) == (arch != "gpt2")  # GPT-2's Conv1D is no nn.Linear: it stays widened
+        seen.clear()
+        full = streamed.run_pass([lambda: streamed.model(ids).logits])[0]
+        assert all(dtype == torch.float32 for dtypes in seen for dtype in dtypes.values())
+        assert (full - expected).abs().max().item() <= TOLERANCE
+        assert streamed.passes == 2
+
+
 def _edited_copy(source: Path, target: Path, edit) -> Path:
     """A copy of a single-shard checkpoint whose tensors pass through edit(dict of name -> tensor)."""
     from safetensors.torch import load_file, save_file
@@ -304,9 +333,9 @@ def test_a_layer_is_read_in_the_order_its_bytes_lie_in_the_shard(tmp_path, tiny_
     per_load: list[list[tuple[str, int]]] = []
     real_read, real_load = loader.read_into, loader.LayerLoader._load
 
-    def load(self, index, slot):
+    def load(self, index, slot, narrow):
         per_load.append([])
-        return real_load(self, index, slot)
+        return real_load(self, index, slot, narrow)
 
     def read(fd, target, offset, file):
         if per_load:
@@ -340,8 +369,8 @@ def test_the_reader_moves_on_while_a_layer_widens_and_the_forward_waits_for_it(t
 
     real_load = loader.LayerLoader._load
 
-    def load(self, index, slot):
-        weights = real_load(self, index, slot)
+    def load(self, index, slot, narrow):
+        weights = real_load(self, index, slot, narrow)
         returned_unwidened.append(any(not w.done() for w in weights.widenings))
         return weights
 
