@@ -162,7 +162,8 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
                  io_seconds: float | None, compute_flops_per_s: float | None, compute_bytes: int = 4,
                  memory_bytes_per_s: float | None = None, shared_prefix: int = 0,
                  micro_batches: tuple[int | None, int | None] = (None, None),
-                 streaming_bytes: tuple[int, int] = (0, 0), device: str = "cpu", decode_rates: Mapping[int, float] | None = None) -> Timeline:
+                 streaming_bytes: tuple[int, int] = (0, 0), device: str = "cpu",
+                 decode_rates: Mapping[int, float] | None = None) -> Timeline:
     """Seconds of every pass of the job, in run order, and of every batch. A batch of several sequences computes
     `shared_prefix` prompt tokens once (prefill.SharedPrefix); one sequence alone computes its whole prompt."""
     own_rows = [without_prefix(row, shared_prefix) for row in rows]
