@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from batchrun import faults
 from batchrun.checkpoint import CheckpointError, load_config, read_tensor_infos, resolve_checkpoint, storage_dtype
 from batchrun.devices import default_device, resolve_dtype
-from batchrun.linear_kernels import route_linears, routed_weight_names
+from batchrun.linear_kernels import route_linears, routed_weight_names, sharing_tiles
 from batchrun.loader import LayerLoader, LayerWeights
 from batchrun.passes import LayerTurns, PassGroup, keep_heap_flat, return_freed_memory, run_interleaved
 from batchrun.tokenizer import TokenizerOnDemand
@@ -311,13 +311,16 @@ class StreamedModel(TokenizerOnDemand):
         # Measured on 2 cores (3 GB bf16 model, 32-sequence decode passes under a cap): with two threads the matmuls
         # kept stalling on the core that the reader's page-cache copy and the widening were using; one thread fewer
         # took the median pass from 2.19 to 2.07 s. A prefill keeps every core: its compute outlasts the reads.
+        # The widening linears' tiles, most of a decode pass's compute, still go to every core, a tile per worker at
+        # a time (linear_kernels.sharing_tiles): a worker the reader delays holds up no other.
         threads = torch.get_num_threads()
         if not (light and self.device.type == "cpu" and self._executor is not None and threads > 1):
             yield
             return
         torch.set_num_threads(threads - 1)
         try:
-            yield
+            with sharing_tiles(threads):
+                yield
         finally:
             torch.set_num_threads(threads)
 

@@ -145,12 +145,17 @@ def test_a_bf16_checkpoint_streamed_in_float32_generates_as_in_memory(tmp_path, 
     AutoModelForCausalLM.from_pretrained(tiny_checkpoint(arch), dtype=torch.bfloat16).save_pretrained(path)
     AutoTokenizer.from_pretrained(tiny_checkpoint(arch)).save_pretrained(path)
     model, tokenizer = reference_model(path)
-    narrow_calls = []
+    narrow_calls = []  # the tile workers each narrow linear shared its tiles among
     real = linear_kernels.widening_linear
-    monkeypatch.setattr(linear_kernels, "widening_linear", lambda *args: narrow_calls.append(1) or real(*args))
+    def recording(*args):
+        narrow_calls.append(getattr(linear_kernels._sharing, "workers", 1))
+        return real(*args)
+
+    monkeypatch.setattr(linear_kernels, "widening_linear", recording)
+    threads = torch.get_num_threads()
     summary, rows = run(generation_spec(tmp_path), tmp_path, path, "gen", streaming="always", batch_size=batch_size,
                         dtype="float32")
-    assert summary.mode == "streamed" and narrow_calls
+    assert summary.mode == "streamed" and set(narrow_calls) == {threads}  # every core, the reader's too
     for row, text in zip(rows, REVIEWS):
         assert (row["answer"], row["finish_reason"]) == reference_generation(model, tokenizer, f"Summarise: {text}", 6)
 

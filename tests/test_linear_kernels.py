@@ -2,6 +2,8 @@
 measured, is the one runs use."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -229,6 +231,43 @@ def test_the_widening_tile_serves_calls_in_and_out_of_inference_mode(monkeypatch
         inside = linear_kernels.widening_linear(inputs, weight)
     outside = linear_kernels.widening_linear(inputs, weight)
     assert torch.allclose(inside, expected, rtol=1e-5, atol=1e-5) and torch.equal(inside, outside)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("inference", [True, False])
+def test_tiles_shared_by_workers_give_the_one_worker_result_bit_for_bit(workers, inference, monkeypatch):
+    """Each worker multiplies whole tiles single-threaded, so who took a tile changes no bit of the output; every
+    worker starts and a helper thread really runs (the pool may hand two helpers' turns to one idle thread), and
+    torch's thread count is back afterwards."""
+    monkeypatch.setattr(linear_kernels, "WIDEN_TILE_BYTES", 3 * 48 * 4)  # 64 features: 22 tiles
+    inputs, weight, bias = _inputs((2, 7, 48)), _inputs((64, 48), seed=1).to(torch.bfloat16), _inputs((64,), seed=2)
+    alone = linear_kernels.widening_linear(inputs, weight, bias)
+    started = []
+    real_tile = linear_kernels._tile
+    monkeypatch.setattr(linear_kernels, "_tile",
+                        lambda *args: started.append(threading.current_thread().name) or real_tile(*args))
+    threads = torch.get_num_threads()
+    with torch.inference_mode(inference), linear_kernels.sharing_tiles(workers):
+        shared = linear_kernels.widening_linear(inputs, weight, bias)
+    assert torch.equal(shared, alone) and shared.is_inference() == inference
+    assert len(started) == workers and len(set(started)) >= 2 and torch.get_num_threads() == threads
+    assert torch.allclose(alone, F.linear(inputs, weight.float(), bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_tile_that_fails_on_a_helper_fails_the_linear(monkeypatch):
+    monkeypatch.setattr(linear_kernels, "WIDEN_TILE_BYTES", 3 * 48 * 4)
+    real_tile = linear_kernels._tile
+
+    def helpers_fail(*args):
+        if threading.current_thread() is not threading.main_thread():
+            raise MemoryError("no tile for a helper")
+        return real_tile(*args)
+
+    monkeypatch.setattr(linear_kernels, "_tile", helpers_fail)
+    threads = torch.get_num_threads()
+    with linear_kernels.sharing_tiles(2), pytest.raises(MemoryError, match="no tile for a helper"):
+        linear_kernels.widening_linear(_inputs((3, 48)), _inputs((64, 48), seed=1).to(torch.bfloat16))
+    assert torch.get_num_threads() == threads
 
 
 @pytest.mark.parametrize("kernel", linear_kernels.KERNELS)
