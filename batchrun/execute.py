@@ -14,7 +14,7 @@ from typing import Callable
 from tqdm import tqdm
 from transformers.utils import logging as transformers_logging
 
-from batchrun import faults
+from batchrun import faults, prefix_attention
 from batchrun.errors import OutputRefused, PlanRefused
 from batchrun.interrupts import stops_deferred
 from batchrun.oom import batch_cap_after_oom, killed_by_oom, memory_cgroup_dir, oom_kill_count
@@ -274,6 +274,17 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
     pass_times = summary.pass_seconds
     micro_batch = prepared.options.micro_batch or plan.micro_batch_size
     decode_micro_batch = plan.decode_micro_batch_size
+    if plan.decode_in_place and not prefix_attention.supported(model.model):
+        # The plan sized decode calls that read keys and values where they lie; this model's attention copies them
+        # per query head. The prefill's settings are within the plan for decode passes too: its micro-batches and
+        # its read-ahead.
+        decode_micro_batch = micro_batch
+        if plan.mode == "streamed":
+            model.decode_prefetch_depth = model.prefetch_depth
+        note = ("the model does not attend through transformers' sdpa as the plan expected: decode passes use the "
+                "prefill's micro-batches and read-ahead")
+        summary.notes.append(note)
+        log.warning(note)
     # A --micro-batch of the user's own makes calls the plan did not size: trim after every turn then.
     keep_below = None if prepared.options.micro_batch else plan.peak_memory_bytes - plan.turn_bytes
     try:

@@ -126,6 +126,8 @@ class Candidate:
     decode_micro_batch_size: int | None = None  # sequences per forward call in decode passes; None: all at once
     prefetch_depth: int = 0  # layers a prefill reads ahead of the one computing; 0: none (resident, no prefetch)
     decode_prefetch_depth: int = 0  # the same in decode passes (one more where memory allows)
+    # decode calls were sized reading keys and values where they lie (plan_memory.decode_call_bytes_per_sequence)
+    decode_in_place: bool = False
     pass_seconds: list[float | None] = field(default_factory=list)  # every pass in run order
     linear_kernel: str = "aten"  # what computes the nn.Linear layers (measure.linear_kernel; a CPU choice)
     compute_dtype_reason: str | None = None  # why --dtype auto chose compute_dtype (compute_dtype.py; the CPU)
@@ -280,7 +282,8 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
               compute_flops_per_s: float | None, disk_free_bytes: int | None, checkpoint_is_local: bool,
               runtime_overhead_bytes: int, batch_size: int | None = None,
               context_length: int | None = None, memory_bytes_per_s: float | None = None,
-              shared_prefix_tokens: int = 0, decode_rates: Mapping[int, float] | None = None) -> Candidate:
+              shared_prefix_tokens: int = 0, decode_rates: Mapping[int, float] | None = None,
+              decode_in_place: bool = False) -> Candidate:
     """How to run `rows` through the model within a memory budget, and how long it will take.
 
     memory_bytes_per_s: how fast a decode-shaped matmul streams weights from RAM (measure.memory_read_rate); without
@@ -288,7 +291,9 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     decode_rates: {rows: weight bytes/s} of the checkpoint's own layer matrices (measure.decode_rates), which price
     each decode pass's weights at its row count instead of the memory rate.
     shared_prefix_tokens: prompt tokens all rows start with (batching.shared_prefix_tokens). A batch computes them
-    once and keeps their KV once, so its sequences are sized, packed and timed by their own tokens."""
+    once and keeps their KV once, so its sequences are sized, packed and timed by their own tokens.
+    decode_in_place: the model's decode steps read each layer's keys and values where they lie, not copied once per
+    query head (prepare.plan_rows asks transformers): a decode call then holds far less, so more share it."""
     if compute_dtype not in COMPUTE_BYTES:
         raise ValueError(f"compute_dtype must be one of {sorted(COMPUTE_BYTES)}, got {compute_dtype!r}")
     if batch_size is not None and batch_size < 1:
@@ -369,7 +374,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         caveats.append("compute rate unknown: " + ("pass times count reads only" if mode == "streamed"
                                                    else "no ETA for a resident run"))
     decode_micro = decode_group_size(sizes, compute_bytes, device, own_rows, planned, shared, micro_sequences,
-                                     max_sequences, batch_free_bytes)
+                                     max_sequences, batch_free_bytes, decode_in_place)
     # A decode pass computes little per layer, so it is read-bound; with the planned depth the reader idles whenever a
     # layer's compute outlasts the next layer's read (they share the cores). Where the memory the prefill's
     # activations held fits another layer slot beside the KV cache, decode passes read one layer further ahead.
@@ -379,13 +384,13 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     read_ahead = prefetch_depth if mode == "streamed" and prefetch else 0
     decode_depth = read_ahead
     decode_bytes = decode_pass_bytes(sizes, compute_bytes, device, own_rows, planned, shared, decode_micro,
-                                     max_sequences)
+                                     max_sequences, decode_in_place)
     slot_bytes = layer_slot_bytes(sizes, compute_dtype)
     if read_ahead and decode_bytes and decode_bytes + slot_bytes <= batch_free_bytes:
         decode_depth += 1
         peak_batch_bytes = max(peak_batch_bytes, prefix_bytes + decode_bytes + slot_bytes)
     turn_bytes = max((largest_turn_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
-                                         decode_micro, shared) for b in batches), default=0)
+                                         decode_micro, shared, decode_in_place) for b in batches), default=0)
     flops_rate, memory_rate = effective_rates(device, compute_flops_per_s, memory_bytes_per_s)
     weight_rates = ({count: effective_rates(device, None, rate)[1] for count, rate in decode_rates.items()}
                     if decode_rates and memory_rate else None)
@@ -429,7 +434,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         answers_per_hour=len(planned) / eta * 3600 if eta and planned else None,
         disk_needed_bytes=disk_needed, disk_free_bytes=disk_free_bytes, estimated=sizes.estimated,
         blockers=blockers, caveats=caveats, shared_prefix_tokens=shared,
-        decode_micro_batch_size=decode_micro, prefetch_depth=read_ahead,
+        decode_micro_batch_size=decode_micro, prefetch_depth=read_ahead, decode_in_place=decode_in_place,
         decode_prefetch_depth=decode_depth, pass_seconds=timeline.pass_seconds,
     )
 

@@ -33,6 +33,11 @@ HELD_HIDDEN_COPIES = 2  # a waiting micro-batch holds its hidden states and the 
 # stack and Python frames until the pass ends: ~40 KiB a call measured (200 suspended calls of a tiny Llama); its
 # activations are counted apart. The OpenMP team and matmul scratch are the one calling thread's, in the runtime.
 PREFILL_CALL_BYTES = 256 << 10
+# A decode step that attends to its keys and values where they lie (decode_in_place) may still copy one layer's
+# [H_kv, context, D] once (a strided cache view made contiguous), and prefix_attention.attend_with_prefix keeps its
+# float32 scores against the prefix and its own tokens, their concatenation, the scaled and masked scores and the
+# softmax weights alive together.
+IN_PLACE_SCORE_COPIES = 5
 
 
 def linear_activation_bytes_per_token(sizes: CheckpointSizes, compute_bytes: int, device: str = "cuda") -> int:
@@ -71,7 +76,7 @@ def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: S
 
 def largest_turn_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
                        own_rows: Sequence[RowCost], batch: Sequence[int], micro_sequences: int | None,
-                       decode_group: int | None, shared: int) -> int:
+                       decode_group: int | None, shared: int, decode_in_place: bool = False) -> int:
     """The most activation memory one forward call's turn at a layer takes in a batch's passes: its largest prefill
     call (cut as the executor cuts them), the shared prefix's call, or a decode call. A turn that finds no freed
     pages to reuse takes this much more memory (passes.keep_freed_pages_below)."""
@@ -86,15 +91,23 @@ def largest_turn_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, 
     if any(rows[i].passes() > 1 for i in batch):
         context = (shared if sharing else 0) + max(costs[i].sequence_length() for i in batch)
         turns.append(min(decode_group or sequences, sequences)
-                     * decode_call_bytes_per_sequence(sizes, compute_bytes, device, context))
+                     * decode_call_bytes_per_sequence(sizes, compute_bytes, device, context, decode_in_place))
     return max(turns)
 
 
-def decode_call_bytes_per_sequence(sizes: CheckpointSizes, compute_bytes: int, device: str, context: int) -> int:
-    """What a decode forward adds per sequence: one layer's keys and values expanded to every query head
-    (transformers' SDPA path under a padding mask) at the context length, plus one token's activations and logits."""
-    return (2 * sizes.num_attention_heads * sizes.head_dim * context * compute_bytes
-            + activation_bytes_for_sequence(sizes, compute_bytes, device, 1, 1))
+def decode_call_bytes_per_sequence(sizes: CheckpointSizes, compute_bytes: int, device: str, context: int,
+                                   in_place: bool = False) -> int:
+    """What a decode forward adds per sequence at the context length: the attention's copies of one layer's keys and
+    values, plus one token's activations and logits. Expanded to every query head where transformers' sdpa repeats
+    them (under a padding mask, before transformers 5.24, or an eager attention); `in_place` (the step reads them
+    where they lie: a shared prefix through prefix_attention, or sdpa's grouped one-token query) one copy at the key
+    heads and the float32 scores per query head."""
+    if in_place:
+        attention = (2 * sizes.num_kv_heads * sizes.head_dim * context * compute_bytes
+                     + IN_PLACE_SCORE_COPIES * sizes.num_attention_heads * context * ATTENTION_SCORE_BYTES)
+    else:
+        attention = 2 * sizes.num_attention_heads * sizes.head_dim * context * compute_bytes
+    return attention + activation_bytes_for_sequence(sizes, compute_bytes, device, 1, 1)
 
 
 def decode_kv_bytes(sizes: CheckpointSizes, compute_bytes: int, own_rows: Sequence[RowCost],
@@ -106,7 +119,7 @@ def decode_kv_bytes(sizes: CheckpointSizes, compute_bytes: int, own_rows: Sequen
 
 def decode_group_size(sizes: CheckpointSizes, compute_bytes: int, device: str, own_rows: Sequence[RowCost],
                       planned: Sequence[int], shared: int, micro_sequences: int | None, max_sequences: int,
-                      free_bytes: int) -> int | None:
+                      free_bytes: int, in_place: bool = False) -> int | None:
     """Sequences per forward call in a decode pass: as many as fit beside the batch's whole KV cache.
 
     A decode forward reads the layer's weights from memory however few sequences it carries, so decode micro-batches
@@ -114,19 +127,21 @@ def decode_group_size(sizes: CheckpointSizes, compute_bytes: int, device: str, o
     if micro_sequences is None or not planned:
         return None
     kv_cache, longest_own = decode_kv_bytes(sizes, compute_bytes, own_rows, planned, max_sequences)
-    per_sequence = decode_call_bytes_per_sequence(sizes, compute_bytes, device, shared + longest_own)
+    per_sequence = decode_call_bytes_per_sequence(sizes, compute_bytes, device, shared + longest_own, in_place)
     return int(min(max_sequences, max(micro_sequences, (free_bytes - kv_cache) // per_sequence)))
 
 
 def decode_pass_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, own_rows: Sequence[RowCost],
-                      planned: Sequence[int], shared: int, decode_group: int | None, max_sequences: int) -> int:
+                      planned: Sequence[int], shared: int, decode_group: int | None, max_sequences: int,
+                      in_place: bool = False) -> int:
     """What a batch holds during its decode passes (beside the weights and the shared prefix): its whole KV cache and
     one decode call. 0 when no planned row decodes (choice rows and one-token answers finish in their prefill)."""
     if not planned or not any(own_rows[i].passes() > 1 for i in planned):
         return 0
     kv_cache, longest_own = decode_kv_bytes(sizes, compute_bytes, own_rows, planned, max_sequences)
     group = min(decode_group or max_sequences, max_sequences)
-    return kv_cache + group * decode_call_bytes_per_sequence(sizes, compute_bytes, device, shared + longest_own)
+    return kv_cache + group * decode_call_bytes_per_sequence(sizes, compute_bytes, device, shared + longest_own,
+                                                             in_place)
 
 
 def scores_materialised(device: str) -> bool:

@@ -30,6 +30,33 @@ def supported(model) -> bool:
     return getattr(config, "_attn_implementation", None) == "sdpa"
 
 
+def attends_through_sdpa(config) -> bool:
+    """What `supported` will answer for the model this config builds, asked of its class before any model exists
+    (the plan sizes decode steps by it): transformers gives a model sdpa unless the config asks for another
+    attention or the class cannot run it (23 classes in transformers 5.24 cannot). Remote code and unknown classes
+    answer False, the safe side for memory."""
+    requested = getattr(getattr(config, "get_text_config", lambda: config)(), "_attn_implementation_internal", None)
+    if requested is not None:
+        return requested == "sdpa"
+    if getattr(config, "auto_map", None):
+        return False
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return False
+    return bool(getattr(model_class, "_supports_sdpa", False))
+
+
+def sdpa_groups_one_token_queries() -> bool:
+    """Whether transformers' sdpa attends a one-token query on the key heads (its pack_gqa, since 5.24) instead of
+    copying every layer's keys and values once per query head under a padding mask, as 5.0-5.23 do."""
+    from transformers.integrations import sdpa_attention
+
+    return callable(getattr(sdpa_attention, "pack_gqa", None))
+
+
 def mark_next_call(prefix_keys: torch.Tensor, prefix_values: torch.Tensor, own_keys: torch.Tensor) -> None:
     """The next attention call on this thread gets `own_keys`, the own tokens' keys only: attend to this prefix
     first. Attending without the prefix would be silently wrong, so a model whose attention does not come through

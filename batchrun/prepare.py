@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from batchrun import measure
-from batchrun.checkpoint import (CheckpointError, CheckpointSizes, checkpoint_sizes, read_tensor_infos,
+from batchrun.checkpoint import (CheckpointError, CheckpointSizes, checkpoint_sizes, load_config, read_tensor_infos,
                                  resolve_checkpoint)
 from batchrun.checkpoint_files import weight_sample_digest
 from batchrun.compute_dtype import cpu_auto_dtype, cpu_auto_reason
@@ -87,6 +87,10 @@ class PreparedModel:
     tokenizer: object
     context_length: int | None
     tokenizer_bytes: int = 0  # resident memory the tokenizer took as it loaded: a run holds it beside the model
+    # How its decode steps attend (prefix_attention): through transformers' sdpa, and whether sdpa then reads a
+    # one-token query's keys and values where they lie. The plan sizes decode calls by them.
+    attends_through_sdpa: bool = False
+    sdpa_groups_decode_queries: bool = False
 
 
 @dataclass
@@ -133,7 +137,25 @@ def prepare_model(model: str | None, options: JobOptions) -> PreparedModel:
     # A 262k-entry vocabulary (Gemma) holds ~310 MB, SmolLM2's ~50 MB: part of the run's fixed cost.
     tokenizer_bytes = max(after - before, 0) if before is not None and after is not None else 0
     return PreparedModel(model_label(model), checkpoint, sizes, tokenizer, sizes.max_position_embeddings,
-                         tokenizer_bytes)
+                         tokenizer_bytes, *_decode_attention(checkpoint, options))
+
+
+def _decode_attention(checkpoint: Path, options: JobOptions) -> tuple[bool, bool]:
+    """(attends through transformers' sdpa, sdpa groups one-token queries): PreparedModel's two fields. The first is
+    False, the safe side for the plan's memory, where the answer would take the repository's own code or a config
+    transformers cannot read: planning reads config.json alone and must not fail on this."""
+    from transformers import AutoConfig
+
+    from batchrun import prefix_attention  # torch, imported with transformers' model code by now
+
+    groups = prefix_attention.sdpa_groups_one_token_queries()
+    if load_config(checkpoint, options.trust_remote_code).get("auto_map"):
+        return False, groups
+    try:
+        config = AutoConfig.from_pretrained(checkpoint)
+    except (ValueError, KeyError, OSError):  # e.g. a model_type this transformers does not know
+        return False, groups
+    return prefix_attention.attends_through_sdpa(config), groups
 
 
 def read_job_spec(spec_path: Path, options: JobOptions) -> JobSpec:
@@ -266,7 +288,10 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
         runtime_overhead_bytes=measure.runtime_overhead_bytes() + prepared.tokenizer_bytes,
         batch_size=options.batch_size,
         context_length=prepared.context_length, shared_prefix_tokens=shared,
-        decode_rates=_decode_rates(sizes, compute_dtype, device, costs))
+        decode_rates=_decode_rates(sizes, compute_dtype, device, costs),
+        # A decode step against the shared prefix reads it in place (prefix_attention); one without, where sdpa
+        # groups a one-token query on the key heads.
+        decode_in_place=prepared.attends_through_sdpa and (shared > 0 or prepared.sdpa_groups_decode_queries))
     caveats = plan.caveats + _glued_choices_caveat(prepared.tokenizer, rows, options.raw)
     if common:
         window = min([window for window in sizes.sliding_windows if window] + [sizes.unplaced_window or math.inf])

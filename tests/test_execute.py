@@ -652,3 +652,30 @@ def test_rows_that_repeat_another_exactly_are_computed_once(tmp_path, tiny_check
         assert (by_id[f"g{i}"]["answer"], by_id[f"g{i}"]["finish_reason"]) == expected
     assert by_id["g-longer"]["answer"] == reference_generation(model, tokenizer, f"Summarise: {REVIEWS[0]}", 5)[0]
     assert by_id["c0"]["choice_probs"] == by_id["c1"]["choice_probs"] == by_id["c2"]["choice_probs"]
+
+
+@pytest.mark.parametrize("streaming", ["never", "always"])
+def test_a_model_that_does_not_attend_in_place_as_planned_decodes_with_the_prefills_settings(
+        tmp_path, tiny_checkpoint, monkeypatch, streaming):
+    """The plan sizes decode calls as reading keys and values in place when the model's class attends through sdpa.
+    Should the built model not (here: told so), the run says so, decodes with the prefill's micro-batches and
+    read-ahead, which the plan sized, and its answers are still greedy generate's."""
+    from batchrun import execute, prefix_attention
+    from batchrun.runtime import open_model
+
+    path = tiny_checkpoint("llama")
+    instruction = "Read the customer review below and write a short summary of what the customer thinks of it."
+    prompts = [f"{instruction} Summarise: {text}" for text in REVIEWS]
+    spec = write_jsonl(tmp_path / "prefixed.jsonl", [{"id": i, "prompt": p, "max_new_tokens": 4}
+                                                      for i, p in enumerate(prompts)])
+    opened, plans = [], []
+    monkeypatch.setattr(execute, "open_model", lambda *a, **k: opened.append(open_model(*a, **k)) or opened[-1])
+    monkeypatch.setattr(prefix_attention, "supported", lambda model: False)
+    summary, rows = run(spec, tmp_path, path, "prefixed", on_plan=plans.append, streaming=streaming, micro_batch=2)
+    assert plans[0].decode_in_place and plans[0].shared_prefix_tokens > 0
+    assert any("does not attend through transformers' sdpa" in note for note in summary.notes)
+    if streaming == "always":
+        assert opened[0].decode_prefetch_depth == opened[0].prefetch_depth == 1
+    model, tokenizer = reference_model(path)
+    for row, prompt in zip(rows, prompts):
+        assert (row["answer"], row["finish_reason"]) == reference_generation(model, tokenizer, prompt, 4)

@@ -23,6 +23,7 @@ from batchrun.plan import (
     host_streaming_bytes, parse_streaming, passes_for, streamed_weights, decode_pass_bytes, batch_bytes,
 )
 from batchrun.plan_format import format_bytes, format_comparison, format_plan_table
+from batchrun.plan_memory import IN_PLACE_SCORE_COPIES, decode_call_bytes_per_sequence
 
 CONFIGS = Path(__file__).parent / "configs"
 GiB = 1 << 30
@@ -157,6 +158,37 @@ def test_decode_passes_read_one_layer_further_ahead_where_the_prefills_memory_ho
     resident = plan(TINY, rows=rows, streaming="never")
     assert resident.decode_prefetch_depth == resident.prefetch_depth == 0
     assert "read ahead" not in format_plan_table(resident.to_json())
+
+
+BENCH_LLAMA = sizes_from_config({"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
+                                 "num_attention_heads": 32, "num_key_value_heads": 4, "num_hidden_layers": 33,
+                                 "vocab_size": 8192, "max_position_embeddings": 2048}, "BF16")  # the benchmark's
+
+
+def test_a_decode_step_reading_keys_and_values_in_place_lets_the_whole_batch_share_one_decode_call():
+    """Where decode steps read each layer's keys and values where they lie (a shared prefix through
+    prefix_attention, or sdpa's grouped one-token query), a decode call holds one key-head copy and float32 scores,
+    not the keys and values copied per query head: the benchmark's short-answer sweep (float32, a 1.5 GB budget;
+    its run under the 1.55 GB cap planned 25 a call) then decodes its 32 sequences in one call a layer instead of
+    two, its peak inside the budget. The batches are the same; a job that never decodes plans the same either way."""
+    context = 158 + 124 + 8
+    expanded = decode_call_bytes_per_sequence(BENCH_LLAMA, 4, "cpu", context)
+    in_place = decode_call_bytes_per_sequence(BENCH_LLAMA, 4, "cpu", context, in_place=True)
+    one_token = activation_bytes_for_sequence(BENCH_LLAMA, 4, "cpu", 1, 1)
+    assert expanded - one_token == 2 * 32 * 64 * context * 4  # keys and values for every query head
+    assert in_place - one_token == 2 * 4 * 64 * context * 4 + IN_PLACE_SCORE_COPIES * 32 * context * 4
+    short_answers = [RowCost(158 + 60 + 2 * i, 8) for i in range(32)]
+    common = dict(streaming="always", compute_dtype="float32", memory_budget_bytes=int(1.5e9),
+                  runtime_overhead_bytes=398 << 20, shared_prefix_tokens=158)
+    copying = plan(BENCH_LLAMA, rows=short_answers, **common)
+    reading = plan(BENCH_LLAMA, rows=short_answers, decode_in_place=True, **common)
+    assert copying.batch_size == 32 and copying.decode_micro_batch_size < 32
+    assert reading.decode_micro_batch_size == 32 and reading.decode_in_place
+    assert reading.peak_memory_bytes <= int(1.5e9 * 0.9)
+    assert (reading.batch_size, reading.batches, reading.passes) == (copying.batch_size, copying.batches, 8)
+    choices = [RowCost(300, 0, choice_tokens=(1, 1))] * 64
+    unchanged = [plan(BENCH_LLAMA, rows=choices, decode_in_place=flag, **common).to_json() for flag in (False, True)]
+    assert unchanged[0] == unchanged[1] | {"decode_in_place": False}
 
 
 def test_choice_rows_hold_no_kv_cache_so_a_pass_carries_more_of_them():

@@ -1,14 +1,20 @@
 """Decode attention over [shared prefix | own tokens] in two parts equals attention over their concatenation."""
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from batchrun import prefix_attention
 from batchrun.batching import MIN_SHARED_PREFIX
 from batchrun.prefill import decode, merge_for_decode, prefill
 from batchrun.stream import StreamedModel
 from tests.test_prefill import plain_logprobs, sequences
+from tests.tiny_models import TINY_ARCHS
 
 
 def concatenated(query, own_keys, own_values, prefix_keys, prefix_values, mask, scaling):
@@ -172,3 +178,45 @@ def test_a_sliding_window_that_covers_every_key_keeps_the_two_part_path(monkeypa
     expected, _ = ALL_ATTENTION_FUNCTIONS["sdpa"].__wrapped__(torch.nn.Module(), query, full_keys, full_values, None,
                                                               scaling=0.5)
     assert (got - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("requested", [None, "eager"])
+def test_the_plan_is_told_what_the_built_model_will_answer(tiny_checkpoint, tmp_path, arch, requested):
+    """attends_through_sdpa (read from the config, before any model exists, for the plan's decode memory) agrees
+    with supported (asked of the model the run builds), for every tiny architecture and for a config asking for
+    eager attention."""
+    checkpoint = tiny_checkpoint(arch)
+    if requested is not None:
+        checkpoint = Path(shutil.copytree(checkpoint, tmp_path / arch))
+        config = json.loads((checkpoint / "config.json").read_text())
+        (checkpoint / "config.json").write_text(json.dumps(config | {"attn_implementation": requested}))
+    predicted = prefix_attention.attends_through_sdpa(AutoConfig.from_pretrained(checkpoint))
+    with StreamedModel(checkpoint, device="cpu", dtype=torch.float32) as handle:
+        assert predicted == prefix_attention.supported(handle.model)
+    if requested == "eager":
+        assert not predicted
+
+
+def test_a_grouped_decode_step_through_sdpa_copies_no_keys_per_query_head(tiny_checkpoint, monkeypatch):
+    """What the plan relies on where sdpa_groups_one_token_queries says so: a padded decode step of a grouped-query
+    model (4 query heads on 2 key heads) reaches transformers' sdpa and never repeats its keys and values per query
+    head, while its prefill does (a mask and several query tokens)."""
+    from transformers.integrations import sdpa_attention
+
+    repeated = []
+    real_repeat = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda states, n: repeated.append(states.shape[-2])
+                        or real_repeat(states, n))
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.float32)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads and prefix_attention.supported(model)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        first = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        prefill_repeats = len(repeated)
+        model(input_ids=first.logits[:, -1:].argmax(-1), attention_mask=torch.cat([mask, torch.ones(2, 1)], 1).long(),
+              past_key_values=first.past_key_values, use_cache=True)
+    assert prefill_repeats == 2 * model.config.num_hidden_layers  # keys and values, each layer: the check can fail
+    decode_repeats = len(repeated) - prefill_repeats
+    assert (decode_repeats == 0) == prefix_attention.sdpa_groups_one_token_queries()
