@@ -18,8 +18,8 @@ from batchrun.checkpoint_files import DTYPE_BITS
 from batchrun.plan_format import format_bytes, format_duration, format_rate
 from batchrun.plan_memory import (  # noqa: F401 (re-exported)
     ATTENTION_SCORE_BYTES, HEAP_RETAINED_ACTIVATION_COPIES, HELD_HIDDEN_COPIES, LOGIT_BYTES, PREFILL_CALL_BYTES,
-    activation_bytes_for_sequence, batch_bytes, decode_group_size, decode_pass_bytes, heap_factor,
-    largest_turn_bytes, linear_activation_bytes_per_token, scores_materialised)
+    activation_bytes_for_sequence, attention_scratch_bytes, batch_bytes, decode_group_size, decode_pass_bytes,
+    heap_factor, largest_turn_bytes, linear_activation_bytes_per_token, scores_materialised)
 from batchrun.plan_time import (  # noqa: F401 (re-exported)
     KV_COPIES_PER_DECODE, Timeline, host_streaming_bytes, job_timeline, pass_bound)
 from batchrun.sizes import (  # noqa: F401 (re-exported)
@@ -342,7 +342,8 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     own_rows = [without_prefix(row, shared) for row in rows]
     prefix_bytes = (kv_bytes_for_sequence(sizes, compute_bytes, shared)
                     + activation_bytes_for_sequence(sizes, compute_bytes, device, shared, 0)
-                    + PREFILL_CALL_BYTES) if shared else 0  # the prefix's forward call is held too
+                    + PREFILL_CALL_BYTES  # the prefix's forward call is held too
+                    + attention_scratch_bytes(device, compute_bytes, shared)) if shared else 0
     sizing_budget = int(budget * (1 - MEMORY_HEADROOM_SHARE))
     batch_free_bytes = sizing_budget - fixed_bytes - prefix_bytes  # what a batch's sequences may hold
     max_sequences, max_tokens, micro_sequences = batch_limits(

@@ -38,6 +38,14 @@ PREFILL_CALL_BYTES = 256 << 10
 # float32 scores against the prefix and its own tokens, their concatenation, the scaled and masked scores and the
 # softmax weights alive together.
 IN_PLACE_SCORE_COPIES = 5
+# A half-precision prefill of prefix-sharing micro-batches on a CPU attends a chunk of query rows at a time
+# (prefix_attention.attend_in_chunks): its scores take at most this much beside the call's activations.
+ATTENTION_CHUNK_BYTES = 16 << 20
+
+
+def attention_scratch_bytes(device: str, compute_bytes: int, shared: int) -> int:
+    """The chunked attention's scratch: only a CPU prefill in half precision behind a shared prefix takes it."""
+    return ATTENTION_CHUNK_BYTES if shared and compute_bytes == 2 and device.split(":")[0] == "cpu" else 0
 
 
 def linear_activation_bytes_per_token(sizes: CheckpointSizes, compute_bytes: int, device: str = "cuda") -> int:

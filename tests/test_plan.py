@@ -23,6 +23,7 @@ from batchrun.plan import (
     host_streaming_bytes, parse_streaming, passes_for, streamed_weights, decode_pass_bytes, batch_bytes,
 )
 from batchrun.plan_format import format_bytes, format_comparison, format_plan_table
+from batchrun import plan_memory
 from batchrun.plan_memory import IN_PLACE_SCORE_COPIES, decode_call_bytes_per_sequence
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -189,6 +190,26 @@ def test_a_decode_step_reading_keys_and_values_in_place_lets_the_whole_batch_sha
     choices = [RowCost(300, 0, choice_tokens=(1, 1))] * 64
     unchanged = [plan(BENCH_LLAMA, rows=choices, decode_in_place=flag, **common).to_json() for flag in (False, True)]
     assert unchanged[0] == unchanged[1] | {"decode_in_place": False}
+
+
+def test_a_half_precision_cpu_prefill_behind_a_shared_prefix_counts_its_attention_scratch(monkeypatch):
+    """On a CPU, half-precision micro-batches behind a shared prefix attend a chunk of query rows at a time
+    (prefix_attention.attend_in_chunks) with a scratch of ATTENTION_CHUNK_BYTES: the plan's peak holds it, and
+    only there (float32 and other devices take torch's SDPA, a prompt without a shared prefix transformers' own)."""
+    rows = [RowCost(158 + 60 + 2 * i, 8) for i in range(32)]
+    common = dict(streaming="always", memory_budget_bytes=int(1.5e9), runtime_overhead_bytes=398 << 20)
+
+    def peaks(**options):
+        with_scratch = plan(BENCH_LLAMA, rows=rows, **common | options).peak_memory_bytes
+        monkeypatch.setattr(plan_memory, "ATTENTION_CHUNK_BYTES", 0)
+        without = plan(BENCH_LLAMA, rows=rows, **common | options).peak_memory_bytes
+        monkeypatch.undo()
+        return with_scratch - without
+
+    assert peaks(compute_dtype="bfloat16", shared_prefix_tokens=158) == 16 << 20
+    assert peaks(compute_dtype="float32", shared_prefix_tokens=158) == 0
+    assert peaks(compute_dtype="bfloat16", shared_prefix_tokens=0) == 0
+    assert peaks(compute_dtype="bfloat16", shared_prefix_tokens=158, device="cuda") == 0
 
 
 def test_choice_rows_hold_no_kv_cache_so_a_pass_carries_more_of_them():

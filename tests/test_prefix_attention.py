@@ -220,3 +220,30 @@ def test_a_grouped_decode_step_through_sdpa_copies_no_keys_per_query_head(tiny_c
     assert prefill_repeats == 2 * model.config.num_hidden_layers  # keys and values, each layer: the check can fail
     decode_repeats = len(repeated) - prefill_repeats
     assert (decode_repeats == 0) == prefix_attention.sdpa_groups_one_token_queries()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_a_half_precision_prefill_attends_in_chunks_as_float32_attention_does(monkeypatch, dtype, mask_kind):
+    """Half-precision prefill attention runs one sequence and a few query rows at a time; it must equal float32
+    attention over the same inputs to half precision's rounding, whatever the chunk, and a query row with nothing
+    to attend must stay finite (its NaN would reach every row through the next layer's values)."""
+    generator = torch.Generator().manual_seed(11)
+    batch, query_heads, heads, prefix, own, dim = 3, 8, 2, 9, 7, 16
+    query = torch.randn(batch, query_heads, own, dim, generator=generator)
+    keys, values = (torch.randn(batch, heads, prefix + own, dim, generator=generator) for _ in range(2))
+    attend = torch.ones(batch, 1, own, prefix + own, dtype=torch.bool).tril(diagonal=prefix)
+    attend[1, ..., prefix:prefix + 2] = False  # left padding among the own tokens
+    attend[2, :, 0] = False  # a row that attends to nothing
+    mask = attend if mask_kind == "bool" else torch.zeros(attend.shape).masked_fill(~attend, float("-inf"))
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.repeat_interleave(query_heads // heads, 1), values.repeat_interleave(query_heads // heads, 1),
+        attn_mask=attend, scale=0.3).transpose(1, 2)
+    for chunk_bytes in (1, 10 * query_heads * (prefix + own) * 3, 8 << 20):  # one row, three rows, all rows a chunk
+        monkeypatch.setattr(prefix_attention, "ATTENTION_CHUNK_BYTES", chunk_bytes)
+        got = prefix_attention.attend_grouped(query.to(dtype), keys.to(dtype), values.to(dtype),
+                                              mask if mask_kind == "bool" else mask.to(dtype), 0.3)
+        assert got.shape == (batch, own, query_heads, dim) and got.dtype == dtype and got.is_contiguous()
+        assert torch.isfinite(got).all()
+        attending = attend[:, 0].any(-1)  # [b, S]: rows with something to attend
+        assert (got.float() - reference)[attending].abs().max().item() <= 3e-2
