@@ -141,7 +141,7 @@ def attend_grouped(query, keys, values, mask, scaling: float | None):
     21.4 ms a call with the copies, 15.7 without. float32 runs torch's SDPA in grouped-query mode; half precision
     attend_in_chunks, faster there. Shapes: query [b, Hq, S, D]; keys, values [b, H, P + S, D]; mask [b, 1, S, P + S].
     Returns [b, S, Hq, D]."""
-    if query.dtype in (torch.bfloat16, torch.float16):
+    if query.dtype in (torch.bfloat16, torch.float16) and (mask is None or mask.shape[1] == 1):  # every head one mask
         return attend_in_chunks(query, keys, values, mask, query.shape[-1] ** -0.5 if scaling is None else scaling)
     output = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
                                                               enable_gqa=query.shape[1] != keys.shape[1])
@@ -152,7 +152,7 @@ def attend_in_chunks(query, keys, values, mask, scaling: float):
     """attend_grouped for half precision, as transformers' eager attention computes it (scores in the input dtype,
     softmax in float32), one sequence and a chunk of its query rows at a time, so the scores stay small. torch's
     flash kernel for a CPU runs bfloat16 attention at ~100 GFLOP/s; on the benchmark's classification pass
-    (AVX512-BF16, 2 cores, 33 layers) this took its suffixes' attention from 4.6 to 3.5 s (median of 7, alone).
+    (AVX512-BF16, 2 cores, 33 layers) this took its suffixes' attention from 4.6 to 3.9-4.2 s (medians of 7, alone).
     A chunk skips the keys after its last row where the mask hides them all (a causal mask does). Masked scores get
     float32's lowest value, not -inf: a row with nothing to attend averages instead of dividing by zero (its output
     is never used, but NaN would reach every row through the next layer's values). Shapes as attend_grouped."""
