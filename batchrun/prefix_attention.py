@@ -129,11 +129,6 @@ _PLAIN_KWARGS = frozenset({"dropout", "scaling", "is_causal", "position_ids", "o
                            "cache_position", "use_cache", "past_key_values", "cache", "layer_idx"})
 
 
-# A half-precision prefill's attention (attend_in_chunks) computes the scores of this many bytes of query rows at a
-# time (float32 scores and their softmax plus the half-precision weights); the plan counts it.
-ATTENTION_CHUNK_BYTES = plan_memory.ATTENTION_CHUNK_BYTES
-
-
 def attend_grouped(query, keys, values, mask, scaling: float | None):
     """A prefill's attention over [prefix | own tokens] on a CPU, each key head paired with its group of query heads
     without copying it per query head (transformers, given a mask, would first copy the keys and values once per
@@ -159,7 +154,8 @@ def attend_in_chunks(query, keys, values, mask, scaling: float):
     batch, query_heads, length, dim = query.shape
     heads, attended = keys.shape[1], keys.shape[2]
     group, before_own = query_heads // heads, attended - length  # own query row r sits at key position before_own + r
-    rows = max(1, ATTENTION_CHUNK_BYTES // (query_heads * attended * (2 * 4 + query.element_size())))
+    # Scores of at most plan_memory.ATTENTION_CHUNK_BYTES a chunk: float32 scores and softmax, half-precision weights.
+    rows = max(1, plan_memory.ATTENTION_CHUNK_BYTES // (query_heads * attended * (2 * 4 + query.element_size())))
     output = torch.empty(batch, length, query_heads, dim, dtype=query.dtype, device=query.device)
     lowest = torch.finfo(torch.float32).min
     for sequence in range(batch):

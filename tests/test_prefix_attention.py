@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from batchrun import prefix_attention
+from batchrun import plan_memory, prefix_attention
 from batchrun.batching import MIN_SHARED_PREFIX
 from batchrun.prefill import decode, merge_for_decode, prefill
 from batchrun.stream import StreamedModel
@@ -240,7 +240,7 @@ def test_a_half_precision_prefill_attends_in_chunks_as_float32_attention_does(mo
         query, keys.repeat_interleave(query_heads // heads, 1), values.repeat_interleave(query_heads // heads, 1),
         attn_mask=attend, scale=0.3).transpose(1, 2)
     for chunk_bytes in (1, 10 * query_heads * (prefix + own) * 3, 8 << 20):  # one row, three rows, all rows a chunk
-        monkeypatch.setattr(prefix_attention, "ATTENTION_CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(plan_memory, "ATTENTION_CHUNK_BYTES", chunk_bytes)
         got = prefix_attention.attend_grouped(query.to(dtype), keys.to(dtype), values.to(dtype),
                                               mask if mask_kind == "bool" else mask.to(dtype), 0.3)
         assert got.shape == (batch, own, query_heads, dim) and got.dtype == dtype and got.is_contiguous()
