@@ -66,6 +66,7 @@ class Store:
         self.path = Path(path)
         self._lock_key_prefix = str(self.path.resolve())
         self._current_run: dict[str, int] = {}  # job id -> run_no this Store opened in acquire()
+        _refuse_orphaned_log(self.path)
         with self._translate_errors("open the progress database"):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S)
@@ -453,6 +454,18 @@ class Store:
 
 def _describe_job(job: dict) -> str:
     return f"{job['id']} ({job['spec_path']}, created {job['created_at']})"
+
+
+def _refuse_orphaned_log(path: Path) -> None:
+    """A write-ahead log left beside a database that is gone (a killed run's, the database deleted to start over):
+    SQLite would replay it into the new database at that path, bringing the deleted jobs back, or fail with
+    SQLITE_IOERR_SHORT_READ where it was partly checkpointed. The log is the user's: say so, delete nothing."""
+    log = path.with_name(path.name + "-wal")
+    if not path.exists() and log.exists() and log.stat().st_size > 0:
+        raise StoreError(f"{log} is the write-ahead log of a progress database that is no longer at {path} (deleted "
+                         "after a run was stopped?); SQLite would replay it into a new database there. Put the "
+                         f"database back to resume its jobs, or move {log.name} (and {path.name}-shm) away to start "
+                         "afresh.")
 
 
 def _describe_failure(path: Path, action: str, exc: BaseException) -> str:

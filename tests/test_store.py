@@ -144,6 +144,26 @@ def test_opening_a_file_that_is_not_a_database_names_it(tmp_path):
     assert not integrity_ok(bogus)
 
 
+def test_a_log_left_beside_a_deleted_database_is_refused_not_replayed(db_path):
+    """A killed run leaves its -wal file; the user deletes the database to start over. SQLite would replay the log
+    into the new database (the deleted job came back) or fail with SQLITE_IOERR_SHORT_READ: refuse, name the log,
+    and leave it where it is."""
+    store = Store(db_path)
+    store.db.execute("PRAGMA wal_autocheckpoint=0")  # the commits stay in the log, as when the process is killed
+    make_job(store)
+    log = db_path.with_name(db_path.name + "-wal")
+    left_behind = log.read_bytes()
+    store.close()  # a clean close checkpoints and deletes the log: put the killed process's back
+    db_path.unlink()
+    log.write_bytes(left_behind)
+    with pytest.raises(StoreError, match=f"{log.name}.*no longer at"):
+        Store(db_path)
+    assert log.read_bytes() == left_behind and not db_path.exists()
+    log.rename(db_path.with_name("moved-away"))
+    with Store(db_path) as fresh:
+        assert fresh.jobs() == []
+
+
 # ---- jobs and rows -------------------------------------------------------------------------------
 
 def test_ensure_job_is_idempotent(store):
