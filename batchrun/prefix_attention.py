@@ -185,8 +185,8 @@ def attend_in_chunks(query, keys, values, mask, scaling: float):
 
 
 def _mask_bias(mask: torch.Tensor, lowest: float) -> torch.Tensor:
-    """A bool (attend) or additive mask as a float32 additive one whose hidden entries are `lowest`, not -inf: added
-    to a score of any size a float32 score can sensibly hold, a hidden entry stays finite and its exp is 0."""
+    """A bool (attend) or additive mask as a float32 additive one whose hidden entries are `lowest`, not -inf: a
+    hidden entry plus a score stays finite (short of a score near float32's limit) and its exp is 0."""
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, lowest)
     return mask.float().clamp_(min=lowest)

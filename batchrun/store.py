@@ -17,6 +17,7 @@ import sqlite_utils
 
 from batchrun import store_migrations
 from batchrun import faults
+from batchrun.store_files import describe_failure, orphaned_log_message
 from batchrun.store_locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, eta_seconds,
                                   job_summary, lock_holder_alive, mark_alive, process_identity, run_seconds)
 from batchrun.store_reuse import Reused, fill_duplicates, reuse_answers
@@ -66,7 +67,8 @@ class Store:
         self.path = Path(path)
         self._lock_key_prefix = str(self.path.resolve())
         self._current_run: dict[str, int] = {}  # job id -> run_no this Store opened in acquire()
-        _refuse_orphaned_log(self.path)
+        if (orphaned := orphaned_log_message(self.path)) is not None:
+            raise StoreError(orphaned)
         with self._translate_errors("open the progress database"):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S)
@@ -390,7 +392,7 @@ class Store:
         try:
             yield
         except (sqlite3.DatabaseError, OSError) as exc:
-            raise StoreError(_describe_failure(self.path, action, exc)) from exc
+            raise StoreError(describe_failure(self.path, action, exc)) from exc
 
     @contextmanager
     def _write(self, action: str) -> Iterator[sqlite3.Connection]:
@@ -454,38 +456,6 @@ class Store:
 
 def _describe_job(job: dict) -> str:
     return f"{job['id']} ({job['spec_path']}, created {job['created_at']})"
-
-
-def _refuse_orphaned_log(path: Path) -> None:
-    """A write-ahead log left beside a database that is gone (a killed run's, the database deleted to start over):
-    SQLite would replay it into the new database at that path, bringing the deleted jobs back, or fail with
-    SQLITE_IOERR_SHORT_READ where it was partly checkpointed. The log is the user's: say so, delete nothing."""
-    log = path.with_name(path.name + "-wal")
-    if not path.exists() and log.exists() and log.stat().st_size > 0:
-        raise StoreError(f"{log} is the write-ahead log of a progress database that is no longer at {path} (deleted "
-                         "after a run was stopped?); SQLite would replay it into a new database there. Put the "
-                         f"database back to resume its jobs, or move {log.name} (and {path.name}-shm) away to start "
-                         "afresh.")
-
-
-def _describe_failure(path: Path, action: str, exc: BaseException) -> str:
-    reason = str(exc)
-    error_name = getattr(exc, "sqlite_errorname", None)
-    if error_name:
-        reason += f" [{error_name}]"
-    if error_name in ("SQLITE_CANTOPEN", "SQLITE_READONLY") and not _writable(path):
-        # WAL mode writes its -wal and -shm files beside the database, even to read it.
-        return (f"could not {action} in {path}: {reason}; the database or its directory is read-only, and "
-                "batchrun writes beside the database even to read it: copy it to a writable place and pass "
-                "that copy as --db")
-    message = f"could not {action} in {path}: {reason}. Answers committed before this point are safe."
-    if isinstance(exc, OSError) or "disk" in reason.lower():  # "database or disk is full", "disk I/O error"
-        message += " Check free disk space and file-size limits, then run the job again to resume."
-    return message
-
-
-def _writable(path: Path) -> bool:
-    return os.access(path.parent, os.W_OK) and (not path.exists() or os.access(path, os.W_OK))
 
 
 def _rollback_quietly(conn: sqlite3.Connection) -> None:

@@ -530,15 +530,15 @@ def test_a_new_job_takes_answers_and_tokens_so_far_of_the_same_rows_from_earlier
 
 def test_a_read_only_database_is_named_as_such_with_the_way_out(tmp_path, monkeypatch):
     """Root ignores permissions, so the read-only directory is simulated: the message says why and what to do."""
-    from batchrun import store as store_module
+    from batchrun import store_files
 
     error = sqlite3.OperationalError("unable to open database file")
     error.sqlite_errorname = "SQLITE_CANTOPEN"
-    monkeypatch.setattr(store_module, "_writable", lambda path: False)
-    message = store_module._describe_failure(tmp_path / "x.db", "open the progress database", error)
+    monkeypatch.setattr(store_files, "writable", lambda path: False)
+    message = store_files.describe_failure(tmp_path / "x.db", "open the progress database", error)
     assert "read-only" in message and "copy it to a writable place" in message and "--db" in message
-    monkeypatch.setattr(store_module, "_writable", lambda path: True)  # writable: some other cause, said as before
-    assert "read-only" not in store_module._describe_failure(tmp_path / "x.db", "open the progress database", error)
+    monkeypatch.setattr(store_files, "writable", lambda path: True)  # writable: some other cause, said as before
+    assert "read-only" not in store_files.describe_failure(tmp_path / "x.db", "open the progress database", error)
 
 
 def test_repeated_rows_of_a_job_take_the_answer_of_the_one_computed(store):
