@@ -59,9 +59,13 @@ def forward(model, ids, mask, positions, *, keep: int, cache=None, use_cache: bo
     """One forward call. Returns float32 log-probs of the last `keep` positions [b, keep, V] and the cache."""
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=use_cache,
                 logits_to_keep=keep, **{cache_argument(model): cache})
-    # Outputs of 5.2x have `cache`; reading their deprecated `past_key_values` alias logs a warning.
-    new_cache = out.cache if hasattr(out, "cache") else getattr(out, "past_key_values", None)
-    return torch.log_softmax(out.logits.float(), dim=-1), new_cache
+    return torch.log_softmax(out.logits.float(), dim=-1), output_cache(out)
+
+
+def output_cache(out):
+    """The cache a forward call returned. Outputs of 5.2x have `cache`; reading their deprecated `past_key_values`
+    alias logs a warning."""
+    return out.cache if hasattr(out, "cache") else getattr(out, "past_key_values", None)
 
 
 class SharedPrefix:

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from batchrun import plan_memory, prefix_attention
 from batchrun.batching import MIN_SHARED_PREFIX
-from batchrun.prefill import cache_argument, decode, merge_for_decode, prefill
+from batchrun.prefill import cache_argument, decode, merge_for_decode, output_cache, prefill
 from batchrun.stream import StreamedModel
 from tests.test_prefill import plain_logprobs, sequences
 from tests.tiny_models import TINY_ARCHS
@@ -215,9 +215,8 @@ def test_a_grouped_decode_step_through_sdpa_copies_no_keys_per_query_head(tiny_c
     with torch.no_grad():
         first = model(input_ids=ids, attention_mask=mask, use_cache=True)
         prefill_repeats = len(repeated)
-        cache = first.cache if hasattr(first, "cache") else first.past_key_values  # renamed in transformers 5.2x
         model(input_ids=first.logits[:, -1:].argmax(-1), attention_mask=torch.cat([mask, torch.ones(2, 1)], 1).long(),
-              use_cache=True, **{cache_argument(model): cache})
+              use_cache=True, **{cache_argument(model): output_cache(first)})
     assert prefill_repeats == 2 * model.config.num_hidden_layers  # keys and values, each layer: the check can fail
     decode_repeats = len(repeated) - prefill_repeats
     assert (decode_repeats == 0) == prefix_attention.sdpa_groups_one_token_queries()
