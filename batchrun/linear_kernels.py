@@ -12,6 +12,7 @@ contiguous first (dense_if_strided_bfloat16). A weight left at its checkpoint's 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -172,8 +173,64 @@ def widening_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return out.view(*inputs.shape[:-1], out_features)
 
 
+# Packing: oneDNN multiplies a bfloat16 weight it has reordered into its own blocked layout faster than torch's plain
+# [out, in] one, which its matmul re-blocks on every call. Measured on a 2-core AVX512-BF16 EPYC, one 3 GB Llama
+# layer's seven matrices against 256-1,462 rows: 9-26% faster, the same bits; the reorder itself takes ~19 ms a layer
+# (the weight read and written once), about what packing gains over 2,000 rows. So a streamed pass packs a layer
+# once, for all its micro-batches, when it multiplies each layer by at least this many rows (stream.run_pass).
+PACK_MIN_ROWS = 2048
+
+
+@functools.cache  # asks the CPU once per process
+def packing_available() -> bool:
+    """Whether this torch's oneDNN packs and multiplies bfloat16 weights on this CPU (AVX512-BF16, AMX...)."""
+    mkldnn = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and all(hasattr(mkldnn, op) for op in (
+        "_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported"))
+            and bool(mkldnn._is_mkldnn_bf16_supported()))
+
+
+def _packable(module: torch.nn.Module) -> bool:
+    if not isinstance(module, _RoutedLinear):
+        return False
+    weight, bias = module.weight, module.bias
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.dim() == 2 and weight.layout == torch.strided
+            and (bias is None or bias.dtype == torch.bfloat16))
+
+
+def pack_weights(module: torch.nn.Module) -> int:
+    """Give every routed bfloat16 CPU linear in `module` a packed copy of its weight, used by its forward until
+    drop_packed_weights; returns the bytes packed. The plain weight stays: transformers reads its dtype and shape."""
+    packed_bytes = 0
+    for child in module.modules():
+        if _packable(child):
+            packed = torch.ops.mkldnn._reorder_linear_weight(child.weight)
+            child.__dict__["_packed"] = (child.weight, packed)  # a plain attribute: no parameter, no state dict
+            packed_bytes += child.weight.nbytes
+    return packed_bytes
+
+
+def drop_packed_weights(module: torch.nn.Module) -> None:
+    for child in module.modules():
+        child.__dict__.pop("_packed", None)
+
+
+def _packed_weight(module: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
+    """The module's packed weight where it may serve these inputs: packed from the weight the module holds now, and
+    bfloat16 CPU inputs outside autograd (oneDNN's op records no gradient)."""
+    packed = module.__dict__.get("_packed")
+    if (packed is None or packed[0] is not module.weight or inputs.dtype != torch.bfloat16
+            or inputs.device.type != "cpu" or (torch.is_grad_enabled() and inputs.requires_grad)):
+        return None
+    return packed[1]
+
+
 def _forward(module: torch.nn.Linear, kernel: str, inputs: torch.Tensor) -> torch.Tensor:
     inputs = dense_if_strided_bfloat16(inputs)
+    packed = _packed_weight(module, inputs)
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(inputs, packed, module.bias, "none", [], "")
     if module.weight.dtype != inputs.dtype and takes_widening(inputs, module.weight):
         return widening_linear(inputs, module.weight, module.bias)
     if kernel == "onednn" and takes_onednn(inputs, module.weight, module.bias):

@@ -179,9 +179,14 @@ def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool,
     narrowing = COMPUTE_BYTES[compute_dtype] * 8 < DTYPE_BITS.get(sizes.storage_dtype, 0)
     needs_read_buffer = _on_host(device) and (narrowing or bool(sizes.moe))
     read_buffers = sizes.largest_layer_bytes if needs_read_buffer else 0
+    # A long bfloat16 prefill on the CPU multiplies a packed copy of the computing layer's linear weights
+    # (linear_kernels.pack_weights), made when the layer starts and freed when it ends: one layer more, counted
+    # whatever the rows (they decide per pass whether it packs).
+    packed = layer_slot_bytes(sizes, compute_dtype) if _on_host(device) and compute_dtype == "bfloat16" else 0
     what = (f"non-decoder tensors {format_bytes(non_decoder)} + {slots} layer slot(s) "
-            f"{format_bytes(layer_slots)}" + (f" + read buffers {format_bytes(read_buffers)}" if read_buffers else ""))
-    return _Weights(non_decoder + layer_slots + read_buffers, what)
+            f"{format_bytes(layer_slots)}" + (f" + read buffers {format_bytes(read_buffers)}" if read_buffers else "")
+            + (f" + packed layer {format_bytes(packed)}" if packed else ""))
+    return _Weights(non_decoder + layer_slots + read_buffers + packed, what)
 
 
 def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],

@@ -251,11 +251,13 @@ def prefill(handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, mi
     shared = shared_prefix_tokens(seqs, sharing, own_tokens=keep)
     groups = prefill_groups([len(seq) - shared for seq in seqs], micro_batch, device)
     calls, states = [], []
+    rows = shared  # positions each layer multiplies, padding included
     prefix = SharedPrefix(model, list(seqs[0][:shared]), device) if shared else None
     if prefix is not None:
         calls.append(prefix.prefix_call())
     for members in groups:
         ids, mask, positions = left_pad([seqs[i][shared:] for i in members], pad_id, device)
+        rows += ids.numel()
         cache = roomy_cache(model) if use_cache and prefix is None else None
         if prefix is not None:
             cache = prefix.placeholder_cache(len(calls), len(members), keeps_own=use_cache)
@@ -263,7 +265,7 @@ def prefill(handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, mi
             positions = positions + shared
         states.append(MicroState(members, cache, mask, positions))
         calls.append(_call(model, ids, mask, positions, keep, cache, use_cache or prefix is not None))
-    outputs = handle.run_pass(calls, before_layer=prefix.inject if prefix is not None else None)
+    outputs = handle.run_pass(calls, before_layer=prefix.inject if prefix is not None else None, rows=rows)
     if prefix is not None:
         outputs = outputs[1:]
     logprobs: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]

@@ -57,9 +57,9 @@ class ResidentModel(TokenizerOnDemand):
                 self._before_layer(index, self._micro)
         return hook
 
-    def run_pass(self, calls, before_layer=None, *, light: bool = False) -> list:
+    def run_pass(self, calls, before_layer=None, *, light: bool = False, rows: int = 0) -> list:
         """Micro-batches of one pass. Resident weights cost no reads, so they simply run in turn (and every core
-        computes: `light` matters only to a streamed model)."""
+        computes: `light` and `rows` matter only to a streamed model)."""
         self.passes += 1
         self._in_pass, self._before_layer = True, before_layer
         try:

@@ -21,7 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from batchrun import faults
 from batchrun.checkpoint import CheckpointError, load_config, read_tensor_infos, resolve_checkpoint, storage_dtype
 from batchrun.devices import default_device, resolve_dtype
-from batchrun.linear_kernels import route_linears, routed_weight_names, sharing_tiles
+from batchrun.linear_kernels import (PACK_MIN_ROWS, drop_packed_weights, pack_weights, packing_available,
+                                     route_linears, routed_weight_names, sharing_tiles)
 from batchrun.loader import LayerLoader, LayerWeights
 from batchrun.passes import LayerTurns, PassGroup, keep_heap_flat, return_freed_memory, run_interleaved
 from batchrun.tokenizer import TokenizerOnDemand
@@ -135,6 +136,7 @@ class StreamedModel(TokenizerOnDemand):
                                   drop_page_cache=drop_page_cache,
                                   narrowable=[routed_weight_names(layer) for layer in self.layers])
         self._narrow = False  # whether the pass in flight leaves linear weights narrow (run_pass(light=True))
+        self._pack = False  # whether the pass in flight packs each layer's linear weights (run_pass(rows=...))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-prefetch") \
             if prefetching else None
         self._pending: dict[int, Future] = {}
@@ -258,6 +260,8 @@ class StreamedModel(TokenizerOnDemand):
                 for name, tensor in weights.tensors.items():
                     _assign(module, name, tensor)
                 self._active[index] = weights
+                if self._pack:
+                    pack_weights(module)
                 if self._executor is not None:
                     for ahead in range(1, self._depth + 1):
                         self._schedule((index + ahead) % self.num_layers)
@@ -281,7 +285,7 @@ class StreamedModel(TokenizerOnDemand):
                 group.turns.advance(index, group.micro)
         return hook
 
-    def run_pass(self, calls, before_layer=None, *, light: bool = False) -> list:
+    def run_pass(self, calls, before_layer=None, *, light: bool = False, rows: int = 0) -> list:
         """Run forward calls as the micro-batches of ONE pass: each layer is read once for all of them.
 
         `before_layer(layer, micro)` runs inside the turn, before that micro-batch enters the layer.
@@ -290,8 +294,11 @@ class StreamedModel(TokenizerOnDemand):
         narrower than the compute dtype stay so, widened tile by tile as they multiply (linear_kernels.widening_linear):
         a layer crosses RAM once, at its checkpoint's size, instead of being widened into its slot and read back.
         A prefill widens on the reader's thread instead, beside compute that outlasts it.
+        `rows`: the token positions the calls multiply each layer by, padding included. From PACK_MIN_ROWS on, a
+        bfloat16 pass on the CPU multiplies packed copies of each layer's linear weights (linear_kernels.pack_weights).
         """
         self._narrow = light
+        self._pack = self.packs_weights(rows) and not light
         self._use_depth(self.decode_prefetch_depth if light else self.prefetch_depth)
         with self._leaving_a_core(light):
             if len(calls) == 1 and before_layer is None:
@@ -381,11 +388,17 @@ class StreamedModel(TokenizerOnDemand):
                 finally:
                     self.slots.give(weights.slot)
 
+    def packs_weights(self, rows: int) -> bool:
+        """Whether a pass multiplying each layer by `rows` positions packs its linear weights first."""
+        return (rows >= PACK_MIN_ROWS and self.device.type == "cpu" and self.dtype == torch.bfloat16
+                and packing_available())
+
     def _release(self, index: int) -> None:
         weights = self._active.pop(index, None)
         if weights is None:
             return
         layer = self.layers[index]
+        drop_packed_weights(layer)
         for name in weights.tensors:
             _assign(layer, name, self._meta_params[index][name])
         if self.device.type == "cuda":  # the layer's kernels may still be queued: the next copy into its slot waits
@@ -404,7 +417,7 @@ class StreamedModel(TokenizerOnDemand):
         return self.loader.bytes_read
 
     def forward(self, *args, **kwargs):
-        self._narrow = False
+        self._narrow = self._pack = False
         self._use_depth(self.prefetch_depth)
         with torch.inference_mode():
             return self.model(*args, **kwargs)
@@ -412,7 +425,7 @@ class StreamedModel(TokenizerOnDemand):
     __call__ = forward
 
     def generate(self, *args, **kwargs):
-        self._narrow = False
+        self._narrow = self._pack = False
         self._use_depth(self.prefetch_depth)
         with torch.inference_mode():
             return self.model.generate(*args, **kwargs)

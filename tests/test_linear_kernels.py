@@ -301,3 +301,96 @@ def test_the_weights_a_layer_may_keep_narrow_are_its_routed_linears_only():
     assert linear_kernels.routed_weight_names(block) == frozenset()
     linear_kernels.route_linears(block, "aten")
     assert linear_kernels.routed_weight_names(block) == {"proj.weight", "inner.0.weight"}
+
+
+needs_packing = pytest.mark.skipif(not linear_kernels.packing_available(),
+                                   reason="this torch's oneDNN packs no bfloat16 weights on this CPU")
+
+
+@pytest.fixture
+def packed_calls(monkeypatch):
+    """How many routed forwards multiplied a packed weight."""
+    calls = []
+    real = linear_kernels._packed_weight
+
+    def counted(module, inputs):
+        packed = real(module, inputs)
+        if packed is not None:
+            calls.append(tuple(inputs.shape))
+        return packed
+
+    monkeypatch.setattr(linear_kernels, "_packed_weight", counted)
+    return calls
+
+
+def _bfloat16_linear(in_features: int, out_features: int, bias: bool, kernel: str = "aten") -> torch.nn.Linear:
+    layer = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(_inputs((out_features, in_features), seed=3))
+        if bias:
+            layer.bias.copy_(_inputs((out_features,), seed=4))
+    layer = layer.to(torch.bfloat16).requires_grad_(False)
+    linear_kernels.route_linears(layer, kernel)
+    return layer
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("out_features,in_features", [(64, 48), (100, 37), (256, 512)])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("kernel", linear_kernels.KERNELS)
+def test_a_packed_bfloat16_weight_gives_f_linears_bits(rows, out_features, in_features, with_bias, kernel,
+                                                        packed_calls):
+    """Packing changes the weight's layout in memory, not the arithmetic: the same bits as the plain weight (a
+    strided input is made contiguous first either way: dense_if_strided_bfloat16)."""
+    layer = _bfloat16_linear(in_features, out_features, with_bias, kernel)
+    inputs = _inputs((rows, in_features), seed=5).to(torch.bfloat16)
+    batched = _inputs((2, rows, in_features), seed=6).to(torch.bfloat16)
+    strided = _inputs((2, rows, in_features), seed=7, transpose=True).to(torch.bfloat16)
+    with torch.inference_mode():
+        expected = [F.linear(x.contiguous(), layer.weight, layer.bias) for x in (inputs, batched, strided)]
+        assert all(torch.equal(layer(x), reference) for x, reference in zip((inputs, batched, strided), expected))
+        assert linear_kernels.pack_weights(layer) == layer.weight.nbytes
+        got = [layer(x) for x in (inputs, batched, strided)]
+    assert len(packed_calls) == 3
+    for value, reference in zip(got, expected):
+        assert value.dtype == torch.bfloat16 and value.shape == reference.shape
+        assert torch.equal(value, reference)
+
+
+@needs_packing
+def test_a_pack_serves_only_the_weight_it_was_made_from_and_goes_when_dropped(packed_calls):
+    layer = _bfloat16_linear(48, 64, bias=False)
+    inputs = _inputs((5, 48)).to(torch.bfloat16)
+    with torch.inference_mode():
+        linear_kernels.pack_weights(layer)
+        layer.weight = torch.nn.Parameter(layer.weight * 2, requires_grad=False)  # a streamed layer's next weights
+        assert torch.equal(layer(inputs), F.linear(inputs, layer.weight))
+        assert packed_calls == []  # the stale pack was not used
+        linear_kernels.pack_weights(layer)
+        layer(inputs)
+        assert len(packed_calls) == 1
+        linear_kernels.drop_packed_weights(layer)
+        assert "_packed" not in layer.__dict__
+        assert torch.equal(layer(inputs), F.linear(inputs, layer.weight))
+    assert len(packed_calls) == 1
+
+
+@needs_packing
+def test_only_routed_bfloat16_linears_pack_and_only_bfloat16_inference_inputs_use_a_pack(packed_calls):
+    block = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
+    unrouted = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    linear_kernels.route_linears(block, "aten")
+    block.append(unrouted)  # added after routing: torch's own forward
+    assert linear_kernels.pack_weights(block) == 0  # float32 weights: nothing to pack
+    block.to(torch.bfloat16)
+    assert linear_kernels.pack_weights(block) == (64 * 48 + 8 * 64) * 2
+    assert "_packed" not in unrouted.__dict__
+    inputs = _inputs((3, 48), seed=8).to(torch.bfloat16)
+    with torch.inference_mode():
+        block[0](inputs)
+        assert block[0](inputs.float()).dtype == torch.float32  # float32 inputs widen the weight instead
+    assert len(packed_calls) == 1
+    tracked = inputs.clone().requires_grad_(True)
+    block[0](tracked)  # a gradient to record: oneDNN's op records none
+    assert len(packed_calls) == 1

@@ -109,11 +109,15 @@ def test_layer_memory_is_the_slots_plus_a_read_buffer_only_where_one_is_used():
     assert streamed_weights(LLAMA_70B, "float32", prefetch=True, device="cuda").bytes == slots
     # a narrowing cast on the host needs a raw buffer to read into
     fp32_checkpoint = sizes_from_config(json.loads((CONFIGS / "llama-3-70b.json").read_text()), "F32")
+    # ... and a bfloat16 pass on the CPU packs the computing layer's linear weights: one layer more
     assert streamed_weights(fp32_checkpoint, "bfloat16", prefetch=True).bytes == (
-        fp32_checkpoint.non_decoder_params * 2 + 2 * fp32_checkpoint.largest_layer_params * 2
+        fp32_checkpoint.non_decoder_params * 2 + 3 * fp32_checkpoint.largest_layer_params * 2
         + fp32_checkpoint.largest_layer_bytes)
     same_dtype = streamed_weights(LLAMA_70B, "bfloat16", prefetch=False)
-    assert same_dtype.bytes == LLAMA_70B.non_decoder_params * 2 + LLAMA_70B.largest_layer_params * 2
+    assert same_dtype.bytes == LLAMA_70B.non_decoder_params * 2 + 2 * LLAMA_70B.largest_layer_params * 2
+    assert "packed layer" in same_dtype.what
+    on_gpu = streamed_weights(LLAMA_70B, "bfloat16", prefetch=False, device="cuda")
+    assert on_gpu.bytes == LLAMA_70B.non_decoder_params * 2 + LLAMA_70B.largest_layer_params * 2
 
 
 def test_every_layer_read_ahead_holds_a_slot_in_the_plan():

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchrun import StreamedModel
+from batchrun import StreamedModel, linear_kernels, stream
 from batchrun.checkpoint import CheckpointError
 from batchrun.loader import widen_in_place
 from tests.tiny_models import TINY_ARCHS, build_large_llama, build_sharded_checkpoint
@@ -428,3 +428,34 @@ def test_a_failed_widening_fails_the_pass_and_gives_its_slot_back(tmp_path, tiny
         assert result, "the pass after a failed widening never finished: a slot was not given back"
         with torch.inference_mode():
             assert (result[0] - expected(ids).logits).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.skipif(not linear_kernels.packing_available(), reason="no bfloat16 weight packing on this CPU")
+@pytest.mark.parametrize("arch", [a for a in TINY_ARCHS if a != "gpt2"])  # GPT-2's Conv1D is no nn.Linear
+def test_a_long_bfloat16_prefill_packs_each_layer_once_and_gives_the_same_logits(tmp_path, tiny_checkpoint, arch,
+                                                                                   monkeypatch):
+    """From PACK_MIN_ROWS rows a bfloat16 pass packs each layer's linear weights once for all its micro-batches,
+    gives the unpacked pass's logits bit for bit, and keeps no packed copy after the pass; a decode pass never
+    packs."""
+    path = tmp_path / "bf16"
+    reference(tiny_checkpoint(arch)).to(torch.bfloat16).save_pretrained(path)
+    expected_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = sample_ids(expected_model.config.vocab_size, batch=3)
+    packed_layers = []
+    real_pack = stream.pack_weights
+    monkeypatch.setattr(stream, "pack_weights", lambda module: packed_layers.append(module) or real_pack(module))
+    with StreamedModel(path, device="cpu", dtype=torch.bfloat16) as streamed:
+        calls = [lambda: streamed.model(ids[:1]).logits, lambda: streamed.model(ids[1:]).logits]
+        plain = streamed.run_pass(calls, rows=stream.PACK_MIN_ROWS - 1)
+        assert packed_layers == []
+        packed = streamed.run_pass(calls, rows=stream.PACK_MIN_ROWS)
+        assert packed_layers == list(streamed.layers)  # each once, in order, for both micro-batches
+        assert all(torch.equal(a, b) for a, b in zip(plain, packed))
+        assert not any("_packed" in module.__dict__ for module in streamed.model.modules())
+        streamed.run_pass(calls, rows=stream.PACK_MIN_ROWS, light=True)
+        assert len(packed_layers) == streamed.num_layers
+    with torch.inference_mode():
+        expected = expected_model(ids).logits
+    got = torch.cat(packed)  # the in-memory bfloat16 model's logits, to a bfloat16 rounding of the largest (the same
+    # bits on the AVX512-BF16 machine this was written on)
+    assert (got.float() - expected.float()).abs().max().item() <= 2 ** -8 * expected.float().abs().max().item()
