@@ -7,6 +7,8 @@ once per micro-batch, just after the loader wrote them, so they come from RAM. T
 2-D weights of decoder layer 0, in the checkpoint's shapes, `copies` layers' worth cycled so that none is still in
 the caches when it is used again, multiplied by `tokens` rows with the kernel batchrun picks. The bound's compute
 term uses it (the best of `repeats` sweeps: a low reading would make the bound lenient).
+Kernel "packed": bfloat16 weights reordered into oneDNN's blocked layout beforehand, untimed, as a long bfloat16
+prefill multiplies them (linear_kernels.pack_weights); the bound takes the faster of it and the plain kernel.
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ def layer_matrix_shapes(checkpoint: Path) -> list[tuple[int, int]]:
 
 def layer_matmul_rate(checkpoint: Path, dtype: str, kernel: str, tokens: int = PREFILL_TOKENS,
                       repeats: int = 3) -> float:
-    """FLOP/s of `tokens` rows through layer 0's matrices, on `kernel` ("aten" or "onednn"), best of `repeats`."""
+    """FLOP/s of `tokens` rows through layer 0's matrices, on `kernel` ("aten", "onednn" or "packed"), best of
+    `repeats`."""
     import torch
 
     from batchrun import linear_kernels
@@ -46,16 +49,25 @@ def layer_matmul_rate(checkpoint: Path, dtype: str, kernel: str, tokens: int = P
     layers = [[torch.randn(out, inner, generator=generator).to(torch_dtype) for out, inner in shapes]
               for _ in range(copies)]
     inputs = {inner: torch.randn(tokens, inner, generator=generator).to(torch_dtype) for _, inner in shapes}
-    linear = linear_kernels.kernel_linear(kernel)
     flops = 2 * tokens * sum(out * inner for out, inner in shapes) * copies
     best = 0.0
     with torch.inference_mode():
-        for weight in layers[0]:  # first touch and kernel selection, untimed
-            linear(inputs[weight.shape[1]], weight)
+        linear = linear_kernels.kernel_linear(kernel) if kernel != "packed" else _packed_linear
+        if kernel == "packed":  # the reorder is the pass's work, like its attention: not in the matmul rate
+            layers = [[torch.ops.mkldnn._reorder_linear_weight(weight) for weight in layer] for layer in layers]
+        widths = [inner for _, inner in shapes]
+        for weight, inner in zip(layers[0], widths):  # first touch and kernel selection, untimed
+            linear(inputs[inner], weight)
         for _ in range(repeats):
             start = time.perf_counter()
             for layer in layers:
-                for weight in layer:
-                    linear(inputs[weight.shape[1]], weight)
+                for weight, inner in zip(layer, widths):
+                    linear(inputs[inner], weight)
             best = max(best, flops / (time.perf_counter() - start))
     return best
+
+
+def _packed_linear(inputs, packed):
+    import torch
+
+    return torch.ops.mkldnn._linear_pointwise(inputs, packed, None, "none", [], "")
