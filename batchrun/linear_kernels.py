@@ -7,7 +7,8 @@ Elsewhere (other CPUs, other MKL builds) aten may win, so measure.py times both 
 (BATCHRUN_LINEAR_KERNEL overrides). The layers stay transformers' own modules: only their matmul changes, and only
 for float32 CPU tensors outside autograd; anything else takes F.linear as before, a strided bfloat16 CPU input made
 contiguous first (dense_if_strided_bfloat16). A weight left at its checkpoint's half precision under float32 inputs
-(a streamed decode pass, stream.py) is widened a tile of rows at a time as it is multiplied (widening_linear).
+(a streamed decode pass, stream.py) is widened a tile of rows at a time as it is multiplied (widening_linear). A
+long bfloat16 prefill multiplies packed copies of a streamed layer's weights (pack_weights).
 """
 from __future__ import annotations
 
@@ -175,9 +176,10 @@ def widening_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 # Packing: oneDNN multiplies a bfloat16 weight it has reordered into its own blocked layout faster than torch's plain
 # [out, in] one, which its matmul re-blocks on every call. Measured on a 2-core AVX512-BF16 EPYC, one 3 GB Llama
-# layer's seven matrices against 256-1,462 rows: 9-26% faster, the same bits; the reorder itself takes ~19 ms a layer
-# (the weight read and written once), about what packing gains over 2,000 rows. So a streamed pass packs a layer
-# once, for all its micro-batches, when it multiplies each layer by at least this many rows (stream.run_pass).
+# layer's seven matrices against 256-1,462 rows: 9-26% faster, the same bits; the reorder itself takes ~20 ms a layer
+# alone (26-33 ms in a pass, beside the next layer's read), about what packing gains over 2,000 rows. So a streamed
+# pass packs a layer once, for all its micro-batches, when it multiplies each layer by at least this many rows
+# (stream.run_pass).
 PACK_MIN_ROWS = 2048
 
 
