@@ -52,9 +52,11 @@ def layer_matmul_rate(checkpoint: Path, dtype: str, kernel: str, tokens: int = P
     flops = 2 * tokens * sum(out * inner for out, inner in shapes) * copies
     best = 0.0
     with torch.inference_mode():
-        linear = linear_kernels.kernel_linear(kernel) if kernel != "packed" else _packed_linear
         if kernel == "packed":  # the reorder is the pass's work, like its attention: not in the matmul rate
             layers = [[torch.ops.mkldnn._reorder_linear_weight(weight) for weight in layer] for layer in layers]
+            linear = _packed_linear
+        else:
+            linear = linear_kernels.kernel_linear(kernel)
         widths = [inner for _, inner in shapes]
         for weight, inner in zip(layers[0], widths):  # first touch and kernel selection, untimed
             linear(inputs[inner], weight)
