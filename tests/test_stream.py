@@ -441,19 +441,29 @@ def test_a_long_bfloat16_prefill_packs_each_layer_once_and_gives_the_same_logits
     reference(tiny_checkpoint(arch)).to(torch.bfloat16).save_pretrained(path)
     expected_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     ids = sample_ids(expected_model.config.vocab_size, batch=3)
-    packed_layers = []
-    real_pack = stream.pack_weights
+    packed_layers, packed_uses = [], []
+    real_pack, real_use = stream.pack_weights, linear_kernels._packed_weight
     monkeypatch.setattr(stream, "pack_weights", lambda module: packed_layers.append(module) or real_pack(module))
+
+    def counted_use(module, inputs):
+        packed_weight = real_use(module, inputs)
+        packed_uses.extend([module] if packed_weight is not None else [])
+        return packed_weight
+
+    monkeypatch.setattr(linear_kernels, "_packed_weight", counted_use)
     with StreamedModel(path, device="cpu", dtype=torch.bfloat16) as streamed:
         calls = [lambda: streamed.model(ids[:1]).logits, lambda: streamed.model(ids[1:]).logits]
         plain = streamed.run_pass(calls, rows=stream.PACK_MIN_ROWS - 1)
-        assert packed_layers == []
+        assert packed_layers == [] and packed_uses == []
         packed = streamed.run_pass(calls, rows=stream.PACK_MIN_ROWS)
         assert packed_layers == list(streamed.layers)  # each once, in order, for both micro-batches
+        layer_linears = {m for layer in streamed.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)}
+        assert packed_uses and set(packed_uses) == layer_linears  # every decoder linear multiplied its pack
+        assert len(packed_uses) == 2 * len(layer_linears)  # once per micro-batch
         assert all(torch.equal(a, b) for a, b in zip(plain, packed))
         assert not any("_packed" in module.__dict__ for module in streamed.model.modules())
         streamed.run_pass(calls, rows=stream.PACK_MIN_ROWS, light=True)
-        assert len(packed_layers) == streamed.num_layers
+        assert len(packed_layers) == streamed.num_layers and len(packed_uses) == 2 * len(layer_linears)
     with torch.inference_mode():
         expected = expected_model(ids).logits
     got = torch.cat(packed)  # the in-memory bfloat16 model's logits, to a bfloat16 rounding of the largest (the same
