@@ -267,7 +267,7 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
                        dtype=prepared.compute_dtype, prefetching=prepared.options.prefetch,
                        prefetch_depth=prepared.options.prefetch_depth, decode_prefetch_depth=plan.decode_prefetch_depth,
                        trust_remote_code=prepared.options.trust_remote_code,
-                       linear_kernel=plan.linear_kernel)
+                       linear_kernel=plan.linear_kernel, pack_weights=plan.packs_weights)
     tokenizer = prepared.model.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     eos = eos_token_ids(model.config, getattr(model.model, "generation_config", None), tokenizer)

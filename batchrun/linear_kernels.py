@@ -192,6 +192,15 @@ def packing_available() -> bool:
             and bool(mkldnn._is_mkldnn_bf16_supported()))
 
 
+def packed_weight_linear(weight: torch.Tensor):
+    """inputs -> F.linear(inputs, weight) on a packed copy of `weight`, or None where this CPU packs none: what
+    measure.py times against the plain kernel."""
+    if not packing_available() or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    return lambda inputs: torch.ops.mkldnn._linear_pointwise(inputs, packed, None, "none", [], "")
+
+
 def _packable(module: torch.nn.Module) -> bool:
     if not isinstance(module, _RoutedLinear):
         return False

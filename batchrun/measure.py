@@ -168,8 +168,14 @@ def measure_compute_rate(dtype: str, device: str = "cpu") -> float:
     rates = {name: flops / _median_seconds(functools.partial(linear, tokens, weight), _synchronizer(torch, device))
              for name, linear in _linear_kernels(torch, tokens, weight).items()}
     kernel = max(rates, key=rates.get)
-    _store("compute", _compute_key(dtype, device, torch.get_num_threads()),
-           {"flops_per_s": rates[kernel], "linear_kernel": kernel, "kernel_flops_per_s": rates})
+    entry = {"flops_per_s": rates[kernel], "linear_kernel": kernel, "kernel_flops_per_s": rates}
+    if device.split(":")[0] == "cpu" and dtype == "bfloat16":
+        from batchrun import linear_kernels
+
+        packed = linear_kernels.packed_weight_linear(weight)
+        entry["packed_flops_per_s"] = (flops / _median_seconds(functools.partial(packed, tokens), lambda: None)
+                                       if packed is not None else None)
+    _store("compute", _compute_key(dtype, device, torch.get_num_threads()), entry)
     return rates[kernel]
 
 
@@ -232,6 +238,20 @@ def linear_kernel(dtype: str, device: str = "cpu") -> str:
         measure_compute_rate(dtype, device)
         entry = _compute_entry(dtype, device)
     return entry.get("linear_kernel", "aten") if entry else "aten"
+
+
+def packs_weights(dtype: str, device: str = "cpu") -> bool:
+    """Whether long prefills multiply packed weights (linear_kernels.pack_weights): only on a CPU computing in
+    bfloat16, where the packed kernel ran COMPUTE_SHAPE faster than the plain one (measured now if it never was).
+    Its 256 rows are a small prefill call: on a 2-core AMX Xeon (s24) such calls ran slower packed."""
+    if device.split(":")[0] != "cpu" or dtype != "bfloat16":
+        return False
+    entry = _compute_entry(dtype, device)
+    if entry is None or "packed_flops_per_s" not in entry:  # an entry cached before packing was timed
+        measure_compute_rate(dtype, device)
+        entry = _compute_entry(dtype, device)
+    packed = entry.get("packed_flops_per_s") if entry else None
+    return packed is not None and packed > entry["flops_per_s"]
 
 
 def _compute_entry(dtype: str, device: str) -> dict | None:

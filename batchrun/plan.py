@@ -130,6 +130,7 @@ class Candidate:
     decode_in_place: bool = False
     pass_seconds: list[float | None] = field(default_factory=list)  # every pass in run order
     linear_kernel: str = "aten"  # what computes the nn.Linear layers (measure.linear_kernel; a CPU choice)
+    packs_weights: bool = False  # long streamed prefills multiply packed weights (measure.packs_weights)
     compute_dtype_reason: str | None = None  # why --dtype auto chose compute_dtype (compute_dtype.py; the CPU)
 
     @property
@@ -168,7 +169,7 @@ def resident_weights(sizes: CheckpointSizes, compute_dtype: str) -> _Weights:
 
 
 def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool, device: str = "cpu",
-                     prefetch_depth: int = 1) -> _Weights:
+                     prefetch_depth: int = 1, packs_weights: bool = False) -> _Weights:
     compute_bytes = COMPUTE_BYTES[compute_dtype]
     slots = prefetch_depth + 1 if prefetch else 1  # the layer computing + those being read ahead
     non_decoder = sizes.non_decoder_params * compute_bytes
@@ -179,10 +180,10 @@ def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool,
     narrowing = COMPUTE_BYTES[compute_dtype] * 8 < DTYPE_BITS.get(sizes.storage_dtype, 0)
     needs_read_buffer = _on_host(device) and (narrowing or bool(sizes.moe))
     read_buffers = sizes.largest_layer_bytes if needs_read_buffer else 0
-    # A long bfloat16 prefill on the CPU multiplies a packed copy of the computing layer's linear weights
-    # (linear_kernels.pack_weights), made when the layer starts and freed when it ends: one layer more, counted
-    # whatever the rows (they decide per pass whether it packs).
-    packed = layer_slot_bytes(sizes, compute_dtype) if _on_host(device) and compute_dtype == "bfloat16" else 0
+    # Where long prefills pack (measure.packs_weights), they multiply a packed copy of the computing layer's linear
+    # weights (linear_kernels.pack_weights), made when the layer starts and freed when it ends: one layer more,
+    # counted whatever the rows (they decide per pass whether it packs).
+    packed = layer_slot_bytes(sizes, compute_dtype) if packs_weights else 0
     what = (f"non-decoder tensors {format_bytes(non_decoder)} + {slots} layer slot(s) "
             f"{format_bytes(layer_slots)}" + (f" + read buffers {format_bytes(read_buffers)}" if read_buffers else "")
             + (f" + packed layer {format_bytes(packed)}" if packed else ""))
@@ -288,7 +289,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
               runtime_overhead_bytes: int, batch_size: int | None = None,
               context_length: int | None = None, memory_bytes_per_s: float | None = None,
               shared_prefix_tokens: int = 0, decode_rates: Mapping[int, float] | None = None,
-              decode_in_place: bool = False) -> Candidate:
+              decode_in_place: bool = False, packs_weights: bool = False) -> Candidate:
     """How to run `rows` through the model within a memory budget, and how long it will take.
 
     memory_bytes_per_s: how fast a decode-shaped matmul streams weights from RAM (measure.memory_read_rate); without
@@ -298,7 +299,8 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     shared_prefix_tokens: prompt tokens all rows start with (batching.shared_prefix_tokens). A batch computes them
     once and keeps their KV once, so its sequences are sized, packed and timed by their own tokens.
     decode_in_place: the model's decode steps read each layer's keys and values where they lie, not copied once per
-    query head (prepare.plan_rows asks transformers): a decode call then holds far less, so more share it."""
+    query head (prepare.plan_rows asks transformers): a decode call then holds far less, so more share it.
+    packs_weights: a streamed run's long prefills multiply packed weights (measure.packs_weights), one layer more."""
     if compute_dtype not in COMPUTE_BYTES:
         raise ValueError(f"compute_dtype must be one of {sorted(COMPUTE_BYTES)}, got {compute_dtype!r}")
     if batch_size is not None and batch_size < 1:
@@ -324,7 +326,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
                     f"{format_bytes(largest_row_bytes)} = {format_bytes(resident_need)}")
     mode, reason = _choose_mode(policy, resident_need <= budget, resident_sum, budget)
     weights = (resident if mode == "resident"
-               else streamed_weights(sizes, compute_dtype, prefetch, device, prefetch_depth))
+               else streamed_weights(sizes, compute_dtype, prefetch, device, prefetch_depth, packs_weights))
     fixed_bytes = weights.bytes + runtime_overhead_bytes
     if mode == "streamed" and sizes.quantization:
         blockers.append(f"the checkpoint is quantized ({sizes.quantization}): streaming reads unquantized safetensors "
@@ -442,6 +444,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         blockers=blockers, caveats=caveats, shared_prefix_tokens=shared,
         decode_micro_batch_size=decode_micro, prefetch_depth=read_ahead, decode_in_place=decode_in_place,
         decode_prefetch_depth=decode_depth, pass_seconds=timeline.pass_seconds,
+        packs_weights=packs_weights and mode == "streamed",
     )
 
 

@@ -102,6 +102,7 @@ def _candidate_table(report: Mapping) -> str:
                        f"outside the layers {format_bytes(report['non_decoder_bytes'])}"),
         ("compute", f"{report['compute_dtype']} on {report['device']}"
                     + (f", {report['linear_kernel']} linears" if report.get("linear_kernel") else "")
+                    + (", packed weights in long prefills" if report.get("packs_weights") else "")
                     + (f" ({report['compute_dtype_reason']})" if report.get("compute_dtype_reason") else "")),
         ("memory", f"peak {format_bytes(report['peak_memory_bytes'])} of a "
                    f"{format_bytes(report['memory_budget_bytes'])} budget "

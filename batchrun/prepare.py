@@ -291,7 +291,8 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
         decode_rates=_decode_rates(sizes, compute_dtype, device, costs),
         # A decode step against the shared prefix reads it in place (prefix_attention); one without, where sdpa
         # groups a one-token query on the key heads.
-        decode_in_place=prepared.attends_through_sdpa and (shared > 0 or prepared.sdpa_groups_decode_queries))
+        decode_in_place=prepared.attends_through_sdpa and (shared > 0 or prepared.sdpa_groups_decode_queries),
+        packs_weights=measure.packs_weights(compute_dtype, device))
     caveats = plan.caveats + _glued_choices_caveat(prepared.tokenizer, rows, options.raw)
     if common:
         window = min([window for window in sizes.sliding_windows if window] + [sizes.unplaced_window or math.inf])

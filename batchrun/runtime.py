@@ -189,13 +189,14 @@ def lies_in(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
 
 def open_model(checkpoint: Path, *, mode: str, device: str, dtype=None, prefetching: bool = True,
                prefetch_depth: int = 1, decode_prefetch_depth: int | None = None, trust_remote_code: bool = False,
-               linear_kernel: str = "aten"):
-    """`linear_kernel`: what computes the model's nn.Linear layers (linear_kernels.py; measure.linear_kernel picks)."""
+               linear_kernel: str = "aten", pack_weights: bool = False):
+    """`linear_kernel`: what computes the model's nn.Linear layers (linear_kernels.py; measure.linear_kernel picks).
+    `pack_weights`: a streamed model's long bfloat16 prefills multiply packed weights (measure.packs_weights)."""
     if mode == "resident":
         model = ResidentModel(checkpoint, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     else:
         model = StreamedModel(checkpoint, device=device, dtype=dtype, prefetching=prefetching,
                               prefetch_depth=prefetch_depth, decode_prefetch_depth=decode_prefetch_depth,
-                              trust_remote_code=trust_remote_code)
+                              trust_remote_code=trust_remote_code, pack_weights=pack_weights)
     route_linears(model.model, linear_kernel)
     return model

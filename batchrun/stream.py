@@ -94,7 +94,7 @@ class StreamedModel(TokenizerOnDemand):
     def __init__(self, model: str | Path, *, device: str | torch.device | None = None, dtype=None,
                  prefetching: bool = True, hf_token: str | None = None, trust_remote_code: bool = False,
                  max_seq_len: int | None = None, prefetch_depth: int = 1, decode_prefetch_depth: int | None = None,
-                 drop_page_cache: bool = True):
+                 drop_page_cache: bool = True, pack_weights: bool = False):
         self.checkpoint = resolve_checkpoint(model, hf_token=hf_token)
         load_config(self.checkpoint, trust_remote_code=trust_remote_code)  # refuses remote code unless asked
         self.device = torch.device(device or default_device())
@@ -136,7 +136,9 @@ class StreamedModel(TokenizerOnDemand):
                                   drop_page_cache=drop_page_cache,
                                   narrowable=[routed_weight_names(layer) for layer in self.layers])
         self._narrow = False  # whether the pass in flight leaves linear weights narrow (run_pass(light=True))
-        self._pack = False  # whether the pass in flight packs each layer's linear weights (run_pass(rows=...))
+        # Whether long prefills may pack (measure.packs_weights: where the packed kernel measured faster), and
+        # whether the pass in flight does (run_pass(rows=...)).
+        self.may_pack, self._pack = pack_weights, False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-prefetch") \
             if prefetching else None
         self._pending: dict[int, Future] = {}
@@ -295,7 +297,8 @@ class StreamedModel(TokenizerOnDemand):
         a layer crosses RAM once, at its checkpoint's size, instead of being widened into its slot and read back.
         A prefill widens on the reader's thread instead, beside compute that outlasts it.
         `rows`: the token positions the calls multiply each layer by, padding included. From PACK_MIN_ROWS on, a
-        bfloat16 pass on the CPU multiplies packed copies of each layer's linear weights (linear_kernels.pack_weights).
+        bfloat16 pass on the CPU multiplies packed copies of each layer's linear weights (linear_kernels.pack_weights)
+        where the model was opened with pack_weights.
         """
         self._narrow = light
         self._pack = self.packs_weights(rows) and not light
@@ -390,8 +393,8 @@ class StreamedModel(TokenizerOnDemand):
 
     def packs_weights(self, rows: int) -> bool:
         """Whether a pass multiplying each layer by `rows` positions packs its linear weights first."""
-        return (rows >= PACK_MIN_ROWS and self.device.type == "cpu" and self.dtype == torch.bfloat16
-                and packing_available())
+        return (self.may_pack and rows >= PACK_MIN_ROWS and self.device.type == "cpu"
+                and self.dtype == torch.bfloat16 and packing_available())
 
     def _release(self, index: int) -> None:
         weights = self._active.pop(index, None)

@@ -394,3 +394,18 @@ def test_only_routed_bfloat16_linears_pack_and_only_bfloat16_inference_inputs_us
     tracked = inputs.clone().requires_grad_(True)
     block[0](tracked)  # a gradient to record: oneDNN's op records none
     assert len(packed_calls) == 1
+
+
+@needs_packing
+@pytest.mark.parametrize("packed_faster", [True, False])
+def test_long_prefills_pack_only_where_the_packed_kernel_measured_faster(monkeypatch, packed_faster):
+    """A 2-core AMX Xeon ran small prefill calls slower on packed weights (s24): the machine decides."""
+    monkeypatch.setattr(measure, "_median_seconds",
+                        lambda work, wait: 2.0 if (work.func is F.linear) == packed_faster else 1.0)
+    # an entry cached before packing was timed is measured again
+    measure._store("compute", f"cpu:bfloat16:threads={torch.get_num_threads()}", {"flops_per_s": 1.0})
+    assert measure.packs_weights("bfloat16", "cpu") == packed_faster
+    measure.measure_compute_rate("bfloat16", "cpu")
+    assert measure.packs_weights("bfloat16", "cpu") == packed_faster
+    assert not measure.packs_weights("float32", "cpu")
+    assert not measure.packs_weights("bfloat16", "cuda:0")

@@ -109,15 +109,25 @@ def test_layer_memory_is_the_slots_plus_a_read_buffer_only_where_one_is_used():
     assert streamed_weights(LLAMA_70B, "float32", prefetch=True, device="cuda").bytes == slots
     # a narrowing cast on the host needs a raw buffer to read into
     fp32_checkpoint = sizes_from_config(json.loads((CONFIGS / "llama-3-70b.json").read_text()), "F32")
-    # ... and a bfloat16 pass on the CPU packs the computing layer's linear weights: one layer more
     assert streamed_weights(fp32_checkpoint, "bfloat16", prefetch=True).bytes == (
-        fp32_checkpoint.non_decoder_params * 2 + 3 * fp32_checkpoint.largest_layer_params * 2
+        fp32_checkpoint.non_decoder_params * 2 + 2 * fp32_checkpoint.largest_layer_params * 2
         + fp32_checkpoint.largest_layer_bytes)
     same_dtype = streamed_weights(LLAMA_70B, "bfloat16", prefetch=False)
-    assert same_dtype.bytes == LLAMA_70B.non_decoder_params * 2 + 2 * LLAMA_70B.largest_layer_params * 2
-    assert "packed layer" in same_dtype.what
-    on_gpu = streamed_weights(LLAMA_70B, "bfloat16", prefetch=False, device="cuda")
-    assert on_gpu.bytes == LLAMA_70B.non_decoder_params * 2 + LLAMA_70B.largest_layer_params * 2
+    assert same_dtype.bytes == LLAMA_70B.non_decoder_params * 2 + LLAMA_70B.largest_layer_params * 2
+    # where long prefills pack, the computing layer's packed copy: one layer more
+    packing = streamed_weights(LLAMA_70B, "bfloat16", prefetch=False, packs_weights=True)
+    assert packing.bytes == same_dtype.bytes + LLAMA_70B.largest_layer_params * 2
+    assert "packed layer" in packing.what and "packed" not in same_dtype.what
+
+
+def test_a_plan_that_packs_holds_one_more_layer_when_streamed_and_none_resident():
+    rows = [RowCost(300, 8)] * 8
+    plain, packing = (plan(TINY, rows=rows, streaming="always", packs_weights=packs) for packs in (False, True))
+    assert packing.weights_bytes - plain.weights_bytes == TINY.largest_layer_params * 2
+    assert packing.packs_weights and not plain.packs_weights
+    resident = plan(TINY, rows=rows, streaming="never", packs_weights=True)
+    assert not resident.packs_weights  # a resident run keeps its plain weights
+    assert resident.weights_bytes == plan(TINY, rows=rows, streaming="never").weights_bytes
 
 
 def test_every_layer_read_ahead_holds_a_slot_in_the_plan():

@@ -436,7 +436,7 @@ def test_a_long_bfloat16_prefill_packs_each_layer_once_and_gives_the_same_logits
                                                                                    monkeypatch):
     """From PACK_MIN_ROWS rows a bfloat16 pass packs each layer's linear weights once for all its micro-batches,
     gives the unpacked pass's logits bit for bit, and keeps no packed copy after the pass; a decode pass never
-    packs."""
+    packs, nor a model opened without pack_weights."""
     path = tmp_path / "bf16"
     reference(tiny_checkpoint(arch)).to(torch.bfloat16).save_pretrained(path)
     expected_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
@@ -451,7 +451,7 @@ def test_a_long_bfloat16_prefill_packs_each_layer_once_and_gives_the_same_logits
         return packed_weight
 
     monkeypatch.setattr(linear_kernels, "_packed_weight", counted_use)
-    with StreamedModel(path, device="cpu", dtype=torch.bfloat16) as streamed:
+    with StreamedModel(path, device="cpu", dtype=torch.bfloat16, pack_weights=True) as streamed:
         calls = [lambda: streamed.model(ids[:1]).logits, lambda: streamed.model(ids[1:]).logits]
         plain = streamed.run_pass(calls, rows=stream.PACK_MIN_ROWS - 1)
         assert packed_layers == [] and packed_uses == []
@@ -464,6 +464,9 @@ def test_a_long_bfloat16_prefill_packs_each_layer_once_and_gives_the_same_logits
         assert not any("_packed" in module.__dict__ for module in streamed.model.modules())
         streamed.run_pass(calls, rows=stream.PACK_MIN_ROWS, light=True)
         assert len(packed_layers) == streamed.num_layers and len(packed_uses) == 2 * len(layer_linears)
+        streamed.may_pack = False  # where the packed kernel measured slower (measure.packs_weights)
+        assert torch.equal(torch.cat(streamed.run_pass(calls, rows=stream.PACK_MIN_ROWS)), torch.cat(plain))
+        assert len(packed_layers) == streamed.num_layers
     with torch.inference_mode():
         expected = expected_model(ids).logits
     got = torch.cat(packed)  # the in-memory bfloat16 model's logits, to a bfloat16 rounding of the largest (the same

@@ -12,6 +12,7 @@ prefill multiplies them (linear_kernels.pack_weights); the bound takes the faste
 """
 from __future__ import annotations
 
+import functools
 import re
 import time
 from pathlib import Path
@@ -52,24 +53,20 @@ def layer_matmul_rate(checkpoint: Path, dtype: str, kernel: str, tokens: int = P
     flops = 2 * tokens * sum(out * inner for out, inner in shapes) * copies
     best = 0.0
     with torch.inference_mode():
-        if kernel == "packed":  # the reorder is the pass's work, like its attention: not in the matmul rate
-            layers = [[torch.ops.mkldnn._reorder_linear_weight(weight) for weight in layer] for layer in layers]
-            linear = _packed_linear
+        # inputs -> the layer's product, each weight bound in: packed ones reordered now, outside the timing (the
+        # reorder is the pass's work, like its attention, not part of the matmul rate)
+        if kernel == "packed":
+            layers = [[linear_kernels.packed_weight_linear(weight) for weight in layer] for layer in layers]
         else:
             linear = linear_kernels.kernel_linear(kernel)
+            layers = [[functools.partial(linear, weight=weight) for weight in layer] for layer in layers]
         widths = [inner for _, inner in shapes]
-        for weight, inner in zip(layers[0], widths):  # first touch and kernel selection, untimed
-            linear(inputs[inner], weight)
+        for multiply, inner in zip(layers[0], widths):  # first touch and kernel selection, untimed
+            multiply(inputs[inner])
         for _ in range(repeats):
             start = time.perf_counter()
             for layer in layers:
-                for weight, inner in zip(layer, widths):
-                    linear(inputs[inner], weight)
+                for multiply, inner in zip(layer, widths):
+                    multiply(inputs[inner])
             best = max(best, flops / (time.perf_counter() - start))
     return best
-
-
-def _packed_linear(inputs, packed):
-    import torch
-
-    return torch.ops.mkldnn._linear_pointwise(inputs, packed, None, "none", [], "")
