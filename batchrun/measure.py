@@ -31,7 +31,8 @@ READ_CHUNK_BYTES = 16 << 20  # large sequential reads, like a streamer reading a
 MIN_CACHED_SAMPLE_BYTES = 64 << 20
 # A matmul shaped like a batch of a few hundred tokens through a 2k-wide layer (median of COMPUTE_REPEATS).
 COMPUTE_SHAPE = (256, 2048, 2048)
-COMPUTE_REPEATS = 5
+COMPUTE_REPEATS = 9
+PACKED = "packed"  # the packed-weight kernel's name among those timed (linear_kernels.packed_weight_linear)
 # A decode step: a few sequences through weights much larger than the CPU caches, so the matmul runs at the speed
 # the weights stream from RAM, not at COMPUTE_SHAPE's rate. Several matrices in turn, so none is cached on a repeat.
 DECODE_SHAPE = (8, 2048, 8192)
@@ -165,16 +166,21 @@ def measure_compute_rate(dtype: str, device: str = "cpu") -> float:
     tokens = torch.randn(rows, inner, dtype=torch_dtype, device=device)
     weight = torch.randn(cols, inner, dtype=torch_dtype, device=device)  # nn.Linear's [out, in]
     flops = 2 * rows * inner * cols
-    rates = {name: flops / _median_seconds(functools.partial(linear, tokens, weight), _synchronizer(torch, device))
+    works = {name: functools.partial(linear, tokens, weight)
              for name, linear in _linear_kernels(torch, tokens, weight).items()}
-    kernel = max(rates, key=rates.get)
-    entry = {"flops_per_s": rates[kernel], "linear_kernel": kernel, "kernel_flops_per_s": rates}
+    packed = None
     if device.split(":")[0] == "cpu" and dtype == "bfloat16":
         from batchrun import linear_kernels
 
         packed = linear_kernels.packed_weight_linear(weight)
-        entry["packed_flops_per_s"] = (flops / _median_seconds(functools.partial(packed, tokens), lambda: None)
-                                       if packed is not None else None)
+        if packed is not None:
+            works[PACKED] = functools.partial(packed, tokens)
+    seconds = _interleaved_median_seconds(works, _synchronizer(torch, device))
+    rates = {name: flops / seconds[name] for name in works if name != PACKED}
+    kernel = max(rates, key=rates.get)
+    entry = {"flops_per_s": rates[kernel], "linear_kernel": kernel, "kernel_flops_per_s": rates}
+    if device.split(":")[0] == "cpu" and dtype == "bfloat16":
+        entry["packed_flops_per_s"] = flops / seconds[PACKED] if packed is not None else None
     _store("compute", _compute_key(dtype, device, torch.get_num_threads()), entry)
     return rates[kernel]
 
@@ -195,15 +201,26 @@ def _linear_kernels(torch, tokens, weight) -> dict:
 def _median_seconds(work, wait) -> float:
     """Median wall time of `work` over COMPUTE_REPEATS runs, after one untimed run (first touch, kernel selection,
     thread start-up); `wait` makes an accelerator finish before the clock stops."""
-    work()
-    wait()
-    seconds = []
-    for _ in range(COMPUTE_REPEATS):
-        start = time.perf_counter()
+    return _interleaved_median_seconds({"work": work}, wait)["work"]
+
+
+def _interleaved_median_seconds(works: dict, wait) -> dict:
+    """Median wall time of each of `works` (name -> callable), timed in turn round by round (COMPUTE_REPEATS
+    rounds, after one untimed run of each), so a stretch of noise on this shared machine slows every kernel alike
+    instead of whichever was being timed. Timed one after another, the packed kernel read 906 GFLOP/s against the
+    plain one's 989 in 2 of 12 fresh processes (1,026-1,098 against 891-1,059 otherwise), and one such run
+    left packing off: its classification pass took 23.3 s against 19.6-20.6 s packed."""
+    for work in works.values():
         work()
         wait()
-        seconds.append(time.perf_counter() - start)
-    return max(statistics.median(seconds), 1e-9)
+    seconds: dict = {name: [] for name in works}
+    for _ in range(COMPUTE_REPEATS):
+        for name, work in works.items():
+            start = time.perf_counter()
+            work()
+            wait()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: max(statistics.median(times), 1e-9) for name, times in seconds.items()}
 
 
 def _synchronizer(torch, device: str):

@@ -144,11 +144,27 @@ def test_subclasses_of_linear_keep_their_own_forward():
 
 def _timed_by_kernel(seconds_by_kernel, monkeypatch):
     """Replace timing with fixed seconds per kernel, so which one is faster is known."""
-    def fake_median(work, wait):
-        kernel = "aten" if work.func is F.linear else "onednn"
-        return seconds_by_kernel[kernel]
+    def fake_medians(works, wait):
+        return {name: seconds_by_kernel[name] for name in works}
 
-    monkeypatch.setattr(measure, "_median_seconds", fake_median)
+    monkeypatch.setattr(measure, "_interleaved_median_seconds", fake_medians)
+
+
+def test_kernels_are_timed_in_turn_round_by_round(monkeypatch):
+    """A stretch of noise on a shared machine must slow every kernel compared, not whichever was being timed."""
+    clock, calls = [0.0], []
+
+    def work(name, seconds):
+        def run():
+            calls.append(name)
+            clock[0] += seconds
+        return run
+
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+    medians = measure._interleaved_median_seconds({"plain": work("plain", 2.0), "packed": work("packed", 1.0)},
+                                                  lambda: None)
+    assert medians == {"plain": 2.0, "packed": 1.0}
+    assert calls == ["plain", "packed"] * (1 + measure.COMPUTE_REPEATS)  # one untimed round first
 
 
 @needs_onednn
@@ -400,8 +416,8 @@ def test_only_routed_bfloat16_linears_pack_and_only_bfloat16_inference_inputs_us
 @pytest.mark.parametrize("packed_faster", [True, False])
 def test_long_prefills_pack_only_where_the_packed_kernel_measured_faster(monkeypatch, packed_faster):
     """A 2-core AMX Xeon ran small prefill calls slower on packed weights (s24): the machine decides."""
-    monkeypatch.setattr(measure, "_median_seconds",
-                        lambda work, wait: 2.0 if (work.func is F.linear) == packed_faster else 1.0)
+    monkeypatch.setattr(measure, "_interleaved_median_seconds", lambda works, wait: {
+        name: 2.0 if (name == "aten") == packed_faster else 1.0 for name in works})
     # an entry cached before packing was timed is measured again
     measure._store("compute", f"cpu:bfloat16:threads={torch.get_num_threads()}", {"flops_per_s": 1.0})
     assert measure.packs_weights("bfloat16", "cpu") == packed_faster
