@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from batchrun import measure
+from batchrun import available, measure
 from batchrun.checkpoint import (CheckpointError, CheckpointSizes, checkpoint_sizes, load_config, read_tensor_infos,
                                  resolve_checkpoint)
 from batchrun.checkpoint_files import weight_sample_digest
@@ -276,7 +276,7 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
     common = 0 if windows_allow else shared_prefix_tokens(prompts, own_tokens=kept_positions(rows),
                                                           shortest_sequence=shortest)
     compute_dtype = compute_dtype_for(options, device, sizes.storage_dtype)
-    budget = int(options.memory_gb * 1e9) if options.memory_gb else measure.available_memory_bytes(device)
+    budget = int(options.memory_gb * 1e9) if options.memory_gb else available.available_memory_bytes(device)
     plan = make_plan(
         prepared.sizes, costs, model=prepared.name, device=device, compute_dtype=compute_dtype,
         memory_budget_bytes=budget, streaming=parse_streaming(options.streaming), prefetch=options.prefetch,
@@ -284,7 +284,7 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
         bandwidth=bandwidth_for(prepared.checkpoint, options),
         compute_flops_per_s=measure.compute_rate(compute_dtype, device),
         memory_bytes_per_s=measure.memory_read_rate(compute_dtype, device),
-        disk_free_bytes=measure.disk_free_bytes(prepared.checkpoint), checkpoint_is_local=True,
+        disk_free_bytes=available.disk_free_bytes(prepared.checkpoint), checkpoint_is_local=True,
         runtime_overhead_bytes=measure.runtime_overhead_bytes() + prepared.tokenizer_bytes,
         batch_size=options.batch_size,
         context_length=prepared.context_length, shared_prefix_tokens=shared,
