@@ -166,8 +166,8 @@ def measure_compute_rate(dtype: str, device: str = "cpu") -> float:
     flops = 2 * rows * inner * cols
     works = {name: functools.partial(linear, tokens, weight)
              for name, linear in _linear_kernels(torch, tokens, weight).items()}
-    packed = None
-    if device.split(":")[0] == "cpu" and dtype == "bfloat16":
+    times_packing = device.split(":")[0] == "cpu" and dtype == "bfloat16"  # where runs may pack (packs_weights)
+    if times_packing:
         from batchrun import linear_kernels
 
         packed = linear_kernels.packed_weight_linear(weight)
@@ -177,8 +177,8 @@ def measure_compute_rate(dtype: str, device: str = "cpu") -> float:
     rates = {name: flops / seconds[name] for name in works if name != PACKED}
     kernel = max(rates, key=rates.get)
     entry = {"flops_per_s": rates[kernel], "linear_kernel": kernel, "kernel_flops_per_s": rates}
-    if device.split(":")[0] == "cpu" and dtype == "bfloat16":
-        entry["packed_flops_per_s"] = flops / seconds[PACKED] if packed is not None else None
+    if times_packing:
+        entry["packed_flops_per_s"] = flops / seconds[PACKED] if PACKED in seconds else None
     _store("compute", _compute_key(dtype, device, torch.get_num_threads()), entry)
     return rates[kernel]
 
