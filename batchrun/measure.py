@@ -176,7 +176,8 @@ def measure_compute_rate(dtype: str, device: str = "cpu") -> float:
     seconds = _interleaved_median_seconds(works, _synchronizer(torch, device))
     rates = {name: flops / seconds[name] for name in works if name != PACKED}
     kernel = max(rates, key=rates.get)
-    entry = {"flops_per_s": rates[kernel], "linear_kernel": kernel, "kernel_flops_per_s": rates}
+    entry = {"flops_per_s": rates[kernel], "linear_kernel": kernel, "kernel_flops_per_s": rates,
+             "timed_in_turn": True}
     if times_packing:
         entry["packed_flops_per_s"] = flops / seconds[PACKED] if PACKED in seconds else None
     _store("compute", _compute_key(dtype, device, torch.get_num_threads()), entry)
@@ -262,7 +263,7 @@ def packs_weights(dtype: str, device: str = "cpu") -> bool:
     if device.split(":")[0] != "cpu" or dtype != "bfloat16":
         return False
     entry = _compute_entry(dtype, device)
-    if entry is None or "packed_flops_per_s" not in entry:  # an entry cached before packing was timed
+    if entry is None or not entry.get("timed_in_turn"):  # cached before packing was timed, or timed after plain
         measure_compute_rate(dtype, device)
         entry = _compute_entry(dtype, device)
     packed = entry.get("packed_flops_per_s") if entry else None

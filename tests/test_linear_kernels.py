@@ -418,8 +418,12 @@ def test_long_prefills_pack_only_where_the_packed_kernel_measured_faster(monkeyp
     """A 2-core AMX Xeon ran small prefill calls slower on packed weights (s24): the machine decides."""
     monkeypatch.setattr(measure, "_interleaved_median_seconds", lambda works, wait: {
         name: 2.0 if (name == "aten") == packed_faster else 1.0 for name in works})
-    # an entry cached before packing was timed is measured again
-    measure._store("compute", f"cpu:bfloat16:threads={torch.get_num_threads()}", {"flops_per_s": 1.0})
+    # an entry cached before packing was timed is measured again, and so is one whose packed kernel was timed after
+    # the plain one instead of in turn with it (noise could flip that choice, and the cache would keep it)
+    key = f"cpu:bfloat16:threads={torch.get_num_threads()}"
+    measure._store("compute", key, {"flops_per_s": 1.0})
+    assert measure.packs_weights("bfloat16", "cpu") == packed_faster
+    measure._store("compute", key, {"flops_per_s": 1.0, "packed_flops_per_s": 0.5 if packed_faster else 2.0})
     assert measure.packs_weights("bfloat16", "cpu") == packed_faster
     measure.measure_compute_rate("bfloat16", "cpu")
     assert measure.packs_weights("bfloat16", "cpu") == packed_faster
