@@ -14,7 +14,6 @@ from typing import Mapping, Sequence
 from batchrun.batching import (
     RowCost, batch_shape, lower_bound_passes, pack_batches, passes_for, without_prefix,
 )
-from batchrun.checkpoint_files import DTYPE_BITS
 from batchrun.plan_format import format_bytes, format_duration, format_rate
 from batchrun.plan_memory import (  # noqa: F401 (re-exported)
     ATTENTION_SCORE_BYTES, HEAP_RETAINED_ACTIVATION_COPIES, HELD_HIDDEN_COPIES, LOGIT_BYTES, PREFILL_CALL_BYTES,
@@ -22,6 +21,8 @@ from batchrun.plan_memory import (  # noqa: F401 (re-exported)
     heap_factor, largest_turn_bytes, linear_activation_bytes_per_token, scores_materialised)
 from batchrun.plan_time import (  # noqa: F401 (re-exported)
     KV_COPIES_PER_DECODE, Timeline, host_streaming_bytes, job_timeline, pass_bound)
+from batchrun.plan_weights import (  # noqa: F401 (re-exported)
+    COMPUTE_BYTES, layer_slot_bytes, on_host, resident_weights, streamed_weights)
 from batchrun.sizes import (  # noqa: F401 (re-exported)
     DTYPE_CODES, CheckpointSizes, attended_positions, kv_bytes_for_sequence, kv_bytes_per_token_per_layer,
 )
@@ -38,7 +39,6 @@ STREAMING_WORDS = {
     "yes": "always", "on": "always", "true": "always", "1": "always",
     "no": "never", "off": "never", "false": "never", "0": "never",
 }
-COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Share of the measured cold read bandwidth a streamed pass achieves. `batchrun disk` measures reads made the way the
 # streamer makes them, and with a prefetch thread the disk never idles during an I/O-bound pass, so nothing is lost
 # (the published design's 0.85 would overstate pass times). Without prefetch each layer's compute waits for its read
@@ -149,45 +149,7 @@ class Candidate:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Memory, as named steps
-
-
-def layer_slot_bytes(sizes: CheckpointSizes, compute_dtype: str) -> int:
-    """One streamed layer materialised at the compute dtype."""
-    return sizes.largest_layer_params * COMPUTE_BYTES[compute_dtype]
-
-
-@dataclass(frozen=True)
-class _Weights:
-    bytes: int
-    what: str  # the sum spelled out, for reasons and blockers
-
-
-def resident_weights(sizes: CheckpointSizes, compute_dtype: str) -> _Weights:
-    total = sizes.total_params * COMPUTE_BYTES[compute_dtype]
-    return _Weights(total, f"all weights {format_bytes(total)} at {compute_dtype}")
-
-
-def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool, device: str = "cpu",
-                     prefetch_depth: int = 1, packs_weights: bool = False) -> _Weights:
-    compute_bytes = COMPUTE_BYTES[compute_dtype]
-    slots = prefetch_depth + 1 if prefetch else 1  # the layer computing + those being read ahead
-    non_decoder = sizes.non_decoder_params * compute_bytes
-    layer_slots = layer_slot_bytes(sizes, compute_dtype) * slots
-    # On the host a tensor is read straight into its slot, a narrower one widened there (bf16 -> float32); a raw read
-    # buffer (loads take turns, so one) serves a narrowing cast and experts fused at load time. An accelerator's read
-    # buffer is pinned host memory, outside the device budget this plan sizes.
-    narrowing = COMPUTE_BYTES[compute_dtype] * 8 < DTYPE_BITS.get(sizes.storage_dtype, 0)
-    needs_read_buffer = _on_host(device) and (narrowing or bool(sizes.moe))
-    read_buffers = sizes.largest_layer_bytes if needs_read_buffer else 0
-    # Where long prefills pack (measure.packs_weights), they multiply a packed copy of the computing layer's linear
-    # weights (linear_kernels.pack_weights), made when the layer starts and freed when it ends: one layer more,
-    # counted whatever the rows (they decide per pass whether it packs).
-    packed = layer_slot_bytes(sizes, compute_dtype) if packs_weights else 0
-    what = (f"non-decoder tensors {format_bytes(non_decoder)} + {slots} layer slot(s) "
-            f"{format_bytes(layer_slots)}" + (f" + read buffers {format_bytes(read_buffers)}" if read_buffers else "")
-            + (f" + packed layer {format_bytes(packed)}" if packed else ""))
-    return _Weights(non_decoder + layer_slots + read_buffers + packed, what)
+# Memory, as named steps (what the weights hold: plan_weights.py)
 
 
 def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
@@ -257,14 +219,10 @@ def _calls_bytes(sequences: int, micro_sequences: int) -> int:
     return math.ceil(sequences / micro_sequences) * PREFILL_CALL_BYTES
 
 
-def _on_host(device: str) -> bool:
-    return device.split(":")[0] == "cpu"
-
-
 def effective_rates(device: str, flops_per_s: float | None,
                     memory_bytes_per_s: float | None) -> tuple[float | None, float | None]:
     """The measured rates as a pass achieves them: on the host, the flat heap's fresh pages slow every pass."""
-    if not _on_host(device):
+    if not on_host(device):
         return flops_per_s, memory_bytes_per_s
     slowed = [rate / HOST_FRESH_PAGE_SLOWDOWN if rate else rate for rate in (flops_per_s, memory_bytes_per_s)]
     return slowed[0], slowed[1]
@@ -273,7 +231,7 @@ def effective_rates(device: str, flops_per_s: float | None,
 def streaming_traffic(sizes: CheckpointSizes, compute_bytes: int, device: str, mode: str) -> tuple[int, int]:
     """The host's RAM traffic of streaming the layers once in a prefill and in a decode pass
     (plan_time.host_streaming_bytes), which a host pass's compute shares; an accelerator computes beside it."""
-    if mode != "streamed" or not _on_host(device):
+    if mode != "streamed" or not on_host(device):
         return 0, 0
     return host_streaming_bytes(sizes, compute_bytes), host_streaming_bytes(sizes, compute_bytes, decode=True)
 
