@@ -23,7 +23,7 @@ from batchrun.checkpoint import CheckpointError, load_config, read_tensor_infos,
 from batchrun.devices import default_device, resolve_dtype
 from batchrun.linear_kernels import (PACK_MIN_ROWS, drop_packed_weights, pack_weights, packing_available,
                                      route_linears, routed_weight_names, sharing_tiles)
-from batchrun.loader import LayerLoader, LayerWeights
+from batchrun.loader import UNCACHED_MIN_ROWS, LayerLoader, LayerWeights
 from batchrun.passes import LayerTurns, PassGroup, keep_heap_flat, return_freed_memory, run_interleaved
 from batchrun.tokenizer import TokenizerOnDemand
 from batchrun.weights import Recipe, build_recipes, read_into, realize, tensor_from_bytes
@@ -136,6 +136,7 @@ class StreamedModel(TokenizerOnDemand):
                                   drop_page_cache=drop_page_cache,
                                   narrowable=[routed_weight_names(layer) for layer in self.layers])
         self._narrow = False  # whether the pass in flight leaves linear weights narrow (run_pass(light=True))
+        self._uncached = False  # whether the pass in flight reads around the page cache (run_pass(rows=...))
         # Whether long prefills may pack (measure.packs_weights: where the packed kernel measured faster), and
         # whether the pass in flight does (run_pass(rows=...)).
         self.may_pack, self._pack = pack_weights, False
@@ -302,6 +303,7 @@ class StreamedModel(TokenizerOnDemand):
         """
         self._narrow = light
         self._pack = self.packs_weights(rows) and not light
+        self._uncached = rows >= UNCACHED_MIN_ROWS and not light and self.device.type == "cpu"
         self._use_depth(self.decode_prefetch_depth if light else self.prefetch_depth)
         with self._leaving_a_core(light):
             if len(calls) == 1 and before_layer is None:
@@ -352,12 +354,12 @@ class StreamedModel(TokenizerOnDemand):
     def _schedule(self, index: int) -> None:
         if index in self._pending or index in self._active:
             return
-        self._pending[index] = self._executor.submit(self._load, index, self._narrow)
+        self._pending[index] = self._executor.submit(self._load, index, self._narrow, self._uncached)
 
-    def _load(self, index: int, narrow: bool) -> LayerWeights:
+    def _load(self, index: int, narrow: bool, uncached: bool = False) -> LayerWeights:
         slot = self.slots.take()
         try:
-            return self.loader.load(index, slot, narrow)
+            return self.loader.load(index, slot, narrow, uncached)
         except BaseException:
             self.slots.give(slot)
             raise
@@ -366,8 +368,8 @@ class StreamedModel(TokenizerOnDemand):
         future = self._pending.pop(index, None)
         if future is None and self._executor is not None:
             self._give_back_pending(keep=(index,))
-            future = self._executor.submit(self._load, index, self._narrow)
-        weights = future.result() if future is not None else self._load(index, self._narrow)
+            future = self._executor.submit(self._load, index, self._narrow, self._uncached)
+        weights = future.result() if future is not None else self._load(index, self._narrow, self._uncached)
         try:
             if weights.narrow and not self._narrow:  # read ahead for a decode pass, needed by a prefill
                 self.loader.widen_narrow(weights)
@@ -420,7 +422,7 @@ class StreamedModel(TokenizerOnDemand):
         return self.loader.bytes_read
 
     def forward(self, *args, **kwargs):
-        self._narrow = self._pack = False
+        self._narrow = self._pack = self._uncached = False
         self._use_depth(self.prefetch_depth)
         with torch.inference_mode():
             return self.model(*args, **kwargs)
@@ -428,7 +430,7 @@ class StreamedModel(TokenizerOnDemand):
     __call__ = forward
 
     def generate(self, *args, **kwargs):
-        self._narrow = self._pack = False
+        self._narrow = self._pack = self._uncached = False
         self._use_depth(self.prefetch_depth)
         with torch.inference_mode():
             return self.model.generate(*args, **kwargs)

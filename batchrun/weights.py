@@ -94,17 +94,20 @@ def tensor_from_bytes(raw: torch.Tensor, info: TensorInfo) -> torch.Tensor:
     return raw.view(dtype).reshape(info.shape)
 
 
-def read_into(fd: int, target: memoryview, offset: int, path) -> None:
-    """Fill `target` from the file at `offset` with large positional reads (no memory map, no page faults)."""
+def read_into(fd: int, target: memoryview, offset: int, path, needed: int | None = None) -> None:
+    """Fill `target` from the file at `offset` with large positional reads (no memory map, no page faults); with
+    `needed`, its first `needed` bytes, reading on towards its end as far as the file goes (an O_DIRECT read asks for
+    whole aligned blocks)."""
+    needed = len(target) if needed is None else needed
     done = 0
-    while done < len(target):
+    while done < needed:
         try:
             n = os.preadv(fd, [target[done:]], offset + done)
         except OSError as error:  # a failing disk or a file gone from a network mount: name the file, not a traceback
-            raise CheckpointError(f"{path}: could not read bytes {offset + done}..{offset + len(target)} "
+            raise CheckpointError(f"{path}: could not read bytes {offset + done}..{offset + needed} "
                                   f"({error.strerror or error})") from error
         if n == 0:
-            raise CheckpointError(f"{path}: file ended while reading bytes {offset + done}..{offset + len(target)}; "
+            raise CheckpointError(f"{path}: file ended while reading bytes {offset + done}..{offset + needed}; "
                                   "the shard is truncated")
         done += n
 
