@@ -12,6 +12,7 @@ copies every byte on a core the matmuls need.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -21,6 +22,8 @@ import torch
 
 from batchrun.checkpoint import CheckpointError, TensorInfo
 from batchrun.weights import SAFETENSORS_DTYPES, Recipe, coalesce, read_into, realize, tensor_from_bytes
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -168,15 +171,16 @@ class LayerLoader:
         if key not in self._uncached_fds:
             try:
                 self._uncached_fds[key] = os.open(key, os.O_RDONLY | os.O_DIRECT) if hasattr(os, "O_DIRECT") else None
-            except OSError:  # EINVAL from a filesystem without O_DIRECT; any real fault shows on the cached open
-                self._uncached_fds[key] = None
+            except OSError as error:  # EINVAL from a filesystem without O_DIRECT; a real fault shows on the cached open
+                self._refuse_uncached(key, error)
         return self._uncached_fds[key]
 
-    def _refuse_uncached(self, path) -> None:
+    def _refuse_uncached(self, path, why: OSError) -> None:
         fd = self._uncached_fds.get(str(path))
         if fd is not None:
             os.close(fd)
         self._uncached_fds[str(path)] = None
+        log.debug("%s: O_DIRECT refused (%s); reading it through the page cache", path, why.strerror or why)
 
     # -- loading -------------------------------------------------------------------------------
     def load(self, index: int, slot: int, narrow: bool = False, uncached: bool = False) -> LayerWeights:
@@ -250,7 +254,7 @@ class LayerLoader:
         except CheckpointError as error:
             if getattr(error.__cause__, "errno", None) != errno.EINVAL:
                 raise
-            self._refuse_uncached(info.file)  # the filesystem took the open but not the read
+            self._refuse_uncached(info.file, error.__cause__)  # the filesystem took the open but not the read
             return False
         tensors[name] = tensor
         return True
