@@ -17,7 +17,7 @@ from tests.tiny_models import TINY_ARCHS
 
 
 def o_direct_works(directory) -> bool:
-    """Whether this filesystem takes an aligned O_DIRECT read (tmpfs and some FUSE mounts refuse it)."""
+    """Whether this filesystem takes an aligned O_DIRECT read (tmpfs before Linux 6.6 and some FUSE mounts refuse it)."""
     probe = directory / "o_direct_probe"
     probe.write_bytes(b"x" * loader.DIRECT_ALIGN)
     aligned = mmap.mmap(-1, loader.DIRECT_ALIGN)  # page-aligned memory
