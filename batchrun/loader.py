@@ -244,13 +244,12 @@ class LayerLoader:
         """Read one tensor with O_DIRECT into its slot, which then holds it; False where it must be read cached: the
         filesystem refuses O_DIRECT, or the tensor's file offset is not a whole number of elements past an aligned
         one (torch cannot view it there)."""
-        misalign = info.offset % DIRECT_ALIGN
-        if self._uncached_fd(info.file) is None or misalign % like.element_size():
+        misalign, fd = info.offset % DIRECT_ALIGN, self._uncached_fd(info.file)
+        if fd is None or misalign % like.element_size():
             return False
         tensor, span = self._uncached_target(slot, name, like, misalign)
         try:  # from the aligned offset below the tensor to the span's aligned end, or the file's
-            read_into(self._uncached_fd(info.file), span, info.offset - misalign, info.file,
-                      needed=misalign + info.nbytes)
+            read_into(fd, span, info.offset - misalign, info.file, needed=misalign + info.nbytes)
         except CheckpointError as error:
             if getattr(error.__cause__, "errno", None) != errno.EINVAL:
                 raise
@@ -337,7 +336,8 @@ class LayerLoader:
 
     def buffer_bytes(self) -> int:
         staging = self._staging.numel() if self._staging is not None else 0
-        held = [b for key, b in self._buffers.items() if key not in self._raw] + [r for r, _ in self._raw.values()]
+        # On a CPU every buffer is a view of its slot's raw bytes (slack included); elsewhere it is its own allocation
+        held = [raw for raw, _ in self._raw.values()] if self.device.type == "cpu" else list(self._buffers.values())
         return sum(b.numel() * b.element_size() for b in held) + staging
 
     def close(self) -> None:
