@@ -49,3 +49,20 @@ def test_the_bounds_matmul_rate_multiplies_the_checkpoints_own_layer_matrices(ti
     if linear_kernels.packing_available():  # the bound's bfloat16 rate on packed weights
         packed = layer_rate.layer_matmul_rate(checkpoint, "bfloat16", "packed", tokens=16, repeats=1)
         assert math.isfinite(packed) and packed > 0
+
+
+def test_the_bounds_attention_flops_count_every_decoder_layer(tiny_checkpoint):
+    """A token at position p attends in each layer: q.k over p + 1 keys and the weighted sum of p + 1 values, each a
+    multiply and an add per query channel. Counted once instead of once per layer, the bound was too strict."""
+    import json
+
+    from benchmarks.baselines.bounds import ModelShape
+
+    checkpoint = tiny_checkpoint("llama")
+    config = json.loads((checkpoint / "config.json").read_text())
+    shape = ModelShape.of(checkpoint)
+    assert shape.num_layers == config["num_hidden_layers"]
+    width = shape.attention_width
+    by_position = sum(config["num_hidden_layers"] * 2 * 2 * width * (p + 1) for p in range(5, 12))
+    assert shape.attention_flops(5, 12) == by_position
+    assert shape.attention_flops(0, 12) == shape.attention_flops(0, 5) + shape.attention_flops(5, 12)

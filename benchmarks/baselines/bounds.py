@@ -25,6 +25,7 @@ class ModelShape:
     vocab_size: int
     hidden_size: int
     attention_width: int  # query heads x head dim
+    num_layers: int  # decoder layers: each one attends
 
     @classmethod
     def of(cls, checkpoint: Path) -> "ModelShape":
@@ -32,12 +33,13 @@ class ModelShape:
 
         sizes = checkpoint_sizes(checkpoint)
         return cls(sizes.decoder_params, sizes.decoder_bytes, sizes.checkpoint_bytes, sizes.vocab_size,
-                   sizes.hidden_size, sizes.num_attention_heads * sizes.head_dim)
+                   sizes.hidden_size, sizes.num_attention_heads * sizes.head_dim, sizes.num_layers)
 
     def attention_flops(self, first: int, last: int) -> int:
         """Scores and weighted sum for the tokens at positions first..last-1, each attending to itself and every
-        earlier position: 4 x width x (p + 1) per token."""
-        return 4 * self.attention_width * (last * (last + 1) - first * (first + 1)) // 2
+        earlier position: 4 x width x (p + 1) per token in every decoder layer."""
+        per_layer = 4 * self.attention_width * (last * (last + 1) - first * (first + 1)) // 2
+        return self.num_layers * per_layer
 
     def token_flops(self, tokens: int) -> int:
         return 2 * self.decoder_params * tokens  # a multiply and an add per weight per token
