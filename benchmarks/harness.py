@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -46,7 +47,6 @@ CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
 # room for a 1.2 GB cap.
 LARGE_TARGET_BYTES = 2_000_000_000
 LARGE_VOCAB_SIZE = 8192
-RSS_POLL_SECONDS = 0.02
 
 
 def bench_cache_dir() -> Path:
@@ -221,10 +221,8 @@ class RunResult:
     stdout: str
     stderr: str
     wall_seconds: float
-    peak_rss_bytes: int  # process peak resident set (VmHWM polled, and wait4's ru_maxrss where it is the child's
-    # own, see child_peak_rss): what the OOM killer sees
-    polled_hwm_bytes: int
-    ru_maxrss_bytes: int
+    peak_rss_bytes: int  # the command's peak resident set (its own wait4 ru_maxrss, launcher.py): what the OOM
+    # killer sees
     memory_cap_bytes: int | None = None
     cgroup_max_usage_bytes: int | None = None  # with a cap: peak charge including page cache
     oom_killed: bool = False
@@ -249,84 +247,65 @@ class RunResult:
         return self
 
 
-def _hwm_bytes(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def child_peak_rss(polled_hwm: int, ru_maxrss: int, parent_hwm: int) -> int:
-    """The child's peak RSS. Linux keeps the high-water mark of the memory a process had before its exec, which for a
-    spawned child is the parent's: wait4's ru_maxrss is max(the parent's RSS at the spawn, the child's own peak). It
-    is the child's own only when above anything the parent ever held; otherwise the polled VmHWM (the new image's
-    own mark, read every RSS_POLL_SECONDS) stands alone. Measured: the four default-model cases of plan_accuracy
-    all read 1,576 MB, the parent's RSS after converting the default model, where their VmHWM read 660-1,495 MB."""
-    return max(polled_hwm, ru_maxrss) if ru_maxrss > parent_hwm else polled_hwm
-
-
 def run_measured(command: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path | None = None,
                  memory_cap_bytes: int | None = None, timeout: float | None = None) -> RunResult:
-    """Run `command`, optionally inside a fresh memory cap (the child joins the cgroup before exec, so every byte it
-    allocates is charged), and measure its wall time and peak RSS. env is added to os.environ."""
+    """Run `command`, optionally inside a fresh memory cap (it joins the cgroup before its exec, so every byte it
+    allocates is charged), and measure its wall time and peak RSS. env is added to os.environ. The command runs
+    under benchmarks/launcher.py, which waits for it without polling and reports its exact peak; this process only
+    blocks until it ends (or kills it, and everything it started, at `timeout` seconds or on an exception). A
+    command killed at the timeout reports no peak (0)."""
     full_env = {**os.environ, **(env or {})}
     with contextlib.ExitStack() as stack:
         cap = stack.enter_context(memory_cap(memory_cap_bytes)) if memory_cap_bytes else None
-        procs_file = str(cap.path / "cgroup.procs") if cap else None
-
-        def join_cap() -> None:  # runs in the child between fork and exec
-            if procs_file:
-                with open(procs_file, "w") as handle:
-                    handle.write(str(os.getpid()))
-
         out = stack.enter_context(tempfile.TemporaryFile("w+"))
         err = stack.enter_context(tempfile.TemporaryFile("w+"))
+        report_path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="batchrun-measured-"))) / "report"
+        launcher = [sys.executable, str(REPO_ROOT / "benchmarks" / "launcher.py"), str(report_path)]
+        if cap:
+            launcher += ["--cgroup-procs", str(cap.path / "cgroup.procs")]
         machine_before = _cpu_ticks()
         start = time.perf_counter()
-        process = subprocess.Popen(list(command), env=full_env, cwd=cwd, stdout=out, stderr=err,
-                                   preexec_fn=join_cap if cap else None)
-        polled = [0]
-        done = threading.Event()
-
-        def poll() -> None:
-            while not done.is_set():
-                polled[0] = max(polled[0], _hwm_bytes(process.pid))
-                time.sleep(RSS_POLL_SECONDS)
-
-        poller = threading.Thread(target=poll, daemon=True)
-        poller.start()
-        deadline = None if timeout is None else start + timeout
-        while True:
-            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
-            if pid:
-                break
-            if deadline and time.perf_counter() > deadline:
-                process.kill()
-            time.sleep(0.01)
-        wall = time.perf_counter() - start
+        process = subprocess.Popen([*launcher, "--", *command], env=full_env,
+                                   cwd=cwd, stdout=out, stderr=err, start_new_session=True)
+        # A timer, not Popen.wait(timeout): that one wakes every 50 ms to look, on the cores the command measures.
+        killer = threading.Timer(timeout, _kill_group, (process.pid,)) if timeout else None
+        try:
+            if killer:
+                killer.start()
+            process.wait()
+        finally:
+            if killer:
+                killer.cancel()
+            if process.poll() is None:  # interrupted: no orphan keeps the machine busy
+                _kill_group(process.pid)
+                process.wait()
         machine_after = _cpu_ticks()
-        done.set()
-        poller.join()
-        process.returncode = os.waitstatus_to_exitcode(status)
+        try:
+            report = json.loads(report_path.read_text())
+        except FileNotFoundError:  # the launcher was killed (timeout) before its command ended
+            report = {"returncode": process.returncode, "ru_maxrss_bytes": 0, "user_seconds": 0.0,
+                      "system_seconds": 0.0, "wall_seconds": time.perf_counter() - start}
         out.seek(0)
         err.seek(0)
-        maxrss = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # Linux reports KiB
-        parent_hwm = _hwm_bytes(os.getpid())
+        wall = report["wall_seconds"]
         machine_busy_s = (machine_after[0] - machine_before[0]) / CLOCK_TICKS
-        foreign = max(machine_busy_s - usage.ru_utime - usage.ru_stime, 0.0) / max(wall, 1e-9)
+        own_cpu = report["user_seconds"] + report["system_seconds"]
+        foreign = max(machine_busy_s - own_cpu, 0.0) / max(wall, 1e-9)
         result = RunResult(
-            command=list(command), returncode=process.returncode, stdout=out.read(), stderr=err.read(),
-            wall_seconds=wall, peak_rss_bytes=child_peak_rss(polled[0], maxrss, parent_hwm), polled_hwm_bytes=polled[0],
-            ru_maxrss_bytes=maxrss, memory_cap_bytes=memory_cap_bytes, foreign_busy_cores=foreign,
+            command=list(command), returncode=report["returncode"], stdout=out.read(), stderr=err.read(),
+            wall_seconds=wall, peak_rss_bytes=report["ru_maxrss_bytes"], memory_cap_bytes=memory_cap_bytes,
+            foreign_busy_cores=foreign,
         )
         if cap:
             result.cgroup_max_usage_bytes = cap.max_usage_bytes
             result.oom_killed = cap.oom_kills > 0
             result.cap_hits = cap.failcnt
         return result
+
+
+def _kill_group(group: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+        os.killpg(group, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------------------------------------------

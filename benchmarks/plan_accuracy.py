@@ -3,7 +3,7 @@
 For each case the script asks `batchrun plan --json` for its prediction, then runs `batchrun submit` with the
 same options in a fresh subprocess (inside a cgroup v1 memory cap for the large model, page cache dropped before
 each streamed run) and measures:
-  - the process's peak RSS (VmHWM polled, and wait4's ru_maxrss): what an OOM killer sees, nothing excluded;
+  - the process's peak RSS (its own wait4 ru_maxrss, benchmarks/launcher.py): what an OOM killer sees, nothing excluded;
   - the time of every pass, from the moment the model's forward starts to the moment the pass's results are
     committed (what the executor calls a pass), split into the prefill pass (first of a batch) and decode passes.
 Targets (the issue): peak within 20% and median seconds per pass within 30%.
@@ -290,8 +290,7 @@ def measure_run(case: Case, spec: Path, arguments: list[str], cap_bytes: int | N
     timings = passes_from_events(json.loads(events_file.read_text()))
     seconds = [p["seconds"] for p in timings["passes"]]
     return {
-        "peak_rss_bytes": run.peak_rss_bytes, "polled_hwm_bytes": run.polled_hwm_bytes,
-        "ru_maxrss_bytes": run.ru_maxrss_bytes, "cgroup_max_usage_bytes": run.cgroup_max_usage_bytes,
+        "peak_rss_bytes": run.peak_rss_bytes, "cgroup_max_usage_bytes": run.cgroup_max_usage_bytes,
         "cap_bytes": cap_bytes, "oom_killed": run.oom_killed, "wall_seconds": run.wall_seconds,
         "busy_cores_before": busy_before, "foreign_busy_cores": run.foreign_busy_cores,
         "summary": run.json_stdout(), **timings,
