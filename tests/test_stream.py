@@ -30,14 +30,19 @@ def sample_ids(vocab: int, batch: int = 2, length: int = 24) -> torch.Tensor:
     return torch.randint(3, vocab, (batch, length), generator=generator)
 
 
+def in_memory_logits(path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, logits): sample ids for the checkpoint at `path` and what the plain in-memory model gives for them."""
+    ref = reference(path)
+    ids = sample_ids(ref.config.vocab_size)
+    with torch.inference_mode():
+        return ids, ref(ids).logits
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 @pytest.mark.parametrize("prefetching", [True, False])
 def test_streamed_logits_equal_in_memory(tiny_checkpoint, arch, prefetching):
     path = tiny_checkpoint(arch)
-    ref = reference(path)
-    ids = sample_ids(ref.config.vocab_size)
-    with torch.inference_mode():
-        expected = ref(ids).logits
+    ids, expected = in_memory_logits(path)
     with StreamedModel(path, device="cpu", dtype=torch.float32, prefetching=prefetching) as streamed:
         got = streamed(ids).logits
         assert streamed.passes == 1
@@ -85,10 +90,7 @@ def test_at_most_two_layers_materialised_during_a_pass(tiny_checkpoint):
 def test_sharded_checkpoint_streams_exactly(tmp_path):
     path = build_sharded_checkpoint("qwen2", tmp_path)
     assert len(list(path.glob("*.safetensors"))) > 1
-    ref = reference(path)
-    ids = sample_ids(ref.config.vocab_size)
-    with torch.inference_mode():
-        expected = ref(ids).logits
+    ids, expected = in_memory_logits(path)
     with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
         assert (streamed(ids).logits - expected).abs().max().item() <= TOLERANCE
         # The slots hold the layer once each, and room to read every tensor from an aligned offset (uncached reads)

@@ -12,7 +12,7 @@ import torch
 
 from batchrun import StreamedModel, loader, stream
 from batchrun.checkpoint import CheckpointError
-from tests.test_stream import TOLERANCE, reference, sample_ids
+from tests.test_stream import TOLERANCE, in_memory_logits
 from tests.tiny_models import TINY_ARCHS
 
 
@@ -55,10 +55,7 @@ def long_prefill(streamed: StreamedModel, ids: torch.Tensor, rows: int) -> torch
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_a_long_prefill_reads_uncached_and_gives_the_in_memory_logits(tiny_checkpoint, arch, monkeypatch):
     path = tiny_checkpoint(arch)
-    ref = reference(path)
-    ids = sample_ids(ref.config.vocab_size)
-    with torch.inference_mode():
-        expected = ref(ids).logits
+    ids, expected = in_memory_logits(path)
     uncached = record_reads(monkeypatch)
     with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
         uncached.clear()  # the resident weights' reads at open
@@ -81,8 +78,7 @@ def test_a_long_prefill_reads_uncached_and_gives_the_in_memory_logits(tiny_check
 
 def test_a_filesystem_without_o_direct_is_read_cached(tiny_checkpoint, monkeypatch):
     path = tiny_checkpoint("llama")
-    ref = reference(path)
-    ids = sample_ids(ref.config.vocab_size)
+    ids, expected = in_memory_logits(path)
     real_open = os.open
 
     def open_refusing_o_direct(file, flags, *args):
@@ -96,13 +92,12 @@ def test_a_filesystem_without_o_direct_is_read_cached(tiny_checkpoint, monkeypat
         got = long_prefill(streamed, ids, stream.UNCACHED_MIN_ROWS)
         assert set(streamed.loader._uncached_fds.values()) == {None}  # asked once per file, then never again
     assert uncached and not any(uncached)
-    assert (got - ref(ids).logits).abs().max().item() <= TOLERANCE
+    assert (got - expected).abs().max().item() <= TOLERANCE
 
 
 def test_a_refused_o_direct_read_falls_back_for_that_file_and_a_real_fault_still_fails(tiny_checkpoint, monkeypatch):
     path = tiny_checkpoint("llama")
-    ref = reference(path)
-    ids = sample_ids(ref.config.vocab_size)
+    ids, expected = in_memory_logits(path)
     real_read = loader.read_into
     refused: list[str] = []
 
@@ -117,7 +112,7 @@ def test_a_refused_o_direct_read_falls_back_for_that_file_and_a_real_fault_still
         got = long_prefill(streamed, ids, stream.UNCACHED_MIN_ROWS)
         files = {str(recipe.sources[0].file) for recipes in streamed.loader.layer_recipes for recipe in recipes}
         assert sorted(refused) == sorted(files)  # once per file
-    assert (got - ref(ids).logits).abs().max().item() <= TOLERANCE
+    assert (got - expected).abs().max().item() <= TOLERANCE
 
     def read_failing_aligned(fd, target, offset, file, needed=None):
         if needed is not None:
