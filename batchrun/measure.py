@@ -177,8 +177,7 @@ def measure_compute_rate(dtype: str, device: str = "cpu") -> float:
     seconds = {name: _median(times) for name, times in rounds.items()}
     rates = {name: flops / seconds[name] for name in works if name != PACKED}
     kernel = max(rates, key=rates.get)
-    entry = {"flops_per_s": rates[kernel], "linear_kernel": kernel, "kernel_flops_per_s": rates,
-             "timed_in_turn": True}
+    entry = {"flops_per_s": rates[kernel], "linear_kernel": kernel, "kernel_flops_per_s": rates}
     if times_packing:
         entry["packed_flops_per_s"] = flops / seconds[PACKED] if PACKED in seconds else None
         entry["packs_weights"] = PACKED in rounds and faster_at_best(rounds[PACKED], rounds[kernel])

@@ -422,7 +422,7 @@ def test_long_prefills_pack_only_where_the_packed_kernel_measured_faster(monkeyp
     measure._store("compute", key, {"flops_per_s": 1.0})
     assert measure.packs_weights("bfloat16", "cpu") == packed_faster
     measure._store("compute", key, {"flops_per_s": 1.0, "packed_flops_per_s": 0.5 if packed_faster else 2.0,
-                                    "timed_in_turn": True})
+                                    "timed_in_turn": True})  # what the releases that chose by medians cached
     assert measure.packs_weights("bfloat16", "cpu") == packed_faster
     measure.measure_compute_rate("bfloat16", "cpu")
     assert measure.packs_weights("bfloat16", "cpu") == packed_faster
