@@ -391,6 +391,8 @@ def targets_markdown(targets: dict[str, dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint-bytes", type=float, default=3.0e9)
+    parser.add_argument("--hidden", type=int, default=2048, help="hidden size of the random checkpoint's layers "
+                        "(TinyLlama's shape scaled; 4096 is a 7B model's width), as many layers as reach its size")
     parser.add_argument("--classify-rows", type=int, default=64)
     parser.add_argument("--short-rows", type=int, default=32)
     parser.add_argument("--subset", type=int, default=4, help="rows for the one-prompt-at-a-time variants")
@@ -410,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(os.environ["BATCHRUN_HOME"]).mkdir(parents=True, exist_ok=True)
     from transformers import AutoTokenizer
 
-    checkpoint = harness.large_checkpoint(target_bytes=int(args.checkpoint_bytes), dtype="bfloat16")
+    checkpoint = harness.large_checkpoint(target_bytes=int(args.checkpoint_bytes), dtype="bfloat16",
+                                          hidden_size=args.hidden)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     all_sweeps = {"classification": sweeps.classification(tokenizer, args.classify_rows),
                   "short-answer": sweeps.short_answer(tokenizer, args.short_rows)}

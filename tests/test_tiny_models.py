@@ -179,3 +179,15 @@ def test_large_llama_reaches_the_requested_size_and_runs(tmp_path):
     with torch.no_grad():
         logits = model(chat_ids(tokenizer)).logits
     assert torch.isfinite(logits).all() and logits.float().std() > 0
+
+
+def test_large_llama_takes_a_width_and_reaches_the_size_with_as_many_layers_as_it_needs(tmp_path):
+    target = 6_000_000
+    checkpoint = build_large_llama(tmp_path, target, vocab_size=1024, hidden_size=128, shard_bytes=1_500_000)
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["hidden_size"] == 128 and config["num_attention_heads"] * 64 == 128
+    assert config["intermediate_size"] == 320  # TinyLlama's 2.75x, rounded down to a multiple of 64
+    on_disk = sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))
+    per_layer = 2 * (2 * 128 * 128 + 2 * config["num_key_value_heads"] * 64 * 128 + 3 * 128 * 320 + 2 * 128)
+    assert abs(on_disk - target) < per_layer  # within a layer of the size asked for
+    assert checkpoint.name.endswith(f"-h128-L{config['num_hidden_layers']}-v1024")

@@ -214,10 +214,11 @@ def _large_params(shape: dict, num_layers: int, vocab_size: int) -> int:
     return num_layers * per_layer + 2 * vocab_size * hidden + hidden
 
 
-def _choose_large_shape(target_params: int, num_layers: int | None, vocab_size: int) -> tuple[dict, int]:
+def _choose_large_shape(target_params: int, num_layers: int | None, vocab_size: int,
+                        hidden_size: int = LARGE_HIDDEN) -> tuple[dict, int]:
     if num_layers is None:
-        shape = _large_shape(LARGE_HIDDEN)
-        per_layer = _large_params(shape, 1, 0) - LARGE_HIDDEN
+        shape = _large_shape(hidden_size)
+        per_layer = _large_params(shape, 1, 0) - hidden_size
         embeddings = _large_params(shape, 0, vocab_size)
         return shape, max(1, round((target_params - embeddings) / per_layer))
     hidden = min(
@@ -234,12 +235,14 @@ def build_large_llama(
     num_layers: int | None = None,
     vocab_size: int = 32000,
     shard_bytes: int = 256_000_000,
+    hidden_size: int = LARGE_HIDDEN,
 ) -> Path:
     """A random Llama-style checkpoint of about `target_bytes`, written shard by shard (never all in RAM).
 
-    With num_layers None the layers have TinyLlama's shape and their count is chosen to reach the size;
-    otherwise the hidden size is chosen. The vocabulary is `vocab_size` rows (the tokenizer uses the first
-    few hundred) so the embedding and head weigh what they do in a real model. Returns root/<name>.
+    With num_layers None the layers have TinyLlama's shape scaled to `hidden_size` (TinyLlama's own by default)
+    and their count is chosen to reach the size; otherwise the hidden size is chosen. The vocabulary is
+    `vocab_size` rows (the tokenizer uses the first few hundred) so the embedding and head weigh what they do in a
+    real model. Returns root/<name>.
     """
     import torch
     from safetensors.torch import save_file
@@ -247,7 +250,7 @@ def build_large_llama(
 
     torch_dtype = getattr(torch, dtype)
     element_size = torch.empty((), dtype=torch_dtype).element_size()
-    shape, layers = _choose_large_shape(target_bytes // element_size, num_layers, vocab_size)
+    shape, layers = _choose_large_shape(target_bytes // element_size, num_layers, vocab_size, hidden_size)
     name = f"llama-{target_bytes // 1_000_000}MB-{dtype}-h{shape['hidden_size']}-L{layers}-v{vocab_size}"
 
     def tensor_specs():
