@@ -191,3 +191,5 @@ def test_large_llama_takes_a_width_and_reaches_the_size_with_as_many_layers_as_i
     per_layer = 2 * (2 * 128 * 128 + 2 * config["num_key_value_heads"] * 64 * 128 + 3 * 128 * 320 + 2 * 128)
     assert abs(on_disk - target) < per_layer  # within a layer of the size asked for
     assert checkpoint.name.endswith(f"-h128-L{config['num_hidden_layers']}-v1024")
+    with pytest.raises(ValueError, match="not both"):
+        build_large_llama(tmp_path, target, num_layers=3, hidden_size=128)

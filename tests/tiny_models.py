@@ -216,6 +216,8 @@ def _large_params(shape: dict, num_layers: int, vocab_size: int) -> int:
 
 def _choose_large_shape(target_params: int, num_layers: int | None, vocab_size: int,
                         hidden_size: int = LARGE_HIDDEN) -> tuple[dict, int]:
+    if num_layers is not None and hidden_size != LARGE_HIDDEN:
+        raise ValueError("give the layer count or the hidden size, not both: the other is chosen to reach the size")
     if num_layers is None:
         shape = _large_shape(hidden_size)
         per_layer = _large_params(shape, 1, 0) - hidden_size
