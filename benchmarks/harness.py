@@ -133,15 +133,15 @@ def compute_rate(dtype: str = "float32") -> float:
 
 
 def large_checkpoint(target_bytes: int = LARGE_TARGET_BYTES, dtype: str = "bfloat16",
-                     vocab_size: int = LARGE_VOCAB_SIZE, hidden_size: int = 2048) -> Path:
+                     vocab_size: int = LARGE_VOCAB_SIZE, hidden_size: int | None = None) -> Path:
     """The random-weight Llama-style checkpoint of about target_bytes, built once under bench_cache_dir()/large (a
-    minute or two the first time): TinyLlama's layer shape scaled to `hidden_size` (2048 is TinyLlama's own), as
-    many layers as reach the size."""
+    minute or two the first time): TinyLlama's layer shape scaled to `hidden_size` (None: TinyLlama's own), as many
+    layers as reach the size."""
     sys.path.insert(0, str(REPO_ROOT))  # tests.tiny_models lives beside the package, not in it
-    from tests.tiny_models import build_large_llama
+    from tests.tiny_models import LARGE_HIDDEN, build_large_llama
 
     return build_large_llama(bench_cache_dir() / "large", target_bytes, dtype=dtype, vocab_size=vocab_size,
-                             hidden_size=hidden_size)
+                             hidden_size=hidden_size or LARGE_HIDDEN)
 
 
 def checkpoint_bytes(checkpoint: Path) -> int:

@@ -391,8 +391,8 @@ def targets_markdown(targets: dict[str, dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint-bytes", type=float, default=3.0e9)
-    parser.add_argument("--hidden", type=int, default=2048, help="hidden size of the random checkpoint's layers "
-                        "(TinyLlama's shape scaled; 4096 is a 7B model's width), as many layers as reach its size")
+    parser.add_argument("--hidden", type=int, help="hidden size of the random checkpoint's layers (default: "
+                        "TinyLlama's 2048; 4096 is a 7B model's width), as many layers as reach its size")
     parser.add_argument("--classify-rows", type=int, default=64)
     parser.add_argument("--short-rows", type=int, default=32)
     parser.add_argument("--subset", type=int, default=4, help="rows for the one-prompt-at-a-time variants")
