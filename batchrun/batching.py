@@ -77,11 +77,30 @@ def pack_batches(rows: Sequence[RowCost], max_sequences: int, max_tokens: int) -
     others) and prompt length, then batches are filled greedily while sequences <= max_sequences and padded tokens
     (sequences x longest sequence) <= max_tokens. A batch holds one kind only. A row that alone exceeds a limit gets
     a batch of its own. Resumed rows go first so they finish: sorted by length with the rest, rows an interrupted
-    run had half-written went to the back each time (after 18 interruptions, 22 rows half-done and 2 done)."""
+    run had half-written went to the back each time (after 18 interruptions, 22 rows half-done and 2 done).
+
+    A batch makes as many passes as its longest answer needs, so where generation rows ask for different numbers of
+    new tokens, rows are also packed sorted by that number first (then by length) and that packing is kept when it
+    makes fewer passes: 500 rows of 4 new tokens and 500 of 64, 100 a batch, make 640 passes sorted by length alone
+    (every batch waits for a 64-token answer) and 340 grouped by answer length, the lower bound."""
     if max_sequences < 1 or max_tokens < 1:
         raise ValueError(f"batch limits must be positive, got {max_sequences} sequences / {max_tokens} tokens")
-    order = sorted(range(len(rows)), key=lambda i: (not rows[i].is_choice, not rows[i].resumed,
-                                                    rows[i].prompt_tokens, i))
+    by_length = pack_in_order(rows, sorted(range(len(rows)), key=lambda i: _kind_key(rows[i]) + (i,)),
+                              max_sequences, max_tokens)
+    if len({row.passes() for row in rows if not row.is_choice}) < 2:
+        return by_length
+    by_passes = pack_in_order(rows, sorted(range(len(rows)), key=lambda i: _kind_key(rows[i], by_passes=True) + (i,)),
+                              max_sequences, max_tokens)
+    return by_passes if passes_for(rows, by_passes) < passes_for(rows, by_length) else by_length
+
+
+def _kind_key(row: RowCost, by_passes: bool = False) -> tuple:
+    return (not row.is_choice, not row.resumed) + ((row.passes(),) if by_passes else ()) + (row.prompt_tokens,)
+
+
+def pack_in_order(rows: Sequence[RowCost], order: Sequence[int], max_sequences: int,
+                  max_tokens: int) -> list[list[int]]:
+    """Batches filled greedily with the rows in `order` (pack_batches' rule, for one ordering)."""
     batches: list[list[int]] = []
     current: list[int] = []
     sequences = longest = 0

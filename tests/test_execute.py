@@ -133,6 +133,23 @@ def test_generation_equals_greedy_generate(tmp_path, tiny_checkpoint, arch, stre
         assert summary.passes_now == 6  # every row in one batch: one pass per new token
 
 
+def test_answers_of_different_lengths_share_batches_with_their_own_kind(tmp_path, tiny_checkpoint):
+    """Rows asking for 1 and for 5 new tokens, two a batch: packed by answer length, two 1-token rows share a pass and
+    the rest make two batches of 5 passes (11 passes), where batches by prompt length alone made 15 here, each
+    waiting for a 5-token answer. Answers unchanged."""
+    path = tiny_checkpoint("llama")
+    model, tokenizer = reference_model(path)
+    budgets = [5, 1, 5, 1, 5, 1]
+    spec = write_jsonl(tmp_path / "mixed.jsonl", [{"id": i, "prompt": f"Summarise: {text}", "max_new_tokens": n}
+                                                   for i, (text, n) in enumerate(zip(REVIEWS, budgets))])
+    plans = []
+    summary, rows = run(spec, tmp_path, path, "mixed", streaming="always", batch_size=2, on_plan=plans.append)
+    assert summary.passes_now == plans[0].passes == 1 + 5 + 5
+    for row, text, budget in zip(rows, REVIEWS, budgets):
+        assert (row["answer"], row["finish_reason"]) == reference_generation(model, tokenizer, f"Summarise: {text}",
+                                                                             budget)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("batch_size", [1, None])
 def test_a_bf16_checkpoint_streamed_in_float32_generates_as_in_memory(tmp_path, tiny_checkpoint, arch, batch_size,

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from batchrun.batching import (MICRO_BATCH_COST_TOKENS, micro_batches, prefill_groups, shared_prefix_tokens,
-                               windows_allow_sharing, without_prefix)
+from batchrun.batching import (MICRO_BATCH_COST_TOKENS, micro_batches, pack_in_order, prefill_groups,
+                               shared_prefix_tokens, windows_allow_sharing, without_prefix)
 from batchrun.checkpoint import sizes_from_config
 from batchrun.plan_time import batch_pass_flops, weight_rate_at
 from batchrun.plan import (
@@ -319,6 +319,22 @@ def test_token_budget_counts_padding_to_the_longest_sequence():
     assert pack_batches(rows, max_sequences=8, max_tokens=150) == [[0, 1], [2]]  # 3 x 101 > 150
 
 
+def test_answers_of_different_lengths_are_batched_apart_when_that_saves_passes():
+    """Every batch runs until its longest answer is done: mixing short and long answers in every batch would make
+    each batch as long as the longest."""
+    rows = [RowCost(50 + (i * 37) % 400, 4 if i % 2 else 64) for i in range(1000)]  # lengths and answers interleaved
+    by_length = pack_in_order(rows, sorted(range(len(rows)), key=lambda i: (rows[i].prompt_tokens, i)), 100, 10**9)
+    assert passes_for(rows, by_length) == 10 * 64
+    batches = pack_batches(rows, max_sequences=100, max_tokens=10**9)
+    assert passes_for(rows, batches) == 5 * 4 + 5 * 64 == lower_bound_passes(rows, 100)
+    assert all(len({rows[i].new_tokens for i in batch}) == 1 for batch in batches)
+
+
+def test_equal_answer_lengths_keep_the_packing_by_prompt_length():
+    rows = [RowCost(300, 8), RowCost(20, 8), RowCost(290, 8), RowCost(25, 8)]
+    assert pack_batches(rows, max_sequences=2, max_tokens=10**6) == [[1, 3], [2, 0]]
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 500), st.integers(0, 20), st.lists(st.integers(1, 4), max_size=4)),
                 max_size=40),
@@ -335,6 +351,8 @@ def test_packing_places_every_row_once_in_single_kind_batches_within_limits(spec
             assert sequences * max(rows[i].sequence_length() for i in batch) <= max_tokens
     if rows:
         assert passes_for(rows, batches) >= lower_bound_passes(rows, max_sequences)
+        by_length = sorted(range(len(rows)), key=lambda i: (not rows[i].is_choice, rows[i].prompt_tokens, i))
+        assert passes_for(rows, batches) <= passes_for(rows, pack_in_order(rows, by_length, max_sequences, max_tokens))
 
 
 def _padded_tokens(lengths, groups):
