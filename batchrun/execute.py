@@ -15,6 +15,7 @@ from tqdm import tqdm
 from transformers.utils import logging as transformers_logging
 
 from batchrun import faults, prefix_attention
+from batchrun.batching import RowCost, without_prefix
 from batchrun.errors import OutputRefused, PlanRefused
 from batchrun.interrupts import stops_deferred
 from batchrun.oom import batch_cap_after_oom, killed_by_oom, memory_cgroup_dir, oom_kill_count
@@ -23,10 +24,11 @@ from batchrun.output import (OutputError, OutputExists, check_output_writable, d
 from batchrun.passes import keep_freed_pages_below
 from batchrun.paths import default_db_path
 from batchrun.plan import Candidate
-from batchrun.prepare import JobOptions, PreparedJob, nothing_runs, one_row_per_key, plan_rows, prepare_job
+from batchrun.prepare import (JobOptions, PreparedJob, nothing_runs, one_row_per_key, plan_rows, prepare_job,
+                              row_costs)
 from batchrun.prompts import EncodedRow, uses_chat_template
 from batchrun.runtime import open_model
-from batchrun.score import Answer, GreedyBatch, eos_token_ids, generation_answer, score_choices
+from batchrun.score import Answer, GreedyPool, eos_token_ids, generation_answer, score_choices
 from batchrun.store import JobNotFound, RowResult, Store, StoreError
 
 log = logging.getLogger("batchrun")
@@ -290,20 +292,26 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
     try:
         with keep_freed_pages_below(keep_below):
             for batch in batches:
+                if not batch[0].is_choice:
+                    continue
                 ids = {r.request.index: r.request.id for r in batch}
-                if batch[0].is_choice:
-                    tick = time.monotonic()
-                    answers = score_choices(model, batch, pad_id, micro_batch=micro_batch)
-                    faults.reached("pass")
-                    store.commit_batch(job_id, [to_row_result(a, ids[a.idx]) for a in answers], passes=1)
-                    faults.reached("committed")
-                    pass_times.append(time.monotonic() - tick)
-                    bar.update(len(answers))
-                else:
-                    summary.empty_answers += _run_generation(model, batch, tokenizer, eos, pad_id, store, job_id,
-                                                             partial, ids, bar, pass_times,
-                                                             (micro_batch, decode_micro_batch))
-                _show_rate(bar, pass_times, batch)
+                tick = time.monotonic()
+                answers = score_choices(model, batch, pad_id, micro_batch=micro_batch)
+                faults.reached("pass")
+                store.commit_batch(job_id, [to_row_result(a, ids[a.idx]) for a in answers], passes=1)
+                faults.reached("committed")
+                pass_times.append(time.monotonic() - tick)
+                bar.update(len(answers))
+                _show_rate(bar, pass_times)
+            generation = [row for batch in batches if not batch[0].is_choice for row in batch]
+            if generation:
+                pool = GreedyPool(model, generation, generation_costs(generation, partial, plan.shared_prefix_tokens),
+                                  (plan.batch_size, plan.batch_tokens), tokenizer, eos, pad_id,
+                                  prefixes={r.request.index: partial[r.request.index] for r in generation
+                                            if r.request.index in partial},
+                                  micro_batch=micro_batch, decode_micro_batch=decode_micro_batch,
+                                  shared_prefix=plan.shared_prefix_tokens)
+                summary.empty_answers += _run_generation(pool, store, job_id, bar, pass_times)
     finally:
         bar.close()
         summary.passes_now = len(pass_times)
@@ -311,32 +319,37 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
         model.close()
 
 
-def _run_generation(model, batch, tokenizer, eos, pad_id, store, job_id, partial, ids, bar, pass_times,
-                    micro_batches: tuple[int | None, int | None]) -> int:
-    """Run one generation batch to its end; return how many of its answers stopped before any text."""
-    prefixes = {r.request.index: partial[r.request.index] for r in batch if r.request.index in partial}
-    prefill_micro, decode_micro = micro_batches
-    greedy = GreedyBatch(model, batch, tokenizer, eos, pad_id, prefixes=prefixes, micro_batch=prefill_micro,
-                         decode_micro_batch=decode_micro)
+def _run_generation(pool: GreedyPool, store, job_id: str, bar, pass_times: list[float]) -> int:
+    """Run the job's generation rows to their end, committing each pass; return how many of the answers stopped
+    before any text."""
+    ids = {seq.row.request.index: seq.row.request.id for seq in pool.sequences}
     empty = 0
-    if greedy.already_finished:
+    if pool.already_finished:
         store.commit_batch(job_id, [to_row_result(generation_answer(s), ids[s.row.request.index])
-                                    for s in greedy.already_finished], passes=0)
-        bar.update(len(greedy.already_finished))
-    while not greedy.done:
+                                    for s in pool.already_finished], passes=0)
+        bar.update(len(pool.already_finished))
+    while not pool.done:
         tick = time.monotonic()
-        finished = greedy.step()
+        finished = pool.step()
         faults.reached("pass")
         results = [to_row_result(generation_answer(s), ids[s.row.request.index]) for s in finished]
-        store.commit_pass(job_id, results, greedy.partial(), passes=1)
+        store.commit_pass(job_id, results, pool.partial(), passes=1)
         faults.reached("committed")
         pass_times.append(time.monotonic() - tick)
         bar.update(len(finished))
+        _show_rate(bar, pass_times)
         empty += sum(1 for r in results if r.answer == "" and r.finish_reason == "stop")
     return empty
 
 
-def _show_rate(bar, pass_times: list[float], batch) -> None:
+def generation_costs(rows: list[EncodedRow], partial: dict, shared_prefix: int) -> list[RowCost]:
+    """Each generation row's RowCost as the plan sized it: its own tokens beside a shared prefix, and a resumed row
+    prefilling the tokens an earlier run generated."""
+    done = {index: len(tokens) for index, (tokens, _) in partial.items()}
+    return [without_prefix(cost, shared_prefix) for cost in row_costs(rows, done)]
+
+
+def _show_rate(bar, pass_times: list[float]) -> None:
     if pass_times:
         median = sorted(pass_times)[len(pass_times) // 2]
         bar.set_postfix(passes=len(pass_times), s_per_pass=f"{median:.2f}")

@@ -23,6 +23,7 @@ from batchrun.plan_time import (  # noqa: F401 (re-exported)
     KV_COPIES_PER_DECODE, Timeline, host_streaming_bytes, job_timeline, pass_bound)
 from batchrun.plan_weights import (  # noqa: F401 (re-exported)
     COMPUTE_BYTES, layer_slot_bytes, on_host, resident_weights, streamed_weights)
+from batchrun.refill import refill_schedule
 from batchrun.sizes import (  # noqa: F401 (re-exported)
     DTYPE_CODES, CheckpointSizes, attended_positions, kv_bytes_for_sequence, kv_bytes_per_token_per_layer,
 )
@@ -322,9 +323,19 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
                        f"their own (the budget less {MEMORY_HEADROOM_SHARE:.0%} headroom leaves "
                        f"{format_bytes(max(batch_free_bytes, 0))} for sequences beside the weights and runtime; a "
                        "larger --memory batches more rows a pass)")
-    peak_batch_bytes = max((_batch_peak_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
-                                              prefix_bytes) for b in batches), default=largest_row_bytes)
-    passes = passes_for(rows, batches)
+    # Generation rows run as one queue whose passes refill the places of finished rows (refill.py); choice rows as
+    # their batches, one pass each. A pass holds its decoding rows and the rows it admits at once: sized as one batch.
+    choice_batches = [batch for batch in batches if rows[batch[0]].is_choice]
+    generation = [i for batch in batches if not rows[batch[0]].is_choice for i in batch]
+    schedule = refill_schedule(own_rows, generation, max_sequences, max_tokens)
+    schedule_prefix = shared if len(generation) > 1 and max_sequences > 1 else 0
+    held_together = [[*p.decoding, *p.admitted] for p in schedule]
+    peak_batch_bytes = max([_batch_peak_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
+                                              prefix_bytes) for b in choice_batches]
+                           + [_batch_peak_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
+                                                prefix_bytes, shares=bool(schedule_prefix)) for b in held_together],
+                           default=largest_row_bytes)
+    passes = len(choice_batches) + len(schedule)
 
     # Time: load what stays resident once, then each pass takes the slower of reading the layers and computing.
     bytes_per_s = bandwidth.bytes_per_s
@@ -356,13 +367,15 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
         decode_depth += 1
         peak_batch_bytes = max(peak_batch_bytes, prefix_bytes + decode_bytes + slot_bytes)
     turn_bytes = max((largest_turn_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
-                                         decode_micro, shared, decode_in_place) for b in batches), default=0)
+                                         decode_micro, shared, decode_in_place)
+                      for b in choice_batches + held_together), default=0)
     flops_rate, memory_rate = effective_rates(device, compute_flops_per_s, memory_bytes_per_s)
     weight_rates = ({count: effective_rates(device, None, rate)[1] for count, rate in decode_rates.items()}
                     if decode_rates and memory_rate else None)
     host_traffic = streaming_traffic(sizes, compute_bytes, device, mode)
-    timeline = job_timeline(sizes, rows, batches, io_seconds, flops_rate, compute_bytes, memory_rate,
-                            shared, (micro_sequences, decode_micro), host_traffic, device, weight_rates)
+    timeline = job_timeline(sizes, rows, choice_batches, io_seconds, flops_rate, compute_bytes, memory_rate,
+                            shared, (micro_sequences, decode_micro), host_traffic, device, weight_rates,
+                            schedule, schedule_prefix)
     if mode == "streamed" and timeline.compute_bound_passes:
         caveats.append(f"{timeline.compute_bound_passes} of {passes} passes are compute-bound (long prefills): "
                        "faster reads would not speed those up")
@@ -371,8 +384,9 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
                        f"only {sizes.moe['experts_per_token']} run per token; compute counts every expert")
     eta = first_answer = None
     if timeline.known:
-        eta = (load_seconds or 0.0) + sum(timeline.batch_seconds)
-        first_answer = (load_seconds or 0.0) + timeline.batch_seconds[0] if batches else None
+        eta = (load_seconds or 0.0) + sum(timeline.pass_seconds)
+        first_answer = ((load_seconds or 0.0) + sum(timeline.pass_seconds[:timeline.first_answer_passes])
+                        if batches else None)
         if load_seconds is None:
             caveats.append("the time to load the model is not counted (read bandwidth unknown)")
 
@@ -444,9 +458,10 @@ def compare_modes(sizes: CheckpointSizes, rows: Sequence[RowCost], **options) ->
 
 def _batch_peak_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
                       own_rows: Sequence[RowCost], batch: Sequence[int], micro_sequences: int | None,
-                      prefix_bytes: int) -> int:
-    """A batch of several sequences shares the prefix (own tokens + the prefix once); one sequence has it all."""
-    if prefix_bytes and batch_shape(rows, batch)[0] > 1:
+                      prefix_bytes: int, shares: bool | None = None) -> int:
+    """A batch of several sequences shares the prefix (own tokens + the prefix once); one sequence has it all.
+    `shares`: whether these rows share it whatever their number (a refilled pass, score.GreedyPool)."""
+    if prefix_bytes and (batch_shape(rows, batch)[0] > 1 if shares is None else shares):
         return batch_bytes(sizes, compute_bytes, device, own_rows, batch, micro_sequences) + prefix_bytes
     return batch_bytes(sizes, compute_bytes, device, rows, batch, micro_sequences)
 

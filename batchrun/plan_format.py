@@ -109,7 +109,7 @@ def _candidate_table(report: Mapping) -> str:
                    f"(KV cache {format_bytes(report['kv_bytes_per_token'])} per token)"),
         ("batches", f"{report['batch_count']} of up to {report['batch_size']} sequences / "
                     f"{report['batch_tokens']:,} tokens" + (
-                        f" (+ a {report['shared_prefix_tokens']:,}-token prompt prefix computed once per batch)"
+                        f" (+ a {report['shared_prefix_tokens']:,}-token prompt prefix computed once, not per row)"
                         if report.get("shared_prefix_tokens") else "")),
         ("passes", f"{report['passes']} (lower bound {report['lower_bound_passes']})"),
         *([("read ahead", _read_ahead(report))] if report.get("prefetch_depth") else []),

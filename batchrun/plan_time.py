@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from batchrun.batching import RowCost, batch_shape, prefill_call_count, without_prefix
+from batchrun.refill import ScheduledPass
 from batchrun.sizes import CheckpointSizes, attended_positions, kv_bytes_for_sequence
 
 # A decode pass streams every weight from RAM once, so below a few dozen sequences it runs at the speed of memory,
@@ -108,21 +109,34 @@ def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequenc
     decode pass's weights at the rows of each of its calls; None: the memory rate."""
     prefill = batch_shape(rows, batch)[2]
     live = _live_sequences(rows, batch)
-    seconds = []
-    for step, flops in enumerate(batch_pass_flops(sizes, rows, batch, shared_prefix)):
-        weights, kv = pass_memory_bytes(sizes, compute_bytes, live[step], shared_prefix + prefill + step, step > 0)
-        group = micro_batches[0 if step == 0 else 1]
-        weights_rate = None
-        if step == 0:  # the prefill's micro-batches are cut by length, as the executor cuts them
-            calls = prefill_call_count(rows, batch, group, device)
-        else:
-            calls = math.ceil(live[step] / group) if group else 1
-            if decode_rates:
-                weights_rate = weight_rate_at(decode_rates, math.ceil(live[step] / calls))
-        streamed = streaming_bytes[0 if step == 0 else 1]
-        seconds.append(pass_compute_seconds(flops, (weights * calls, kv + streamed), flops_per_s,
-                                            memory_bytes_per_s, weights_rate))
-    return seconds
+    flops = batch_pass_flops(sizes, rows, batch, shared_prefix)
+    first = prefill_seconds(sizes, compute_bytes, rows, batch, flops[0], flops_per_s, memory_bytes_per_s,
+                            shared_prefix, micro_batches[0], streaming_bytes[0], device)
+    return [first] + [decode_seconds(sizes, compute_bytes, live[step], shared_prefix + prefill + step, flops[step],
+                                     flops_per_s, memory_bytes_per_s, micro_batches[1], streaming_bytes[1],
+                                     decode_rates) for step in range(1, len(live))]
+
+
+def prefill_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost], batch: Sequence[int],
+                    flops: int, flops_per_s: float | None, memory_bytes_per_s: float | None, shared_prefix: int,
+                    micro_batch: int | None, streaming_bytes: int, device: str) -> float | None:
+    """The prefill of `batch`'s prompts ( `flops` of it): its micro-batches are cut by length, as the executor cuts
+    them, and each reads the layer's weights from memory once."""
+    sequences, _, prefill, _ = batch_shape(rows, batch)
+    weights, kv = pass_memory_bytes(sizes, compute_bytes, sequences, shared_prefix + prefill, False)
+    calls = prefill_call_count(rows, batch, micro_batch, device)
+    return pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s, memory_bytes_per_s)
+
+
+def decode_seconds(sizes: CheckpointSizes, compute_bytes: int, live: int, context: int, flops: int,
+                   flops_per_s: float | None, memory_bytes_per_s: float | None, group: int | None,
+                   streaming_bytes: int, decode_rates: Mapping[int, float] | None) -> float | None:
+    """One decode step of `live` sequences at `context` tokens, in calls of `group` sequences (None: one call)."""
+    weights, kv = pass_memory_bytes(sizes, compute_bytes, live, context, True)
+    calls = math.ceil(live / group) if group else 1
+    weights_rate = weight_rate_at(decode_rates, math.ceil(live / calls)) if decode_rates else None
+    return pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s, memory_bytes_per_s,
+                                weights_rate)
 
 
 def _live_sequences(rows: Sequence[RowCost], batch: Sequence[int]) -> list[int]:
@@ -150,12 +164,12 @@ def batch_pass_flops(sizes: CheckpointSizes, rows: Sequence[RowCost], batch: Seq
 class Timeline:
     pass_seconds: list[float | None]  # in run order
     compute_seconds: list[float | None]
-    batch_seconds: list[float | None]
+    first_answer_passes: int  # passes until the first rows are answered
     compute_bound_passes: int
 
     @property
     def known(self) -> bool:
-        return None not in self.batch_seconds
+        return None not in self.pass_seconds
 
 
 def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Sequence[Sequence[int]],
@@ -163,23 +177,61 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
                  memory_bytes_per_s: float | None = None, shared_prefix: int = 0,
                  micro_batches: tuple[int | None, int | None] = (None, None),
                  streaming_bytes: tuple[int, int] = (0, 0), device: str = "cpu",
-                 decode_rates: Mapping[int, float] | None = None) -> Timeline:
-    """Seconds of every pass of the job, in run order, and of every batch. A batch of several sequences computes
-    `shared_prefix` prompt tokens once (prefill.SharedPrefix); one sequence alone computes its whole prompt."""
+                 decode_rates: Mapping[int, float] | None = None,
+                 schedule: Sequence[ScheduledPass] = (), schedule_prefix: int = 0) -> Timeline:
+    """Seconds of every pass of the job, in run order: each batch of `batches` (choice rows: one pass each), then
+    the generation rows' `schedule` (refill.refill_schedule). A batch of several sequences computes `shared_prefix`
+    prompt tokens once (prefill.SharedPrefix), one sequence alone its whole prompt; the scheduled passes share
+    `schedule_prefix` tokens (score.GreedyPool: 0 where a pass holds one row), computed by their first pass."""
     own_rows = [without_prefix(row, shared_prefix) for row in rows]
-    pass_seconds, all_computes, batch_seconds = [], [], []
-    compute_bound = 0
+    computes: list[float | None] = []
     for batch in batches:
         shared = shared_prefix if batch_shape(rows, batch)[0] > 1 else 0
-        computes = batch_pass_seconds(sizes, compute_bytes, own_rows if shared else rows, batch,
-                                      compute_flops_per_s, memory_bytes_per_s, shared, micro_batches,
-                                      streaming_bytes, device, decode_rates)
-        bounds = [pass_bound(io_seconds, c) for c in computes]
-        compute_bound += sum(1 for c in computes if c is not None and io_seconds and c > io_seconds)
-        all_computes += computes
-        pass_seconds += bounds
-        batch_seconds.append(None if None in bounds else sum(bounds))
-    return Timeline(pass_seconds, all_computes, batch_seconds, compute_bound)
+        computes += batch_pass_seconds(sizes, compute_bytes, own_rows if shared else rows, batch,
+                                       compute_flops_per_s, memory_bytes_per_s, shared, micro_batches,
+                                       streaming_bytes, device, decode_rates)
+    first_answer = 1 if batches else 0
+    sharing = schedule_prefix
+    steps: dict[int, int] = {}  # live row -> tokens it has after the pass before
+    for index, scheduled in enumerate(schedule):
+        compute = _scheduled_pass_seconds(sizes, compute_bytes, own_rows if sharing else rows, scheduled, steps,
+                                          sharing, index == 0, compute_flops_per_s, memory_bytes_per_s,
+                                          micro_batches, streaming_bytes, device, decode_rates)
+        computes.append(compute)
+        steps.update((i, 0) for i in scheduled.admitted)
+        steps = {i: n + 1 for i, n in steps.items()}
+        finished = [i for i, n in steps.items() if n >= rows[i].passes()]
+        if finished and not first_answer:
+            first_answer = index + 1
+        for i in finished:
+            del steps[i]
+    passes = [pass_bound(io_seconds, c) for c in computes]
+    compute_bound = sum(1 for c in computes if c is not None and io_seconds and c > io_seconds)
+    return Timeline(passes, computes, first_answer, compute_bound)
+
+
+def _scheduled_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost],
+                            scheduled: ScheduledPass, steps: Mapping[int, int], shared_prefix: int,
+                            computes_prefix: bool, flops_per_s: float | None, memory_bytes_per_s: float | None,
+                            micro_batches: tuple[int | None, int | None], streaming_bytes: tuple[int, int],
+                            device: str, decode_rates: Mapping[int, float] | None) -> float | None:
+    """A pass that prefills the admitted rows' prompts and decodes one token of the others: the two sets of calls
+    one after the other, each as a batch would run it (rows: without the prefix where it is shared)."""
+    seconds = []
+    if scheduled.admitted:
+        batch = scheduled.admitted
+        sequences, _, prefill, positions = batch_shape(rows, batch)
+        flops = (prefill_flops(sizes, sequences, prefill, positions, shared_prefix)
+                 + (shared_prefix_flops(sizes, shared_prefix) if computes_prefix else 0))
+        seconds.append(prefill_seconds(sizes, compute_bytes, rows, batch, flops, flops_per_s, memory_bytes_per_s,
+                                       shared_prefix, micro_batches[0], streaming_bytes[0], device))
+    if scheduled.decoding:
+        live = len(scheduled.decoding)
+        context = shared_prefix + max(rows[i].prefill_length() + steps[i] for i in scheduled.decoding)
+        streamed = 0 if scheduled.admitted else streaming_bytes[1]  # a pass that prefills streams as a prefill
+        seconds.append(decode_seconds(sizes, compute_bytes, live, context, decode_flops(sizes, live, context),
+                                      flops_per_s, memory_bytes_per_s, micro_batches[1], streamed, decode_rates))
+    return None if None in seconds else sum(seconds)
 
 
 def pass_bound(io_seconds: float | None, compute_seconds: float | None) -> float | None:

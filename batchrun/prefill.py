@@ -74,7 +74,12 @@ class SharedPrefix:
     def __init__(self, model, prefix: list[int], device):
         self.model, self.prefix, self.device = model, prefix, device
         self.cache = DynamicCache(config=model.config)
-        self.targets: dict[int, object] = {}  # micro-batch -> its placeholder cache
+        self.targets: dict[int, object] = {}  # micro-batch -> its placeholder cache, in the pass computing the prefix
+        self.computed = False  # the pass that computes the prefix is over: every layer's keys and values are here
+
+    def pass_done(self) -> None:
+        """The pass that ran the prefix's call, or one that attached it, is over."""
+        self.computed, self.targets = True, {}
 
     @staticmethod
     def usable(model, columns: int) -> bool:
@@ -95,13 +100,18 @@ class SharedPrefix:
 
     def placeholder_cache(self, micro: int, batch: int, keeps_own: bool = True):
         """A cache that already counts `len(prefix)` tokens, so the model builds the suffix's masks and positions
-        after them; its layers receive the prefix's keys and values by reference (see PrefixSharedLayer).
+        after them; its layers receive the prefix's keys and values by reference (see PrefixSharedLayer): layer by
+        layer in the pass that computes the prefix (inject), all at once after it.
         `keeps_own=False` (a pass no decode follows): each layer's own keys and values go when the layer is done."""
         cache = DynamicCache(config=self.model.config)
         marks = prefix_attention.supported(self.model)
         cache.layers = [PrefixSharedLayer(len(self.prefix), marks_attention=marks, keeps_own=keeps_own)
                         for _ in range(len(cache.layers))]
-        self.targets[micro] = cache
+        if self.computed:  # an earlier pass computed the prefix: every layer's keys and values are ready
+            for target, source in zip(cache.layers, self.cache.layers):
+                target.attach(source.keys, source.values)
+        else:
+            self.targets[micro] = cache
         return cache
 
     def inject(self, layer: int, micro: int) -> None:
@@ -249,37 +259,78 @@ def prefill(handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, mi
     columns = max((len(seq) for seq in seqs), default=0) + decode_tokens
     sharing = share_prefix and len(seqs) > 1 and SharedPrefix.usable(model, columns)
     shared = shared_prefix_tokens(seqs, sharing, own_tokens=keep)
-    groups = prefill_groups([len(seq) - shared for seq in seqs], micro_batch, device)
-    calls, states = [], []
-    rows = shared  # positions each layer multiplies, padding included
     prefix = SharedPrefix(model, list(seqs[0][:shared]), device) if shared else None
-    if prefix is not None:
-        calls.append(prefix.prefix_call())
-    for members in groups:
-        ids, mask, positions = left_pad([seqs[i][shared:] for i in members], pad_id, device)
-        rows += ids.numel()
-        cache = roomy_cache(model) if use_cache and prefix is None else None
-        if prefix is not None:
-            cache = prefix.placeholder_cache(len(calls), len(members), keeps_own=use_cache)
-            mask = torch.cat([torch.ones(len(members), shared, dtype=mask.dtype, device=device), mask], dim=1)
-            positions = positions + shared
-        states.append(MicroState(members, cache, mask, positions))
-        calls.append(_call(model, ids, mask, positions, keep, cache, use_cache or prefix is not None))
-    outputs = handle.run_pass(calls, before_layer=prefix.inject if prefix is not None else None, rows=rows)
-    if prefix is not None:
-        outputs = outputs[1:]
-    logprobs: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]
-    for state, (lp, cache) in zip(states, outputs):
-        state.cache = cache
-        for row, index in enumerate(state.members):
-            logprobs[index] = lp[row]
-    return logprobs, states
+    prefill_pass = PrefillCalls.build(handle, seqs, pad_id, keep=keep, micro_batch=micro_batch, use_cache=use_cache,
+                                      prefix=prefix)
+    outputs = handle.run_pass(prefill_pass.calls, before_layer=prefill_pass.before_layer, rows=prefill_pass.rows)
+    return prefill_pass.collect(outputs), prefill_pass.states
+
+
+@dataclass
+class PrefillCalls:
+    """The forward calls that prefill some sequences, ready to run as the first micro-batches of a pass (other calls
+    may follow them in it: the decode steps of sequences prefilled earlier, score.GreedyPool)."""
+
+    calls: list
+    states: list[MicroState]
+    rows: int  # positions each layer multiplies, padding included
+    prefix: SharedPrefix | None
+    computes_prefix: bool  # the first call computes the prefix
+    count: int  # sequences
+
+    @property
+    def before_layer(self):
+        """The hook that hands the prefix's keys and values over, where this pass computes the prefix."""
+        return self.prefix.inject if self.computes_prefix else None
+
+    @classmethod
+    def build(cls, handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, micro_batch: int | None,
+              use_cache: bool, prefix: SharedPrefix | None = None) -> PrefillCalls:
+        """Calls for `seqs`, every one of which starts with `prefix` (None: no sharing). A prefix not computed yet is
+        computed by the first call, before the others at every layer; one computed by an earlier pass is attached
+        to the new caches as it is."""
+        model, device = handle.model, handle.device
+        shared = len(prefix.prefix) if prefix is not None else 0
+        groups = prefill_groups([len(seq) - shared for seq in seqs], micro_batch, device)
+        computing = prefix is not None and not prefix.computed
+        calls, states = ([prefix.prefix_call()] if computing else []), []
+        rows = shared if computing else 0
+        for members in groups:
+            ids, mask, positions = left_pad([seqs[i][shared:] for i in members], pad_id, device)
+            rows += ids.numel()
+            cache = roomy_cache(model) if use_cache and prefix is None else None
+            if prefix is not None:
+                cache = prefix.placeholder_cache(len(calls), len(members), keeps_own=use_cache)
+                mask = torch.cat([torch.ones(len(members), shared, dtype=mask.dtype, device=device), mask], dim=1)
+                positions = positions + shared
+            states.append(MicroState(members, cache, mask, positions))
+            calls.append(_call(model, ids, mask, positions, keep, cache, use_cache or prefix is not None))
+        return cls(calls, states, rows, prefix, computing, len(seqs))
+
+    def collect(self, outputs: list) -> list[torch.Tensor]:
+        """Per-sequence log-probs [keep, V] from this pass's outputs (the first len(calls) of them), each state given
+        its cache. A prefix computed by the pass is complete now: later passes attach it as it is."""
+        outputs = outputs[1 if self.computes_prefix else 0:len(self.calls)]
+        if self.prefix is not None:
+            self.prefix.pass_done()
+        logprobs: list[torch.Tensor] = [None] * self.count  # type: ignore[list-item]
+        for state, (lp, cache) in zip(self.states, outputs):
+            state.cache = cache
+            for row, index in enumerate(state.members):
+                logprobs[index] = lp[row]
+        return logprobs
 
 
 def decode(handle, states: list[MicroState], next_tokens: dict[int, int], tokens_after: int = 0
            ) -> dict[int, torch.Tensor]:
     """One decode pass: each micro-batch feeds its sequences' last tokens. Returns index -> log-probs [V].
     `tokens_after`: at most how many more decode passes follow, the room the caches keep for them."""
+    calls = decode_calls(handle, states, next_tokens, tokens_after)
+    return collect_decoded(states, handle.run_pass(calls, light=True))
+
+
+def decode_calls(handle, states: list[MicroState], next_tokens: dict[int, int], tokens_after: int = 0) -> list:
+    """The forward calls of one decode step of every micro-batch (see decode)."""
     make_room(states, tokens_after)
     calls = []
     for state in states:
@@ -288,7 +339,11 @@ def decode(handle, states: list[MicroState], next_tokens: dict[int, int], tokens
         state.positions = state.positions[:, -1:] + 1
         ids = torch.tensor([[next_tokens[i]] for i in state.members], dtype=torch.long, device=handle.device)
         calls.append(_call(handle.model, ids, state.mask, state.positions, 1, state.cache, True))
-    outputs = handle.run_pass(calls, light=True)
+    return calls
+
+
+def collect_decoded(states: list[MicroState], outputs: list) -> dict[int, torch.Tensor]:
+    """index -> log-probs [V] of one decode step, from the outputs of decode_calls (in order)."""
     result = {}
     for state, (lp, cache) in zip(states, outputs):
         state.cache = cache

@@ -6,13 +6,17 @@ checkpoint when streamed). Shapes: B sequences, S padded length, V vocabulary.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from batchrun.prefill import decode, drop_finished, merge_for_decode, prefill
+from batchrun.batching import RowCost
+from batchrun.prefill import (PrefillCalls, SharedPrefix, collect_decoded, decode_calls, drop_finished,
+                              merge_for_decode, prefill)
 from batchrun.prompts import EncodedRow, choice_sequences, kept_positions
+from batchrun.refill import admit
 
 
 @dataclass
@@ -86,76 +90,96 @@ class Sequence_:
     text: str | None = None
 
 
-class GreedyBatch:
-    """Greedy decoding of a batch, one pass per call to `step()`; finished rows leave the batch.
+class GreedyPool:
+    """Greedy decoding of a job's generation rows, one pass per call to `step()`. Rows wait in a queue; each pass
+    decodes the next token of the rows live in it and prefills the prompts of the next queued rows, admitted while
+    they fit beside the live ones within the plan's batch limits (refill.admit), so places that rows finishing
+    early leave are taken in the next pass instead of staying empty until the batch's last row is done.
 
-    Rows may start with tokens already generated before an interruption (`prefixes`): the first pass
-    then prefills prompt + prefix, which costs one pass, and decoding continues from there.
+    `costs`: each row's RowCost as the plan sized it (its own tokens where a prefix is shared). A shared prefix of
+    `shared_prefix` tokens (every row starts with it) is computed by the first pass and kept for the later rows.
+    Rows may start with tokens already generated before an interruption (`prefixes`): their prefill then covers
+    prompt + those tokens, and decoding continues from there.
     """
 
-    def __init__(self, handle, rows: Sequence[EncodedRow], tokenizer, eos_ids: set[int], pad_id: int,
+    def __init__(self, handle, rows: Sequence[EncodedRow], costs: Sequence[RowCost], limits: tuple[int, int],
+                 tokenizer, eos_ids: set[int], pad_id: int,
                  prefixes: dict[int, tuple[list[int], float]] | None = None, *, micro_batch: int | None = None,
-                 decode_micro_batch: int | None = None, share_prefix: bool = True):
+                 decode_micro_batch: int | None = None, shared_prefix: int = 0):
         self.handle, self.tokenizer, self.eos_ids, self.pad_id = handle, tokenizer, eos_ids, pad_id
         self.special_ids = special_token_ids(tokenizer)
-        self.micro_batch, self.share_prefix = micro_batch, share_prefix
-        # Decoding regroups the prefill's micro-batches (prefill.merge_for_decode); None: all in one.
+        self.costs, self.limits = costs, limits
+        self.micro_batch = micro_batch
+        # Decoding regroups micro-batches (prefill.merge_for_decode); None: all in one.
         self.decode_micro_batch = decode_micro_batch
         prefixes = prefixes or {}
-        self.live: list[Sequence_] = []
-        for row in rows:
-            seq = Sequence_(row)
-            if row.request.index in prefixes:
-                tokens, logprob = prefixes[row.request.index]
+        self.sequences = [Sequence_(row) for row in rows]
+        for seq in self.sequences:
+            if seq.row.request.index in prefixes:
+                tokens, logprob = prefixes[seq.row.request.index]
                 seq.generated, seq.logprob = list(tokens), logprob
-            self.live.append(seq)
-        # A row whose restored prefix already ends it (the crash came between its last pass and the
-        # commit of its answer) finishes without any pass.
-        self.already_finished = []
-        for seq in self.live:
             if seq.generated:
+                # A row whose restored tokens already end it (the crash came between its last pass and the commit
+                # of its answer) finishes without any pass.
                 self._check_finished(seq)
-                if seq.finish:
-                    self.already_finished.append(seq)
-        self.live = [s for s in self.live if not s.finish]
-        self.states = None  # micro-batch states after the first pass
+        self.already_finished = [seq for seq in self.sequences if seq.finish]
+        self.queue = deque(i for i, seq in enumerate(self.sequences) if not seq.finish)
+        self.live: dict[int, Sequence_] = {}  # admitted, unfinished
+        self.states: list = []  # the live rows' micro-batches between passes
+        self.prefix = (SharedPrefix(handle.model, list(rows[self.queue[0]].prompt_ids[:shared_prefix]),
+                                    handle.device) if shared_prefix and len(self.queue) > 1 and limits[0] > 1
+                       else None)
         self.passes = 0
 
     def step(self) -> list[Sequence_]:
         """Run one pass; return the sequences that finished in it."""
-        if self.states is None:
-            seqs = [list(s.row.prompt_ids) + s.generated for s in self.live]
-            most_new = max(s.row.request.max_new_tokens - len(s.generated) for s in self.live)
-            per_seq, self.states = prefill(self.handle, seqs, self.pad_id, keep=1, micro_batch=self.micro_batch,
-                                           use_cache=True, share_prefix=self.share_prefix, decode_tokens=most_new)
-            logprobs = {i: lp[-1] for i, lp in enumerate(per_seq)}
-            self._index = {i: seq for i, seq in enumerate(self.live)}
-            self.states = merge_for_decode(self.states, self.decode_micro_batch)
-        else:
-            # after this pass, at most the longest remaining answer less one more passes: the room caches keep
-            after = max(s.row.request.max_new_tokens - len(s.generated) for s in self._index.values()) - 1
-            logprobs = decode(self.handle, self.states, {i: s.generated[-1] for i, s in self._index.items()},
-                              tokens_after=after)
+        admitted = admit(self.costs, list(self.live), self.queue, *self.limits)
+        prefilling = None
+        if admitted:
+            seqs = [list(self.sequences[i].row.prompt_ids) + self.sequences[i].generated for i in admitted]
+            prefilling = PrefillCalls.build(self.handle, seqs, self.pad_id, keep=1, micro_batch=self.micro_batch,
+                                            use_cache=True, prefix=self.prefix)
+        decoding = self.states
+        tokens = {i: self.sequences[i].generated[-1] for i in self.live}
+        # after this pass, at most the longest remaining answer less one more passes: the room caches keep
+        after = max((self._left(i) for i in [*self.live, *admitted]), default=1) - 1
+        calls = decode_calls(self.handle, decoding, tokens, after) if decoding else []
+        if prefilling:  # first: the prefix's call and its hook count micro-batches from 0
+            calls = prefilling.calls + calls
+        outputs = self.handle.run_pass(calls, before_layer=prefilling.before_layer if prefilling else None,
+                                       rows=(prefilling.rows if prefilling else 0) + len(tokens),
+                                       light=prefilling is None)
+        logprobs = collect_decoded(decoding, outputs[len(prefilling.calls):] if prefilling else outputs)
+        states = decoding
+        if prefilling:
+            for local, lp in enumerate(prefilling.collect(outputs)):
+                logprobs[admitted[local]] = lp[-1]
+            for state in prefilling.states:
+                state.members = [admitted[local] for local in state.members]
+            states = decoding + prefilling.states
+            self.live.update((i, self.sequences[i]) for i in admitted)
         self.passes += 1
-        finished = []
+        finished = {}
         for i, lp in logprobs.items():
-            seq = self._index[i]
+            seq = self.sequences[i]
             token = int(lp.argmax())
             seq.generated.append(token)
             seq.logprob += float(lp[token])
             self._check_finished(seq)
             if seq.finish:
-                finished.append(seq)
-        if finished:
-            done = {i for i, s in self._index.items() if s.finish}
-            self.states = drop_finished(self.states, done)
-            self._index = {i: s for i, s in self._index.items() if not s.finish}
-            self.live = [s for s in self.live if not s.finish]
-        return finished
+                finished[i] = self.live.pop(i)
+        states = drop_finished(states, set(finished)) if finished else states
+        # New rows' micro-batches join the others for decoding (their keys and values copied into one cache).
+        self.states = merge_for_decode(states, self.decode_micro_batch) if prefilling else states
+        return list(finished.values())
+
+    def _left(self, index: int) -> int:
+        seq = self.sequences[index]
+        return seq.row.request.max_new_tokens - len(seq.generated)
 
     @property
     def done(self) -> bool:
-        return not self.live
+        return not (self.live or self.queue)
 
     def _check_finished(self, seq: Sequence_) -> None:
         request = seq.row.request
@@ -177,7 +201,7 @@ class GreedyBatch:
 
     def partial(self) -> dict[int, tuple[list[int], float]]:
         """Tokens generated so far by every unfinished row: what a resume keeps."""
-        return {s.row.request.index: (list(s.generated), s.logprob) for s in self.live}
+        return {s.row.request.index: (list(s.generated), s.logprob) for s in self.live.values()}
 
 
 def generation_answer(seq: Sequence_) -> Answer:

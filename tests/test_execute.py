@@ -9,9 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from batchrun.batching import RowCost, passes_for
 from batchrun.errors import OutputRefused
 from batchrun.execute import submit
 from batchrun.prepare import JobOptions
+from batchrun.refill import refill_schedule
 from batchrun.store import Store
 
 REVIEWS = [
@@ -416,6 +418,50 @@ def test_eos_ids_from_generation_config_stop_rows_in_both_modes(tmp_path, tiny_c
     _, rows = run(spec, tmp_path, path, "eos", streaming=streaming)
     assert rows[0]["finish_reason"] == "stop"
     assert rows[0]["answer"] == tokenizer.decode(greedy[:stop_at], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("arch,streaming", [("llama", "always"), ("llama", "never"), ("gpt_neox", "always"),
+                                             ("phi3", "always"), ("gemma3", "always")])
+def test_places_of_rows_that_stop_early_are_taken_by_waiting_rows(tmp_path, tiny_checkpoint, arch, streaming):
+    """Two rows a pass, 18 rows of up to 8 new tokens, several of which reach an end-of-sequence token early:
+    each pass admits the next waiting row into a place a row left (refill.py), so the job takes the passes of that
+    schedule, fewer than batches that each wait for their last row, and every answer is the one generate() gives."""
+    import shutil
+
+    path = shutil.copytree(tiny_checkpoint(arch), tmp_path / arch)
+    model, tokenizer = reference_model(path)
+    prompts = [f"You are a careful assistant. Read the customer review below and summarise it in a few words, "
+               f"nothing else. Review: {text} {extra}" for text in REVIEWS for extra in ("Briefly.", "In one line.",
+                                                                                        "Now.")]
+    greedy = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt_ids(tokenizer, prompt)])
+            greedy.append(model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                         pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist())
+    # a token some rows emit early (not first) and others not at all: as an end-of-sequence token it stops the first
+    stopped_by = {token: sum(token in tokens[1:5] and token != tokens[0] for tokens in greedy)
+                  for tokens in greedy for token in tokens[1:5]}
+    stop = max(stopped_by, key=lambda token: min(stopped_by[token], len(greedy) - stopped_by[token]))
+    eos_ids = [tokenizer.eos_token_id, stop]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
+    lengths = [next((k + 1 for k, t in enumerate(tokens) if t in eos_ids), 8) for tokens in greedy]
+    assert sum(n < 8 for n in lengths) >= 2
+    spec = write_jsonl(tmp_path / "early.jsonl", [{"id": i, "prompt": p, "max_new_tokens": 8}
+                                                   for i, p in enumerate(prompts)])
+    plans = []
+    summary, rows = run(spec, tmp_path, path, "early", streaming=streaming, batch_size=2, on_plan=plans.append)
+    # Later rows attend to the prefix the first pass computed; the tiny Gemma 3's sliding window is shorter than
+    # these rows, so it shares none and refills without one.
+    assert (plans[0].shared_prefix_tokens >= 16) == (arch != "gemma3")
+    for row, tokens, length in zip(rows, greedy, lengths):
+        stopped = tokens[length - 1] in eos_ids
+        assert row["finish_reason"] == ("stop" if stopped else "length")
+        assert row["answer"] == tokenizer.decode(tokens[:length - 1 if stopped else length], skip_special_tokens=True)
+    actual = [RowCost(1, n) for n in lengths]
+    order = [i for batch in plans[0].batches for i in batch]
+    assert summary.passes_now == len(refill_schedule(actual, order, 2, 10**9)) < plans[0].passes == 9 * 8
+    assert summary.passes_now < passes_for(actual, plans[0].batches)  # batches waiting for their last row
 
 
 REFUSES_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}"

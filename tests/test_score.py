@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 
 from batchrun.prompts import EncodedRow
-from batchrun.score import GreedyBatch, Sequence_, special_token_ids
+from batchrun.score import GreedyPool, Sequence_, special_token_ids
 from batchrun.spec import Request
 
 EOS, TURN = 0, 1
@@ -24,7 +24,7 @@ def finish(text: str | list[int], stop=(), max_new_tokens=16, eos=False):
     tokens = [ord(c) for c in text] if isinstance(text, str) else text
     seq = Sequence_(EncodedRow(request, (1, 2), ()), generated=tokens + ([EOS] if eos else []))
     batch = SimpleNamespace(eos_ids={EOS}, tokenizer=CharTokenizer(), special_ids=special_token_ids(CharTokenizer()))
-    GreedyBatch._check_finished(batch, seq)
+    GreedyPool._check_finished(batch, seq)
     return seq.finish, seq.text
 
 
