@@ -619,6 +619,18 @@ def test_io_bound_eta_is_one_read_of_the_layers_per_pass(prefetch, efficiency):
     assert candidate.answers_per_hour == pytest.approx(8 / candidate.eta_seconds * 3600)
 
 
+def test_generation_passes_follow_the_refill_schedule():
+    """A place a finished row leaves is taken in the next pass: 5 passes where batches would make 6 (rows of 1 and 2
+    new tokens, then 2 and 4), the lower bound; the first answer comes out of the first pass."""
+    rows = [RowCost(300, 1), RowCost(300, 4), RowCost(300, 2), RowCost(300, 2)]
+    candidate = plan(rows=rows, streaming="always", compute_flops_per_s=1e30, batch_size=2)
+    per_pass = LLAMA_70B.decoder_bytes / 1e9
+    assert passes_for(rows, candidate.batches) == 6
+    assert candidate.passes == candidate.lower_bound_passes == 5
+    assert candidate.eta_seconds == pytest.approx(LLAMA_70B.non_decoder_bytes / 1e9 + 5 * per_pass)
+    assert candidate.first_answer_seconds == pytest.approx(LLAMA_70B.non_decoder_bytes / 1e9 + per_pass)
+
+
 def test_long_prefill_on_a_slow_cpu_is_compute_bound_and_said_so():
     candidate = plan(rows=[RowCost(4000, 1)] * 8, streaming="always", bandwidth=Bandwidth(1e12, "declared", "x"),
                      compute_flops_per_s=1e11)
