@@ -123,7 +123,8 @@ class Candidate:
     estimated: bool
     blockers: list[str] = field(default_factory=list)
     caveats: list[str] = field(default_factory=list)
-    shared_prefix_tokens: int = 0  # prompt tokens every row starts with, computed once per batch
+    shared_prefix_tokens: int = 0  # prompt tokens every row starts with: computed once per choice batch, once for the
+    # generation rows
     decode_micro_batch_size: int | None = None  # sequences per forward call in decode passes; None: all at once
     prefetch_depth: int = 0  # layers a prefill reads ahead of the one computing; 0: none (resident, no prefetch)
     decode_prefetch_depth: int = 0  # the same in decode passes (one more where memory allows)
