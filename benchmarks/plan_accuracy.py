@@ -60,6 +60,8 @@ class Case:
 CASES = [
     Case("default-resident-generate", "default", "never", "generate", 16, (80, 220)),
     Case("default-streamed-generate", "default", "always", "generate", 16, (80, 220)),
+    # four rows a pass: later rows are admitted as earlier ones finish (refill.py), prefilled beside decode steps
+    Case("default-streamed-generate-refilled", "default", "always", "generate", 16, (80, 220), batch_size=4),
     Case("default-resident-choice", "default", "never", "choice", 32, (80, 220), batch_size=8),
     Case("default-streamed-choice", "default", "always", "choice", 32, (80, 220), batch_size=8),
     Case("large-streamed-generate", "large", "always", "generate", 4, (60, 100)),
