@@ -6,8 +6,9 @@ rows while the live ones and the admitted ones stay within the batch limits the 
 longest sequence in tokens): the admitted rows' prompts are prefilled in the same pass that decodes the others' next
 token, so a finished row's place goes to the waiting rows at once (in queue order: the next row waits until it fits).
 With every row running to its new-token count this makes the passes of the batches one after another; where rows
-differ in length or stop early it approaches the lower bound, max(longest answer, sum of answers / batch size). The plan simulates the schedule with
-every row running to its count; the executor admits the same way as rows really finish. No torch.
+differ in length or stop early it approaches the lower bound, max(longest answer, sum of answers / batch size). The
+plan simulates the schedule with every row running to its count; the executor admits the same way as rows really
+finish. No torch.
 """
 from __future__ import annotations
 
