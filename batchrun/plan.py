@@ -23,7 +23,7 @@ from batchrun.plan_time import (  # noqa: F401 (re-exported)
     KV_COPIES_PER_DECODE, Timeline, host_streaming_bytes, job_timeline, pass_bound)
 from batchrun.plan_weights import (  # noqa: F401 (re-exported)
     COMPUTE_BYTES, layer_slot_bytes, on_host, resident_weights, streamed_weights)
-from batchrun.refill import refill_schedule
+from batchrun.refill import refill_schedule, shares_prefix
 from batchrun.sizes import (  # noqa: F401 (re-exported)
     DTYPE_CODES, CheckpointSizes, attended_positions, kv_bytes_for_sequence, kv_bytes_per_token_per_layer,
 )
@@ -326,11 +326,13 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
                        "larger --memory batches more rows a pass)")
     # Generation rows run as one queue whose passes refill the places of finished rows (refill.py); choice rows as
     # their batches, one pass each. A pass holds its decoding rows and the rows it admits at once: sized as one batch.
+    # Only passes that admit rows need sizing: between admissions rows only leave, and the decode passes' own needs
+    # (the whole batch's cache at its longest) are counted below.
     choice_batches = [batch for batch in batches if rows[batch[0]].is_choice]
     generation = [i for batch in batches if not rows[batch[0]].is_choice for i in batch]
     schedule = refill_schedule(own_rows, generation, max_sequences, max_tokens)
-    schedule_prefix = shared if len(generation) > 1 and max_sequences > 1 else 0
-    held_together = [[*p.decoding, *p.admitted] for p in schedule]
+    schedule_prefix = shared if shares_prefix(len(generation), max_sequences) else 0
+    held_together = [[*p.decoding, *p.admitted] for p in schedule if p.admitted]
     peak_batch_bytes = max([_batch_peak_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
                                               prefix_bytes) for b in choice_batches]
                            + [_batch_peak_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,

@@ -191,11 +191,10 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
                                        compute_flops_per_s, memory_bytes_per_s, shared, micro_batches,
                                        streaming_bytes, device, decode_rates)
     first_answer = 1 if batches else 0
-    sharing = schedule_prefix
     steps: dict[int, int] = {}  # live row -> tokens it has after the pass before
     for index, scheduled in enumerate(schedule):
-        compute = _scheduled_pass_seconds(sizes, compute_bytes, own_rows if sharing else rows, scheduled, steps,
-                                          sharing, index == 0, compute_flops_per_s, memory_bytes_per_s,
+        compute = _scheduled_pass_seconds(sizes, compute_bytes, own_rows if schedule_prefix else rows, scheduled,
+                                          steps, schedule_prefix, index == 0, compute_flops_per_s, memory_bytes_per_s,
                                           micro_batches, streaming_bytes, device, decode_rates)
         computes.append(compute)
         steps.update((i, 0) for i in scheduled.admitted)

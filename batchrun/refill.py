@@ -39,11 +39,23 @@ def admit(rows: Sequence[RowCost], live: Sequence[int], queue: deque, max_sequen
     """Take rows from the head of `queue` while they fit beside `live`; a row too large for the limits alone still
     runs, alone, when nothing else is live. Queue order is kept: a row that does not fit holds back those behind it,
     so rows finish in about the order the plan packed them."""
+    sequences = sum(rows[i].sequences() for i in live)
+    longest = max((rows[i].sequence_length() for i in live), default=0)
     admitted: list[int] = []
-    while queue and (fits(rows, [*live, *admitted, queue[0]], max_sequences, max_tokens)
-                     or not (live or admitted)):
+    while queue:
+        row = rows[queue[0]]
+        grown_sequences, grown_longest = sequences + row.sequences(), max(longest, row.sequence_length())
+        if (live or admitted) and (grown_sequences > max_sequences or grown_sequences * grown_longest > max_tokens):
+            break
         admitted.append(queue.popleft())
+        sequences, longest = grown_sequences, grown_longest
     return admitted
+
+
+def shares_prefix(rows: int, max_sequences: int) -> bool:
+    """Whether generation rows share their prompt prefix (computed by the first pass, kept for the later rows):
+    where more than one row runs and a pass may hold more than one."""
+    return rows > 1 and max_sequences > 1
 
 
 def refill_schedule(rows: Sequence[RowCost], order: Sequence[int], max_sequences: int,

@@ -16,7 +16,7 @@ from batchrun.batching import RowCost
 from batchrun.prefill import (PrefillCalls, SharedPrefix, collect_decoded, decode_calls, drop_finished,
                               merge_for_decode, prefill)
 from batchrun.prompts import EncodedRow, choice_sequences, kept_positions
-from batchrun.refill import admit
+from batchrun.refill import admit, shares_prefix
 
 
 @dataclass
@@ -127,9 +127,8 @@ class GreedyPool:
         self.live: dict[int, Sequence_] = {}  # admitted, unfinished
         self.states: list = []  # the live rows' micro-batches between passes
         self.prefix = (SharedPrefix(handle.model, list(rows[self.queue[0]].prompt_ids[:shared_prefix]),
-                                    handle.device) if shared_prefix and len(self.queue) > 1 and limits[0] > 1
+                                    handle.device) if shared_prefix and shares_prefix(len(self.queue), limits[0])
                        else None)
-        self.passes = 0
 
     def step(self) -> list[Sequence_]:
         """Run one pass; return the sequences that finished in it."""
@@ -158,7 +157,6 @@ class GreedyPool:
                 state.members = [admitted[local] for local in state.members]
             states = decoding + prefilling.states
             self.live.update((i, self.sequences[i]) for i in admitted)
-        self.passes += 1
         finished = {}
         for i, lp in logprobs.items():
             seq = self.sequences[i]
