@@ -399,7 +399,8 @@ def _merge(group: list[MicroState]) -> MicroState:
 
 
 def drop_finished(states: list[MicroState], finished: set[int]) -> list[MicroState]:
-    """Finished sequences leave the pass: shrink each micro-batch's cache, mask and positions."""
+    """Finished sequences leave the pass: shrink each micro-batch's cache, mask and positions, and cut the padding
+    that only the rows which left needed."""
     kept_states = []
     for state in states:
         keep = [row for row, index in enumerate(state.members) if index not in finished]
@@ -410,8 +411,28 @@ def drop_finished(states: list[MicroState], finished: set[int]) -> list[MicroSta
             state.cache.batch_select_indices(rows)
             state.mask, state.positions = state.mask[rows], state.positions[rows]
             state.members = [state.members[row] for row in keep]
+            _cut_leading_padding(state)
         kept_states.append(state)
     return kept_states
+
+
+def _cut_leading_padding(state: MicroState) -> None:
+    """Drop the own-token columns no remaining row attends. A merged micro-batch is left-padded to its longest row
+    (_merge); once that row leaves, its width would otherwise stay, and grow by one column a pass for as long as
+    rows keep being admitted beside live ones: more KV cache than the plan sized, and, where a shared prefix sits in
+    front of sliding-window layers (SharedPrefix.usable), real tokens pushed out of the window. Only caches whose
+    every layer holds one column per own mask column are cut (full-attention layers: _mergeable)."""
+    if not _mergeable(state.cache):
+        return
+    shared = getattr(state.cache.layers[0], "prefix_length", 0)
+    own = state.mask[:, shared:]  # [b, own columns]
+    attended = own.any(dim=0).nonzero()
+    cut = int(attended[0]) if len(attended) else 0
+    if cut == 0 or any(layer.keys.shape[-2] != own.shape[1] for layer in state.cache.layers):
+        return
+    for layer in state.cache.layers:  # [b, H, S, D] -> [b, H, S - cut, D]
+        layer.keys, layer.values = layer.keys[:, :, cut:], layer.values[:, :, cut:]
+    state.mask = torch.cat([state.mask[:, :shared], own[:, cut:]], dim=1)
 
 
 def _call(model, ids, mask, positions, keep, cache, use_cache):

@@ -1,0 +1,81 @@
+"""Refilled passes end to end (score.GreedyPool): a pool whose rows keep being admitted beside live ones must keep
+each decode micro-batch's cache as wide as its longest live row, and answer as generate() does."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from batchrun import score
+from tests.test_execute import prompt_ids, reference_generation, reference_model, run, write_jsonl
+
+INSTRUCTION = ("You are a careful assistant. Read the customer review below and summarise it in a few words, "
+               "nothing else. ")
+
+
+def staggered_rows(count: int) -> list[dict]:
+    """Rows sharing an instruction; the first ends two tokens before the others, so from then on every pass that
+    admits a row does so beside a live one, and the pool never empties until the end."""
+    return [{"id": i, "prompt": f"{INSTRUCTION}Review {i:02d}", "max_new_tokens": 2 if i == 0 else 4}
+            for i in range(count)]
+
+
+def record_widths(monkeypatch) -> list[tuple[int, int]]:
+    """After every pass, each live micro-batch's (cache columns, columns its longest row fills): prompt and the
+    tokens fed back so far (the last one generated is fed in the next pass)."""
+    widths = []
+    step = score.GreedyPool.step
+
+    def recording_step(self):
+        finished = step(self)
+        for state in self.states:
+            filled = max(len(self.sequences[i].row.prompt_ids) + len(self.sequences[i].generated) - 1
+                         for i in state.members)
+            widths.append((state.mask.shape[1], filled))
+        return finished
+
+    monkeypatch.setattr(score.GreedyPool, "step", recording_step)
+    return widths
+
+
+@pytest.mark.parametrize("streaming", ["never", "always"])
+def test_a_pool_that_never_empties_keeps_its_cache_as_wide_as_its_longest_live_row(tmp_path, tiny_checkpoint,
+                                                                                   monkeypatch, streaming):
+    """A merged micro-batch is padded to its longest row; when that row leaves, the padding must go with it. It
+    stayed before, and grew a column a pass (91 columns for rows of 76 after 16 rows): KV cache the plan never
+    sized, unbounded over a long job."""
+    widths = record_widths(monkeypatch)
+    path = tiny_checkpoint("llama")
+    model, tokenizer = reference_model(path)
+    rows = staggered_rows(16)
+    summary, out = run(write_jsonl(tmp_path / "s.jsonl", rows), tmp_path, path, "w", streaming=streaming,
+                       batch_size=2)
+    assert summary.passes_now > 2 * 4 and len(widths) > 10
+    assert all(width == filled for width, filled in widths), widths
+    for row, answer in zip(rows, out):
+        assert (answer["answer"], answer["finish_reason"]) == reference_generation(
+            model, tokenizer, row["prompt"], row["max_new_tokens"])
+
+
+@pytest.mark.parametrize("streaming", ["never", "always"])
+def test_a_sliding_window_model_sharing_its_prefix_answers_as_generate_after_many_admissions(
+        tmp_path, tiny_checkpoint, streaming):
+    """A shared prefix in front of sliding-window layers is allowed only where every row fits inside the window
+    (prefill.SharedPrefix.usable). Padding left behind by departed rows pushed real tokens out of the window, and
+    rows admitted late answered differently from generate()."""
+    rows = staggered_rows(24)
+    source = tiny_checkpoint("gemma3")
+    _, tokenizer = reference_model(source)
+    window = max(len(prompt_ids(tokenizer, row["prompt"])) for row in rows) + 4  # the longest row fits exactly
+    path = shutil.copytree(source, tmp_path / "gemma3")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"sliding_window": window}))
+    model, tokenizer = reference_model(path)
+    plans = []
+    _, out = run(write_jsonl(tmp_path / "s.jsonl", rows), tmp_path, path, "w", streaming=streaming, batch_size=2,
+                 on_plan=plans.append)
+    assert plans[0].shared_prefix_tokens > 0
+    for row, answer in zip(rows, out):
+        assert (answer["answer"], answer["finish_reason"]) == reference_generation(
+            model, tokenizer, row["prompt"], row["max_new_tokens"])
