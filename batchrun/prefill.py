@@ -181,11 +181,15 @@ class WindowLayer(DynamicSlidingWindowLayer):
         return result
 
 
-def roomy_cache(model):
+def roomy_cache(model, windows_as_full: bool = False):
     """A DynamicCache whose full-attention layers decode in place (RoomyLayer) and whose sliding-window layers keep
-    no more than their window (WindowLayer)."""
+    no more than their window (WindowLayer). `windows_as_full`: every sequence the cache will hold, padding included,
+    fits inside the model's smallest window (SharedPrefix.usable), so its windowed layers attend exactly as full ones
+    and hold no more: they decode in place too, and the cache merges with others for decoding (merge_for_decode),
+    where windowed layers would leave every admission of a refilled pass its own decode call."""
     cache = DynamicCache(config=model.config)
-    cache.layers = [RoomyLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    full = (DynamicLayer, DynamicSlidingWindowLayer) if windows_as_full else (DynamicLayer,)
+    cache.layers = [RoomyLayer() if type(layer) in full else layer for layer in cache.layers]
     for layer in cache.layers:
         if type(layer) is DynamicSlidingWindowLayer:
             layer.__class__ = WindowLayer  # same state, one method more: no constructor arguments to keep in step
@@ -285,10 +289,10 @@ class PrefillCalls:
 
     @classmethod
     def build(cls, handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, micro_batch: int | None,
-              use_cache: bool, prefix: SharedPrefix | None = None) -> PrefillCalls:
+              use_cache: bool, prefix: SharedPrefix | None = None, windows_as_full: bool = False) -> PrefillCalls:
         """Calls for `seqs`, every one of which starts with `prefix` (None: no sharing). A prefix not computed yet is
         computed by the first call, before the others at every layer; one computed by an earlier pass is attached
-        to the new caches as it is."""
+        to the new caches as it is. `windows_as_full`: see roomy_cache."""
         model, device = handle.model, handle.device
         shared = len(prefix.prefix) if prefix is not None else 0
         groups = prefill_groups([len(seq) - shared for seq in seqs], micro_batch, device)
@@ -298,7 +302,7 @@ class PrefillCalls:
         for members in groups:
             ids, mask, positions = left_pad([seqs[i][shared:] for i in members], pad_id, device)
             rows += ids.numel()
-            cache = roomy_cache(model) if use_cache and prefix is None else None
+            cache = roomy_cache(model, windows_as_full) if use_cache and prefix is None else None
             if prefix is not None:
                 cache = prefix.placeholder_cache(len(calls), len(members), keeps_own=use_cache)
                 mask = torch.cat([torch.ones(len(members), shared, dtype=mask.dtype, device=device), mask], dim=1)

@@ -129,6 +129,10 @@ class GreedyPool:
         self.prefix = (SharedPrefix(handle.model, list(rows[self.queue[0]].prompt_ids[:shared_prefix]),
                                     handle.device) if shared_prefix and shares_prefix(len(self.queue), limits[0])
                        else None)
+        # Every row, answered in full, inside the smallest sliding window: windowed layers cache like full ones, so
+        # the micro-batches of rows admitted in different passes merge into one decode call.
+        longest = max((len(seq.row.prompt_ids) + seq.row.request.max_new_tokens for seq in self.sequences), default=0)
+        self.windows_as_full = SharedPrefix.usable(handle.model, longest)
 
     def step(self) -> list[Sequence_]:
         """Run one pass; return the sequences that finished in it."""
@@ -137,7 +141,8 @@ class GreedyPool:
         if admitted:
             seqs = [list(self.sequences[i].row.prompt_ids) + self.sequences[i].generated for i in admitted]
             prefilling = PrefillCalls.build(self.handle, seqs, self.pad_id, keep=1, micro_batch=self.micro_batch,
-                                            use_cache=True, prefix=self.prefix)
+                                            use_cache=True, prefix=self.prefix,
+                                            windows_as_full=self.windows_as_full)
         decoding = self.states
         tokens = {i: self.sequences[i].generated[-1] for i in self.live}
         # after this pass, at most the longest remaining answer less one more passes: the room caches keep

@@ -79,3 +79,37 @@ def test_a_sliding_window_model_sharing_its_prefix_answers_as_generate_after_man
     for row, answer in zip(rows, out):
         assert (answer["answer"], answer["finish_reason"]) == reference_generation(
             model, tokenizer, row["prompt"], row["max_new_tokens"])
+
+
+def test_rows_inside_a_sliding_window_merge_into_one_decode_call_whatever_pass_admitted_them(tmp_path,
+                                                                                           tiny_checkpoint,
+                                                                                           monkeypatch):
+    """Windowed layers cannot be padded and stacked, so every admission of a refilled pass kept its own decode call:
+    one more read of each layer's weights from RAM per call. Where every row fits inside the window the layers
+    attend as full ones, cache as full ones, and the pool decodes in one call."""
+    calls = []
+    step = score.GreedyPool.step
+
+    def recording_step(self):
+        finished = step(self)
+        calls.append(len(self.states))
+        return finished
+
+    monkeypatch.setattr(score.GreedyPool, "step", recording_step)
+    rows = [{"id": i, "prompt": f"{word} review {i}: fine", "max_new_tokens": 2 + i % 3}  # nothing shared
+            for i, word in enumerate(["Short", "Odd", "Long", "Brief", "Plain", "Late", "Other", "Final", "Extra"])]
+    source = tiny_checkpoint("gemma3")
+    _, tokenizer = reference_model(source)
+    window = max(len(prompt_ids(tokenizer, row["prompt"])) + row["max_new_tokens"] for row in rows)
+    path = shutil.copytree(source, tmp_path / "gemma3")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"sliding_window": window}))
+    model, tokenizer = reference_model(path)
+    plans = []
+    _, out = run(write_jsonl(tmp_path / "s.jsonl", rows), tmp_path, path, "w", streaming="always", batch_size=2,
+                 on_plan=plans.append)
+    assert plans[0].shared_prefix_tokens == 0 and len(calls) > 4 and 0 not in calls[:-1]  # never empty till the end
+    assert max(calls) == 1, calls
+    for row, answer in zip(rows, out):
+        assert (answer["answer"], answer["finish_reason"]) == reference_generation(
+            model, tokenizer, row["prompt"], row["max_new_tokens"])
