@@ -349,6 +349,30 @@ def decode_rates(shapes: Sequence[tuple[int, int]], num_layers: int, dtype: str,
     return rates
 
 
+def compute_threads() -> int:
+    """The threads torch computes with in this process: what every rate here was measured with."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+def layer_call_seconds(device: str = "cpu") -> float:
+    """Seconds one forward call through a decoder layer costs besides its matmuls and memory traffic
+    (layer_overhead.py): what a small model's decode step mostly is. Cached per device, thread count and
+    transformers release (the cost is its modules' Python)."""
+    import torch
+
+    key = _compute_key("float32", device, torch.get_num_threads())
+    entry = _cached("layer_call", key)
+    if entry:
+        return entry["seconds"]
+    from batchrun import layer_overhead
+
+    seconds = layer_overhead.seconds_per_layer_call(device)
+    _store("layer_call", key, {"seconds": seconds})
+    return seconds
+
+
 def _compute_key(dtype: str, device: str, threads: int) -> str:
     return f"{device}:{dtype}:threads={threads}"
 
@@ -402,8 +426,8 @@ def _cached(section: str, key: str) -> dict | None:
 
 def _identity(section: str, key: str) -> dict:
     """What a figure of `section` depends on besides its key: the disk's mount for a bandwidth; the processor and
-    torch build for a rate, and the accelerator's name off the CPU; for the runtime's memory also transformers and
-    the native libraries' cache settings (native_env: a user's ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 measured 536 MiB
+    torch build for a rate, and the accelerator's name off the CPU; for a layer call's cost also transformers; for
+    the runtime's memory also transformers and the native libraries' cache settings (native_env: a user's ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 measured 536 MiB
     against 467 MiB at batchrun's 64)."""
     if section == "bandwidth":
         return machine.disk_identity(int(key))
@@ -411,6 +435,8 @@ def _identity(section: str, key: str) -> dict:
     if section == "runtime_overhead":
         return {**identity, "transformers": machine.package_version("transformers"),
                 "native": {name: os.environ.get(name) for name in NATIVE_DEFAULTS}}
+    if section == "layer_call":
+        identity = {**identity, "transformers": machine.package_version("transformers")}
     device = key.split(SHAPES_SEPARATOR)[0].rsplit(":", 2)[0]  # "<device>:<dtype>:threads=<n>[|<shapes>]"
     if device.split(":")[0] != "cpu":
         identity["accelerator"] = _accelerator_name(device)

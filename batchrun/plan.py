@@ -21,6 +21,8 @@ from batchrun.plan_memory import (  # noqa: F401 (re-exported)
     heap_factor, largest_turn_bytes, linear_activation_bytes_per_token, scores_materialised)
 from batchrun.plan_time import (  # noqa: F401 (re-exported)
     KV_COPIES_PER_DECODE, Timeline, host_streaming_bytes, job_timeline, pass_bound)
+from batchrun.plan_rates import (  # noqa: F401 (re-exported)
+    HOST_FRESH_PAGE_SLOWDOWN, decode_cores_share, effective_rates, streaming_traffic)
 from batchrun.plan_weights import (  # noqa: F401 (re-exported)
     COMPUTE_BYTES, layer_slot_bytes, on_host, resident_weights, streamed_weights)
 from batchrun.refill import refill_schedule, shares_prefix
@@ -45,15 +47,6 @@ STREAMING_WORDS = {
 # (the published design's 0.85 would overstate pass times). Without prefetch each layer's compute waits for its read
 # (published: 0.70).
 IO_EFFICIENCY = {True: 1.0, False: 0.70}
-# passes.keep_heap_flat returns every freed activation block to the kernel, so the next one is fresh pages to fault
-# and zero. Measured with and without it: a 2.2 GB Llama prefill (32 sequences, resident) 28.6 -> 35.5 s, SmolLM2
-# streamed decode passes 0.44 -> 0.53 s, a resident choice pass 2.21 -> 2.56 s: about a fifth slower. Measured
-# before keep_heap_flat served activations from a heap trimmed per layer turn, which faults fewer pages (3 GB Llama
-# streamed prefill: 4% faster, median of 4 pairs); not re-measured against the unflattened heap, so kept. Since a job
-# keeps freed pages while it has room under the plan's peak (passes.keep_freed_pages_below) fewer pages are fresh, yet
-# the plan still underestimates the pass there (benchmark classification pass, bfloat16: 14.3 s planned, 16.4 s
-# measured), so the factor stays.
-HOST_FRESH_PAGE_SLOWDOWN = 1.2
 MICRO_BATCH_MEMORY_SHARE = 0.25  # of the free memory given to one micro-batch's activations; the rest buys sequences
 # Batches are sized to leave this share of the budget unused: allocator fragmentation and transient copies are not
 # in the arithmetic, and under a hard cap (cgroup) being a little short means an out-of-memory kill.
@@ -221,23 +214,6 @@ def _calls_bytes(sequences: int, micro_sequences: int) -> int:
     return math.ceil(sequences / micro_sequences) * PREFILL_CALL_BYTES
 
 
-def effective_rates(device: str, flops_per_s: float | None,
-                    memory_bytes_per_s: float | None) -> tuple[float | None, float | None]:
-    """The measured rates as a pass achieves them: on the host, the flat heap's fresh pages slow every pass."""
-    if not on_host(device):
-        return flops_per_s, memory_bytes_per_s
-    slowed = [rate / HOST_FRESH_PAGE_SLOWDOWN if rate else rate for rate in (flops_per_s, memory_bytes_per_s)]
-    return slowed[0], slowed[1]
-
-
-def streaming_traffic(sizes: CheckpointSizes, compute_bytes: int, device: str, mode: str) -> tuple[int, int]:
-    """The host's RAM traffic of streaming the layers once in a prefill and in a decode pass
-    (plan_time.host_streaming_bytes), which a host pass's compute shares; an accelerator computes beside it."""
-    if mode != "streamed" or not on_host(device):
-        return 0, 0
-    return host_streaming_bytes(sizes, compute_bytes), host_streaming_bytes(sizes, compute_bytes, decode=True)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The plan
 
@@ -249,7 +225,8 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
               runtime_overhead_bytes: int, batch_size: int | None = None,
               context_length: int | None = None, memory_bytes_per_s: float | None = None,
               shared_prefix_tokens: int = 0, decode_rates: Mapping[int, float] | None = None,
-              decode_in_place: bool = False, packs_weights: bool = False) -> Candidate:
+              decode_in_place: bool = False, packs_weights: bool = False,
+              layer_call_seconds: float = 0.0, compute_threads: int = 1) -> Candidate:
     """How to run `rows` through the model within a memory budget, and how long it will take.
 
     memory_bytes_per_s: how fast a decode-shaped matmul streams weights from RAM (measure.memory_read_rate); without
@@ -260,7 +237,11 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     once and keeps their KV once, so its sequences are sized, packed and timed by their own tokens.
     decode_in_place: the model's decode steps read each layer's keys and values where they lie, not copied once per
     query head (prepare.plan_rows asks transformers): a decode call then holds far less, so more share it.
-    packs_weights: a streamed run's long prefills multiply packed weights (measure.packs_weights), one layer more."""
+    packs_weights: a streamed run's long prefills multiply packed weights (measure.packs_weights), one layer more.
+    layer_call_seconds: the fixed cost of one forward call through a decoder layer (measure.layer_call_seconds),
+    paid per layer by every call of a pass besides its roofline.
+    compute_threads: the threads the rates were measured with; a host streaming with prefetch decodes on one fewer
+    (decode_cores_share)."""
     if compute_dtype not in COMPUTE_BYTES:
         raise ValueError(f"compute_dtype must be one of {sorted(COMPUTE_BYTES)}, got {compute_dtype!r}")
     if batch_size is not None and batch_size < 1:
@@ -378,7 +359,8 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     host_traffic = streaming_traffic(sizes, compute_bytes, device, mode)
     timeline = job_timeline(sizes, rows, choice_batches, io_seconds, flops_rate, compute_bytes, memory_rate,
                             shared, (micro_sequences, decode_micro), host_traffic, device, weight_rates,
-                            schedule, schedule_prefix)
+                            schedule, schedule_prefix, layer_call_seconds,
+                            decode_cores_share(sizes, compute_bytes, device, mode, prefetch, compute_threads))
     if mode == "streamed" and timeline.compute_bound_passes:
         caveats.append(f"{timeline.compute_bound_passes} of {passes} passes are compute-bound (long prefills): "
                        "faster reads would not speed those up")

@@ -98,7 +98,8 @@ def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequenc
                        flops_per_s: float | None, memory_bytes_per_s: float | None,
                        shared_prefix: int = 0, micro_batches: tuple[int | None, int | None] = (None, None),
                        streaming_bytes: tuple[int, int] = (0, 0), device: str = "cpu",
-                       decode_rates: Mapping[int, float] | None = None) -> list[float | None]:
+                       decode_rates: Mapping[int, float] | None = None,
+                       layer_call_seconds: float = 0.0, decode_cores_share: float = 1.0) -> list[float | None]:
     """Compute seconds of each pass of a batch, in the order of batch_pass_flops. With a shared prefix, `rows` are
     the rows without it (batching.without_prefix); attention still reads the prefix for every sequence.
     micro_batches: sequences per forward call in the prefill and in decode passes (None: all; a CPU prefill still cuts
@@ -106,37 +107,59 @@ def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequenc
     streaming_bytes: the host's own traffic of streaming the layers in the prefill and in a decode pass
     (host_streaming_bytes), 0 when resident or when an accelerator computes.
     decode_rates: {rows: weight bytes/s} of the checkpoint's layer matrices (measure.decode_rates), which price a
-    decode pass's weights at the rows of each of its calls; None: the memory rate."""
+    decode pass's weights at the rows of each of its calls; None: the memory rate.
+    layer_call_seconds: what each forward call of a decoder layer costs besides its matmuls (measure.py).
+    decode_cores_share: the share of the cores a decode pass computes on (a host streaming leaves one to the
+    reader, stream.py)."""
     prefill = batch_shape(rows, batch)[2]
     live = _live_sequences(rows, batch)
     flops = batch_pass_flops(sizes, rows, batch, shared_prefix)
     first = prefill_seconds(sizes, compute_bytes, rows, batch, flops[0], flops_per_s, memory_bytes_per_s,
-                            shared_prefix, micro_batches[0], streaming_bytes[0], device)
+                            shared_prefix, micro_batches[0], streaming_bytes[0], device, layer_call_seconds,
+                            computes_prefix=shared_prefix > 0)
     return [first] + [decode_seconds(sizes, compute_bytes, live[step], shared_prefix + prefill + step, flops[step],
                                      flops_per_s, memory_bytes_per_s, micro_batches[1], streaming_bytes[1],
-                                     decode_rates) for step in range(1, len(live))]
+                                     decode_rates, layer_call_seconds, decode_cores_share)
+                      for step in range(1, len(live))]
 
 
 def prefill_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost], batch: Sequence[int],
                     flops: int, flops_per_s: float | None, memory_bytes_per_s: float | None, shared_prefix: int,
-                    micro_batch: int | None, streaming_bytes: int, device: str) -> float | None:
+                    micro_batch: int | None, streaming_bytes: int, device: str, layer_call_seconds: float = 0.0, *,
+                    computes_prefix: bool = False) -> float | None:
     """The prefill of `batch`'s prompts ( `flops` of it): its micro-batches are cut by length, as the executor cuts
-    them, and each reads the layer's weights from memory once."""
+    them, and each reads the layer's weights from memory once. `computes_prefix`: a call of the shared prefix's own
+    runs first (its FLOPs are in `flops`)."""
     sequences, _, prefill, _ = batch_shape(rows, batch)
     weights, kv = pass_memory_bytes(sizes, compute_bytes, sequences, shared_prefix + prefill, False)
     calls = prefill_call_count(rows, batch, micro_batch, device)
-    return pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s, memory_bytes_per_s)
+    compute = pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s, memory_bytes_per_s)
+    return with_layer_calls(compute, sizes, calls + computes_prefix, layer_call_seconds)
 
 
 def decode_seconds(sizes: CheckpointSizes, compute_bytes: int, live: int, context: int, flops: int,
                    flops_per_s: float | None, memory_bytes_per_s: float | None, group: int | None,
-                   streaming_bytes: int, decode_rates: Mapping[int, float] | None) -> float | None:
-    """One decode step of `live` sequences at `context` tokens, in calls of `group` sequences (None: one call)."""
+                   streaming_bytes: int, decode_rates: Mapping[int, float] | None,
+                   layer_call_seconds: float = 0.0, cores_share: float = 1.0) -> float | None:
+    """One decode step of `live` sequences at `context` tokens, in calls of `group` sequences (None: one call),
+    computed on `cores_share` of the cores the rates were measured on."""
     weights, kv = pass_memory_bytes(sizes, compute_bytes, live, context, True)
     calls = math.ceil(live / group) if group else 1
     weights_rate = weight_rate_at(decode_rates, math.ceil(live / calls)) if decode_rates else None
-    return pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s, memory_bytes_per_s,
-                                weights_rate)
+    compute = pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s, memory_bytes_per_s,
+                                   weights_rate)
+    compute = with_layer_calls(compute, sizes, calls, layer_call_seconds)
+    return None if compute is None else compute / cores_share
+
+
+def with_layer_calls(compute_seconds: float | None, sizes: CheckpointSizes, calls: int,
+                     layer_call_seconds: float) -> float | None:
+    """A pass's compute plus the fixed cost of each forward call through each decoder layer (measure.py's
+    layer_call_seconds): the Python and small ops a roofline of matmuls and memory traffic leaves out, most of a
+    small model's decode step."""
+    if compute_seconds is None:
+        return None
+    return compute_seconds + sizes.num_layers * calls * layer_call_seconds
 
 
 def _live_sequences(rows: Sequence[RowCost], batch: Sequence[int]) -> list[int]:
@@ -178,7 +201,8 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
                  micro_batches: tuple[int | None, int | None] = (None, None),
                  streaming_bytes: tuple[int, int] = (0, 0), device: str = "cpu",
                  decode_rates: Mapping[int, float] | None = None,
-                 schedule: Sequence[ScheduledPass] = (), schedule_prefix: int = 0) -> Timeline:
+                 schedule: Sequence[ScheduledPass] = (), schedule_prefix: int = 0,
+                 layer_call_seconds: float = 0.0, decode_cores_share: float = 1.0) -> Timeline:
     """Seconds of every pass of the job, in run order: each batch of `batches` (choice rows: one pass each), then
     the generation rows' `schedule` (refill.refill_schedule). A batch of several sequences computes `shared_prefix`
     prompt tokens once (prefill.SharedPrefix), one sequence alone its whole prompt; the scheduled passes share
@@ -189,13 +213,15 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
         shared = shared_prefix if batch_shape(rows, batch)[0] > 1 else 0
         computes += batch_pass_seconds(sizes, compute_bytes, own_rows if shared else rows, batch,
                                        compute_flops_per_s, memory_bytes_per_s, shared, micro_batches,
-                                       streaming_bytes, device, decode_rates)
+                                       streaming_bytes, device, decode_rates, layer_call_seconds,
+                                       decode_cores_share)
     first_answer = 1 if batches else 0
     steps: dict[int, int] = {}  # live row -> tokens it has after the pass before
     for index, scheduled in enumerate(schedule):
         compute = _scheduled_pass_seconds(sizes, compute_bytes, own_rows if schedule_prefix else rows, scheduled,
                                           steps, schedule_prefix, index == 0, compute_flops_per_s, memory_bytes_per_s,
-                                          micro_batches, streaming_bytes, device, decode_rates)
+                                          micro_batches, streaming_bytes, device, decode_rates, layer_call_seconds,
+                                          decode_cores_share)
         computes.append(compute)
         steps.update((i, 0) for i in scheduled.admitted)
         steps = {i: n + 1 for i, n in steps.items()}
@@ -213,9 +239,11 @@ def _scheduled_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Se
                             scheduled: ScheduledPass, steps: Mapping[int, int], shared_prefix: int,
                             computes_prefix: bool, flops_per_s: float | None, memory_bytes_per_s: float | None,
                             micro_batches: tuple[int | None, int | None], streaming_bytes: tuple[int, int],
-                            device: str, decode_rates: Mapping[int, float] | None) -> float | None:
+                            device: str, decode_rates: Mapping[int, float] | None,
+                            layer_call_seconds: float, decode_cores_share: float) -> float | None:
     """A pass that prefills the admitted rows' prompts and decodes one token of the others: the two sets of calls
-    one after the other, each as a batch would run it (rows: without the prefix where it is shared)."""
+    one after the other, each as a batch would run it (rows: without the prefix where it is shared). A pass that
+    admits nobody is a decode pass on `decode_cores_share` of the cores; one that prefills computes on all."""
     seconds = []
     if scheduled.admitted:
         batch = scheduled.admitted
@@ -223,13 +251,15 @@ def _scheduled_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Se
         flops = (prefill_flops(sizes, sequences, prefill, positions, shared_prefix)
                  + (shared_prefix_flops(sizes, shared_prefix) if computes_prefix else 0))
         seconds.append(prefill_seconds(sizes, compute_bytes, rows, batch, flops, flops_per_s, memory_bytes_per_s,
-                                       shared_prefix, micro_batches[0], streaming_bytes[0], device))
+                                       shared_prefix, micro_batches[0], streaming_bytes[0], device,
+                                       layer_call_seconds, computes_prefix=computes_prefix and shared_prefix > 0))
     if scheduled.decoding:
         live = len(scheduled.decoding)
         context = shared_prefix + max(rows[i].prefill_length() + steps[i] for i in scheduled.decoding)
         streamed = 0 if scheduled.admitted else streaming_bytes[1]  # a pass that prefills streams as a prefill
         seconds.append(decode_seconds(sizes, compute_bytes, live, context, decode_flops(sizes, live, context),
-                                      flops_per_s, memory_bytes_per_s, micro_batches[1], streamed, decode_rates))
+                                      flops_per_s, memory_bytes_per_s, micro_batches[1], streamed, decode_rates,
+                                      layer_call_seconds, 1.0 if scheduled.admitted else decode_cores_share))
     return None if None in seconds else sum(seconds)
 
 

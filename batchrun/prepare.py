@@ -292,7 +292,8 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
         # A decode step against the shared prefix reads it in place (prefix_attention); one without, where sdpa
         # groups a one-token query on the key heads.
         decode_in_place=prepared.attends_through_sdpa and (shared > 0 or prepared.sdpa_groups_decode_queries),
-        packs_weights=measure.packs_weights(compute_dtype, device))
+        packs_weights=measure.packs_weights(compute_dtype, device),
+        layer_call_seconds=measure.layer_call_seconds(device), compute_threads=measure.compute_threads())
     caveats = plan.caveats + _glued_choices_caveat(prepared.tokenizer, rows, options.raw)
     if common:
         window = min([window for window in sizes.sliding_windows if window] + [sizes.unplaced_window or math.inf])

@@ -169,13 +169,15 @@ def predicted_pass_kinds(spec: Path, arguments: list[str]) -> tuple[float | None
 
 
 def _forget_decode_rates() -> None:
-    """Drop the cached rates of checkpoints' layer matrices (measure.decode_rates) from the state directory."""
+    """Drop the cached rates of checkpoints' layer matrices (measure.decode_rates) and a layer call's fixed cost
+    (measure.layer_call_seconds) from the state directory: measured again, as the other rates are."""
     from batchrun import measure
     from batchrun.paths import state_dir
 
     file = state_dir() / measure.MEASUREMENTS_FILE
     measurements = json.loads(file.read_text()) if file.exists() else {}
-    if measurements.pop("decode", None) is not None:
+    dropped = [measurements.pop(section, None) for section in ("decode", "layer_call")]
+    if any(section is not None for section in dropped):
         file.write_text(json.dumps(measurements, indent=2))
 
 

@@ -13,7 +13,8 @@ TEST_CACHE = Path(os.environ.get("BATCHRUN_TEST_CACHE", Path.home() / ".cache" /
 
 @pytest.fixture(scope="session")
 def machine_measurements(tmp_path_factory) -> Path:
-    """Compute rate and runtime overhead, measured once per session (each costs seconds)."""
+    """Compute rate, runtime overhead and a layer call's fixed cost, measured once per session (each costs
+    seconds)."""
     import os as _os
 
     from batchrun import measure
@@ -26,6 +27,7 @@ def machine_measurements(tmp_path_factory) -> Path:
             measure.compute_rate(dtype, "cpu")
             measure.memory_read_rate(dtype, "cpu")
         measure.runtime_overhead_bytes()
+        measure.layer_call_seconds("cpu")
     finally:
         if previous is None:
             del _os.environ["BATCHRUN_HOME"]

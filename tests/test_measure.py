@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from batchrun import measure
+from batchrun import layer_overhead, measure
 from batchrun.paths import state_dir
 
 
@@ -125,6 +125,27 @@ def test_memory_read_rate_is_measured_once_and_then_read_from_the_cache(monkeypa
     assert cached_measurements()["memory"][key]["bytes_per_s"] == rate
     monkeypatch.setattr(measure, "measure_memory_read_rate", lambda *a: pytest.fail("measured again"))
     assert measure.memory_read_rate("float32", "cpu") == rate
+
+
+def test_a_layer_calls_fixed_cost_is_measured_once_and_then_read_from_the_cache(monkeypatch):
+    import torch
+
+    seconds = measure.layer_call_seconds("cpu")
+    assert 1e-6 < seconds < 0.05  # a tiny layer's Python and small ops: tens to hundreds of microseconds
+    key = f"cpu:float32:threads={torch.get_num_threads()}"
+    entry = cached_measurements()["layer_call"][key]
+    assert entry["seconds"] == seconds and entry["machine"]["transformers"]
+    monkeypatch.setattr(layer_overhead, "seconds_per_layer_call", lambda *a: pytest.fail("measured again"))
+    assert measure.layer_call_seconds("cpu") == seconds
+
+
+def test_the_layer_probe_counts_what_a_layer_adds_not_the_model_around_it():
+    """The probe's two models differ only in depth: a layer's cost is their fastest rounds apart over the layers
+    they differ by (a slowed round counts for nothing), and never negative."""
+    fewer, more = layer_overhead.PROBE_LAYERS
+    assert layer_overhead.cost_per_layer({fewer: [2.0, 1.0, 1.5], more: [9.0, 5.0, 30.0]}) == pytest.approx(
+        (5.0 - 1.0) / (more - fewer))
+    assert layer_overhead.cost_per_layer({fewer: [1.0], more: [0.9]}) == 0.0
 
 
 def test_a_runtime_overhead_measured_by_an_older_probe_is_measured_again(monkeypatch):

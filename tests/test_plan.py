@@ -10,8 +10,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from batchrun.batching import (MICRO_BATCH_COST_TOKENS, micro_batches, pack_in_order, prefill_groups,
-                               shared_prefix_tokens, windows_allow_sharing, without_prefix)
+from batchrun.batching import (MICRO_BATCH_COST_TOKENS, micro_batches, pack_in_order, prefill_call_count,
+                               prefill_groups, shared_prefix_tokens, windows_allow_sharing, without_prefix)
 from batchrun.checkpoint import sizes_from_config
 from batchrun.plan_time import batch_pass_flops, weight_rate_at
 from batchrun.plan import (
@@ -675,6 +675,39 @@ def test_decode_passes_are_priced_at_the_rate_their_row_count_reads_the_layer_ma
                                                 - weights / (1e10 / HOST_FRESH_PAGE_SLOWDOWN))
     assert plan(**options | dict(memory_bytes_per_s=None), decode_rates={4: 5e9}).pass_seconds == \
         plan(**options | dict(memory_bytes_per_s=None)).pass_seconds  # FLOPs alone: no memory terms at all
+
+
+def test_every_forward_call_through_a_layer_adds_the_layers_fixed_cost_to_its_pass():
+    """Beyond its roofline, a pass pays a decoder layer's fixed cost (Python, small ops) once per layer for each of
+    its forward calls: the prefill's calls cut by length plus the shared prefix's own, each decode call."""
+    rows = [RowCost(1200, 4)] * 2 + [RowCost(240, 4)] * 2  # a 200-token shared prefix, then 1,000 or 40 tokens
+    options = dict(rows=rows, streaming="never", memory_budget_bytes=400 * GiB, compute_flops_per_s=4e11,
+                   memory_bytes_per_s=1e10, shared_prefix_tokens=200)
+    bare, with_calls = plan(**options), plan(**options, layer_call_seconds=1e-3)
+    own = [without_prefix(row, 200) for row in rows]
+    calls = prefill_call_count(own, range(4), bare.micro_batch_size, "cpu")
+    assert bare.passes == 4 and calls == 2  # cut by length
+    layers = LLAMA_70B.num_layers
+    assert with_calls.pass_seconds[0] - bare.pass_seconds[0] == pytest.approx(layers * (calls + 1) * 1e-3)
+    for priced, before in zip(with_calls.pass_seconds[1:], bare.pass_seconds[1:]):
+        assert priced - before == pytest.approx(layers * 1e-3)  # the four sequences decode in one call
+    assert with_calls.eta_seconds > bare.eta_seconds
+
+
+def test_a_host_streaming_with_a_reader_decodes_on_one_thread_fewer():
+    """stream.py leaves a core to the reader in decode passes: on 2 threads a decode pass computes on one, twice as
+    long; the prefill keeps every thread, and so do decode passes whose linears widen a narrower checkpoint's tiles
+    on every core, a run without a reader thread and a resident one."""
+    options = dict(rows=[RowCost(300, 4)] * 4, streaming="always", bandwidth=Bandwidth(1e15, "declared", "fast"),
+                   memory_budget_bytes=400 * GiB, compute_flops_per_s=4e11, memory_bytes_per_s=1e10,
+                   layer_call_seconds=1e-4)
+    one, two = plan(**options, compute_threads=1), plan(**options, compute_threads=2)
+    assert two.pass_seconds[0] == one.pass_seconds[0]  # the prefill
+    for decode_two, decode_one in zip(two.pass_seconds[1:], one.pass_seconds[1:]):
+        assert decode_two == pytest.approx(2 * decode_one)
+    for unchanged in (dict(compute_dtype="float32"), dict(prefetch=False), dict(streaming="never")):
+        assert plan(**options | unchanged, compute_threads=2).pass_seconds == \
+            plan(**options | unchanged, compute_threads=1).pass_seconds
 
 
 def test_a_row_counts_weight_rate_is_interpolated_in_time_per_byte():
