@@ -1,6 +1,6 @@
 """What one forward call of a decoder layer costs beyond its matmuls and its memory traffic: the Python of
 transformers' module, the dispatch of its dozen-odd small ops (norms, rotary, activation, residual adds, the cache
-update, attention) and the threads each op wakes. A decode step of a small model is largely this: SmolLM2-135M (30
+update, attention). A decode step of a small model is largely this: SmolLM2-135M (30
 layers, 576 wide) decoding 16 sequences resident took 53-60 ms a pass where its weights and FLOPs account for 41 ms.
 
 Timed on a tiny Llama built from a transformers config (every weight a few KiB, so nothing but the fixed cost is
@@ -23,7 +23,21 @@ STEPS_PER_ROUND = 5
 
 def seconds_per_layer_call(device: str = "cpu") -> float:
     """Seconds one decoder layer's forward call costs on `device` with nothing to compute (cost_per_layer of the
-    probe models' rounds; other work on the machine only ever slows a round, so the fastest counts)."""
+    probe models' rounds; other work on the machine only ever slows a round, so the fastest counts). Timed on one
+    torch thread: the cost is Python and dispatch, which threads do not share, and a team of threads meeting at
+    every tiny op waits on any core another process holds (on 2 cores beside a competing torch process: 0.38-0.41
+    ms a layer on two threads, 2.76 ms once, against 0.17 ms idle on either)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return cost_per_layer(_timed_rounds(device))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _timed_rounds(device: str) -> dict[int, list[float]]:
     import torch
 
     models = {layers: _probe_model(layers, device) for layers in PROBE_LAYERS}
@@ -41,7 +55,7 @@ def seconds_per_layer_call(device: str = "cpu") -> float:
                     step()
                 wait()
                 timings[layers].append((time.perf_counter() - start) / STEPS_PER_ROUND)
-    return cost_per_layer(timings)
+    return timings
 
 
 def cost_per_layer(timings: dict[int, list[float]]) -> float:

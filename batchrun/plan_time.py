@@ -141,15 +141,15 @@ def decode_seconds(sizes: CheckpointSizes, compute_bytes: int, live: int, contex
                    flops_per_s: float | None, memory_bytes_per_s: float | None, group: int | None,
                    streaming_bytes: int, decode_rates: Mapping[int, float] | None,
                    layer_call_seconds: float = 0.0, cores_share: float = 1.0) -> float | None:
-    """One decode step of `live` sequences at `context` tokens, in calls of `group` sequences (None: one call),
-    computed on `cores_share` of the cores the rates were measured on."""
+    """One decode step of `live` sequences at `context` tokens, in calls of `group` sequences (None: one call), its
+    roofline computed on `cores_share` of the cores the rates were measured on."""
     weights, kv = pass_memory_bytes(sizes, compute_bytes, live, context, True)
     calls = math.ceil(live / group) if group else 1
     weights_rate = weight_rate_at(decode_rates, math.ceil(live / calls)) if decode_rates else None
     compute = pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s, memory_bytes_per_s,
                                    weights_rate)
-    compute = with_layer_calls(compute, sizes, calls, layer_call_seconds)
-    return None if compute is None else compute / cores_share
+    # fewer threads take longer over the matmuls and memory traffic; a layer call's Python costs what it costs
+    return with_layer_calls(None if compute is None else compute / cores_share, sizes, calls, layer_call_seconds)
 
 
 def with_layer_calls(compute_seconds: float | None, sizes: CheckpointSizes, calls: int,

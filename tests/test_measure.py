@@ -148,6 +148,24 @@ def test_the_layer_probe_counts_what_a_layer_adds_not_the_model_around_it():
     assert layer_overhead.cost_per_layer({fewer: [1.0], more: [0.9]}) == 0.0
 
 
+def test_the_layer_probe_times_on_one_thread_and_gives_the_others_back(monkeypatch):
+    """Python and dispatch are what it times; a team of threads waiting on a core another process holds would
+    multiply them (2.76 ms a layer measured once that way, 0.17 idle)."""
+    import torch
+
+    seen = []
+    fewer, more = layer_overhead.PROBE_LAYERS
+
+    def rounds(device):
+        seen.append(torch.get_num_threads())
+        return {fewer: [1.0], more: [2.0]}
+
+    monkeypatch.setattr(layer_overhead, "_timed_rounds", rounds)
+    before = torch.get_num_threads()
+    assert layer_overhead.seconds_per_layer_call() == pytest.approx(1.0 / (more - fewer))
+    assert seen == [1] and torch.get_num_threads() == before
+
+
 def test_a_runtime_overhead_measured_by_an_older_probe_is_measured_again(monkeypatch):
     measure._store("runtime_overhead", sys.executable, {"bytes": 123, "probe": "an older probe"})
     monkeypatch.setattr(measure.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": "456789\n"})())
