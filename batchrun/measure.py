@@ -427,8 +427,8 @@ def _cached(section: str, key: str) -> dict | None:
 def _identity(section: str, key: str) -> dict:
     """What a figure of `section` depends on besides its key: the disk's mount for a bandwidth; the processor and
     torch build for a rate, and the accelerator's name off the CPU; for a layer call's cost also transformers; for
-    the runtime's memory also transformers and the native libraries' cache settings (native_env: a user's ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 measured 536 MiB
-    against 467 MiB at batchrun's 64)."""
+    the runtime's memory also transformers and the native libraries' cache settings (native_env: a user's
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 measured 536 MiB against 467 MiB at batchrun's 64)."""
     if section == "bandwidth":
         return machine.disk_identity(int(key))
     identity = machine.kernels_identity()
