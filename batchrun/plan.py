@@ -313,11 +313,13 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     generation = [i for batch in batches if not rows[batch[0]].is_choice for i in batch]
     schedule = refill_schedule(own_rows, generation, max_sequences, max_tokens)
     schedule_prefix = shared if shares_prefix(len(generation), max_sequences) else 0
-    held_together = [[*p.decoding, *p.admitted] for p in schedule if p.admitted]
+    # (rows held, rows prefilled) of each pass that admits: its prefill calls are the admitted rows' alone
+    held_together = [([*p.decoding, *p.admitted], p.admitted) for p in schedule if p.admitted]
     peak_batch_bytes = max([_batch_peak_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
                                               prefix_bytes) for b in choice_batches]
-                           + [_batch_peak_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
-                                                prefix_bytes, shares=bool(schedule_prefix)) for b in held_together],
+                           + [_batch_peak_bytes(sizes, compute_bytes, device, rows, own_rows, held, micro_sequences,
+                                                prefix_bytes, shares=bool(schedule_prefix), prefilling=admitted)
+                              for held, admitted in held_together],
                            default=largest_row_bytes)
     passes = len(choice_batches) + len(schedule)
 
@@ -350,9 +352,11 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     if read_ahead and decode_bytes and decode_bytes + slot_bytes <= batch_free_bytes:
         decode_depth += 1
         peak_batch_bytes = max(peak_batch_bytes, prefix_bytes + decode_bytes + slot_bytes)
-    turn_bytes = max((largest_turn_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
-                                         decode_micro, shared, decode_in_place)
-                      for b in choice_batches + held_together), default=0)
+    turn_bytes = max([largest_turn_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
+                                         decode_micro, shared, decode_in_place) for b in choice_batches]
+                     + [largest_turn_bytes(sizes, compute_bytes, device, rows, own_rows, held, micro_sequences,
+                                           decode_micro, shared, decode_in_place, prefilling=admitted)
+                        for held, admitted in held_together], default=0)
     flops_rate, memory_rate = effective_rates(device, compute_flops_per_s, memory_bytes_per_s)
     weight_rates = ({count: effective_rates(device, None, rate)[1] for count, rate in decode_rates.items()}
                     if decode_rates and memory_rate else None)
@@ -443,12 +447,13 @@ def compare_modes(sizes: CheckpointSizes, rows: Sequence[RowCost], **options) ->
 
 def _batch_peak_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
                       own_rows: Sequence[RowCost], batch: Sequence[int], micro_sequences: int | None,
-                      prefix_bytes: int, shares: bool | None = None) -> int:
+                      prefix_bytes: int, shares: bool | None = None, prefilling: Sequence[int] | None = None) -> int:
     """A batch of several sequences shares the prefix (own tokens + the prefix once); one sequence has it all.
-    `shares`: whether these rows share it whatever their number (a refilled pass, score.GreedyPool)."""
+    `shares`: whether these rows share it whatever their number (a refilled pass, score.GreedyPool).
+    `prefilling`: the rows whose prompts the pass prefills (plan_memory.batch_bytes)."""
     if prefix_bytes and (batch_shape(rows, batch)[0] > 1 if shares is None else shares):
-        return batch_bytes(sizes, compute_bytes, device, own_rows, batch, micro_sequences) + prefix_bytes
-    return batch_bytes(sizes, compute_bytes, device, rows, batch, micro_sequences)
+        return batch_bytes(sizes, compute_bytes, device, own_rows, batch, micro_sequences, prefilling) + prefix_bytes
+    return batch_bytes(sizes, compute_bytes, device, rows, batch, micro_sequences, prefilling)
 
 
 def _padded_tokens(rows: Sequence[RowCost], batch: Sequence[int]) -> int:

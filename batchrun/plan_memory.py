@@ -67,15 +67,18 @@ def activation_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, de
 
 
 def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
-                batch: Sequence[int], micro_sequences: int | None = None) -> int:
+                batch: Sequence[int], micro_sequences: int | None = None,
+                prefilling: Sequence[int] | None = None) -> int:
     """KV cache at the batch's longest sequence (none for choice rows) plus activations at its longest prefill, for
     every sequence; with micro-batches, activations for one micro-batch and held hidden states for the others; and
-    the prefill's suspended forward calls."""
+    the prefill's suspended forward calls: those of `prefilling`, the rows whose prompts the pass prefills (a
+    refilled pass: the rows it admits; None: the whole batch)."""
     sequences, longest, prefill, positions = batch_shape(rows, batch)
     holds_cache = any(rows[i].holds_cache for i in batch)
     kv = kv_bytes_for_sequence(sizes, compute_bytes, longest) if holds_cache else 0
     activations = activation_bytes_for_sequence(sizes, compute_bytes, device, prefill, positions)
-    calls = prefill_call_count(rows, batch, micro_sequences, device) * PREFILL_CALL_BYTES
+    prefilled = batch if prefilling is None else prefilling
+    calls = (prefill_call_count(rows, prefilled, micro_sequences, device) if prefilled else 0) * PREFILL_CALL_BYTES
     if micro_sequences is None or micro_sequences >= sequences:
         return sequences * (kv + activations) + calls
     held = prefill * sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
@@ -84,16 +87,18 @@ def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: S
 
 def largest_turn_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
                        own_rows: Sequence[RowCost], batch: Sequence[int], micro_sequences: int | None,
-                       decode_group: int | None, shared: int, decode_in_place: bool = False) -> int:
+                       decode_group: int | None, shared: int, decode_in_place: bool = False,
+                       prefilling: Sequence[int] | None = None) -> int:
     """The most activation memory one forward call's turn at a layer takes in a batch's passes: its largest prefill
     call (cut as the executor cuts them), the shared prefix's call, or a decode call. A turn that finds no freed
-    pages to reuse takes this much more memory (passes.keep_freed_pages_below)."""
+    pages to reuse takes this much more memory (passes.keep_freed_pages_below). `prefilling`: as batch_bytes."""
     sequences = batch_shape(rows, batch)[0]
     sharing = bool(shared) and sequences > 1
     costs = own_rows if sharing else rows
     positions = batch_shape(costs, batch)[3]
+    prefilled = batch if prefilling is None else prefilling
     turns = [len(call) * activation_bytes_for_sequence(sizes, compute_bytes, device, max(call), positions)
-             for call in prefill_calls(costs, batch, micro_sequences, device)]
+             for call in (prefill_calls(costs, prefilled, micro_sequences, device) if prefilled else ())]
     if sharing:
         turns.append(activation_bytes_for_sequence(sizes, compute_bytes, device, shared, 0))
     if any(rows[i].passes() > 1 for i in batch):
