@@ -364,7 +364,8 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     timeline = job_timeline(sizes, rows, choice_batches, io_seconds, flops_rate, compute_bytes, memory_rate,
                             shared, (micro_sequences, decode_micro), host_traffic, device, weight_rates,
                             schedule, schedule_prefix, layer_call_seconds,
-                            decode_cores_share(sizes, compute_bytes, device, mode, prefetch, compute_threads))
+                            decode_cores_share(sizes, compute_bytes, device, mode, prefetch, compute_threads),
+                            decode_merges=bool(schedule_prefix) or _inside_windows(sizes, rows, generation))
     if mode == "streamed" and timeline.compute_bound_passes:
         caveats.append(f"{timeline.compute_bound_passes} of {passes} passes are compute-bound (long prefills): "
                        "faster reads would not speed those up")
@@ -454,6 +455,13 @@ def _batch_peak_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, r
     if prefix_bytes and (batch_shape(rows, batch)[0] > 1 if shares is None else shares):
         return batch_bytes(sizes, compute_bytes, device, own_rows, batch, micro_sequences, prefilling) + prefix_bytes
     return batch_bytes(sizes, compute_bytes, device, rows, batch, micro_sequences, prefilling)
+
+
+def _inside_windows(sizes: CheckpointSizes, rows: Sequence[RowCost], indices: Sequence[int]) -> bool:
+    """Whether every row of `indices`, answered in full, fits inside the model's smallest sliding window (or it has
+    none): its windowed layers then cache as full ones and its decode micro-batches merge (score.GreedyPool)."""
+    windows = [window for window in [*sizes.sliding_windows, sizes.unplaced_window] if window]
+    return not windows or max((rows[i].sequence_length() for i in indices), default=0) <= min(windows)
 
 
 def _padded_tokens(rows: Sequence[RowCost], batch: Sequence[int]) -> int:

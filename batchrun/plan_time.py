@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from batchrun.batching import RowCost, batch_shape, prefill_call_count, without_prefix
+from batchrun.batching import RowCost, batch_shape, prefill_call_count, prefill_groups, without_prefix
 from batchrun.refill import ScheduledPass
 from batchrun.sizes import CheckpointSizes, attended_positions, kv_bytes_for_sequence
 
@@ -140,11 +140,13 @@ def prefill_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[R
 def decode_seconds(sizes: CheckpointSizes, compute_bytes: int, live: int, context: int, flops: int,
                    flops_per_s: float | None, memory_bytes_per_s: float | None, group: int | None,
                    streaming_bytes: int, decode_rates: Mapping[int, float] | None,
-                   layer_call_seconds: float = 0.0, cores_share: float = 1.0) -> float | None:
+                   layer_call_seconds: float = 0.0, cores_share: float = 1.0, calls: int | None = None
+                   ) -> float | None:
     """One decode step of `live` sequences at `context` tokens, in calls of `group` sequences (None: one call), its
-    roofline computed on `cores_share` of the cores the rates were measured on."""
+    roofline computed on `cores_share` of the cores the rates were measured on. `calls`: the calls the step makes
+    where its micro-batches cannot merge (job_timeline), instead of the regrouped ones."""
     weights, kv = pass_memory_bytes(sizes, compute_bytes, live, context, True)
-    calls = math.ceil(live / group) if group else 1
+    calls = calls or (math.ceil(live / group) if group else 1)
     weights_rate = weight_rate_at(decode_rates, math.ceil(live / calls)) if decode_rates else None
     compute = pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s, memory_bytes_per_s,
                                    weights_rate)
@@ -202,11 +204,15 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
                  streaming_bytes: tuple[int, int] = (0, 0), device: str = "cpu",
                  decode_rates: Mapping[int, float] | None = None,
                  schedule: Sequence[ScheduledPass] = (), schedule_prefix: int = 0,
-                 layer_call_seconds: float = 0.0, decode_cores_share: float = 1.0) -> Timeline:
+                 layer_call_seconds: float = 0.0, decode_cores_share: float = 1.0,
+                 decode_merges: bool = True) -> Timeline:
     """Seconds of every pass of the job, in run order: each batch of `batches` (choice rows: one pass each), then
     the generation rows' `schedule` (refill.refill_schedule). A batch of several sequences computes `shared_prefix`
     prompt tokens once (prefill.SharedPrefix), one sequence alone its whole prompt; the scheduled passes share
-    `schedule_prefix` tokens (score.GreedyPool: 0 where a pass holds one row), computed by their first pass."""
+    `schedule_prefix` tokens (score.GreedyPool: 0 where a pass holds one row), computed by their first pass.
+    `decode_merges` False: the scheduled passes' micro-batches cannot merge for decoding (sliding-window caches of
+    rows longer than the window, prefill.merge_for_decode), so each admission's prefill micro-batches decode in a
+    call of their own for as long as one of their rows lives."""
     own_rows = [without_prefix(row, shared_prefix) for row in rows]
     computes: list[float | None] = []
     for batch in batches:
@@ -217,12 +223,19 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
                                        decode_cores_share)
     first_answer = 1 if batches else 0
     steps: dict[int, int] = {}  # live row -> tokens it has after the pass before
+    scheduled_rows = own_rows if schedule_prefix else rows
+    unmerged: list[set[int]] = []  # the live rows of each micro-batch that decodes alone (decode_merges False)
     for index, scheduled in enumerate(schedule):
-        compute = _scheduled_pass_seconds(sizes, compute_bytes, own_rows if schedule_prefix else rows, scheduled,
-                                          steps, schedule_prefix, index == 0, compute_flops_per_s, memory_bytes_per_s,
-                                          micro_batches, streaming_bytes, device, decode_rates, layer_call_seconds,
-                                          decode_cores_share)
+        calls = len(unmerged) if not decode_merges else None
+        compute = _scheduled_pass_seconds(sizes, compute_bytes, scheduled_rows, scheduled, steps, schedule_prefix,
+                                          index == 0, compute_flops_per_s, memory_bytes_per_s, micro_batches,
+                                          streaming_bytes, device, decode_rates, layer_call_seconds,
+                                          decode_cores_share, calls)
         computes.append(compute)
+        if not decode_merges and scheduled.admitted:
+            lengths = [scheduled_rows[i].prefill_length() for i in scheduled.admitted]
+            unmerged += [{scheduled.admitted[j] for j in group}
+                         for group in prefill_groups(lengths, micro_batches[0], device)]
         steps.update((i, 0) for i in scheduled.admitted)
         steps = {i: n + 1 for i, n in steps.items()}
         finished = [i for i, n in steps.items() if n >= rows[i].passes()]
@@ -230,6 +243,7 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
             first_answer = index + 1
         for i in finished:
             del steps[i]
+        unmerged = [left for left in (members.difference(finished) for members in unmerged) if left]
     passes = [pass_bound(io_seconds, c) for c in computes]
     compute_bound = sum(1 for c in computes if c is not None and io_seconds and c > io_seconds)
     return Timeline(passes, computes, first_answer, compute_bound)
@@ -240,7 +254,8 @@ def _scheduled_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Se
                             computes_prefix: bool, flops_per_s: float | None, memory_bytes_per_s: float | None,
                             micro_batches: tuple[int | None, int | None], streaming_bytes: tuple[int, int],
                             device: str, decode_rates: Mapping[int, float] | None,
-                            layer_call_seconds: float, decode_cores_share: float) -> float | None:
+                            layer_call_seconds: float, decode_cores_share: float,
+                            decode_calls: int | None = None) -> float | None:
     """A pass that prefills the admitted rows' prompts and decodes one token of the others: the two sets of calls
     one after the other, each as a batch would run it (rows: without the prefix where it is shared). A pass that
     admits nobody is a decode pass on `decode_cores_share` of the cores; one that prefills computes on all."""
@@ -259,7 +274,8 @@ def _scheduled_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Se
         streamed = 0 if scheduled.admitted else streaming_bytes[1]  # a pass that prefills streams as a prefill
         seconds.append(decode_seconds(sizes, compute_bytes, live, context, decode_flops(sizes, live, context),
                                       flops_per_s, memory_bytes_per_s, micro_batches[1], streamed, decode_rates,
-                                      layer_call_seconds, 1.0 if scheduled.admitted else decode_cores_share))
+                                      layer_call_seconds, 1.0 if scheduled.admitted else decode_cores_share,
+                                      decode_calls))
     return None if None in seconds else sum(seconds)
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from batchrun.batching import (MICRO_BATCH_COST_TOKENS, micro_batches, pack_in_order, prefill_call_count,
                                prefill_groups, shared_prefix_tokens, windows_allow_sharing, without_prefix)
 from batchrun.checkpoint import sizes_from_config
-from batchrun.plan_time import batch_pass_flops, weight_rate_at
+from batchrun.plan_time import batch_pass_flops, job_timeline, pass_memory_bytes, weight_rate_at
 from batchrun.plan import (
     HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, PREFILL_CALL_BYTES, MEMORY_HEADROOM_SHARE, Bandwidth,
     RowCost,
@@ -24,6 +24,7 @@ from batchrun.plan import (
 )
 from batchrun.plan_format import format_bytes, format_comparison, format_plan_table
 from batchrun import plan_memory
+from batchrun.refill import refill_schedule
 from batchrun.plan_memory import (IN_PLACE_SCORE_COPIES, batch_bytes, decode_call_bytes_per_sequence,
                                   largest_turn_bytes)
 
@@ -728,6 +729,23 @@ def test_a_refilled_pass_holds_every_live_row_but_prefills_only_the_rows_it_admi
     assert turn == max(activation_bytes_for_sequence(LLAMA_70B, 2, "cpu", 100, 1), decode_turn)
     assert largest_turn_bytes(LLAMA_70B, 2, "cpu", rows, rows, union, 1, None, 0) == max(
         activation_bytes_for_sequence(LLAMA_70B, 2, "cpu", 1000, 1), decode_turn)
+
+
+def test_decode_micro_batches_that_cannot_merge_are_priced_a_call_each():
+    """Sliding-window caches of rows longer than the window cannot be padded and stacked: each admission's
+    micro-batch decodes in a call of its own while one of its rows lives, and each call reads every weight from RAM
+    once more. Row 0 ends after 2 tokens; row 2, admitted into its place, decodes beside row 1 in two calls."""
+    rows = [RowCost(600, 2), RowCost(600, 4), RowCost(600, 4), RowCost(600, 4)]
+    schedule = refill_schedule(rows, [0, 1, 2, 3], 2, 10**9)
+    assert [(p.admitted, p.decoding) for p in schedule[:4]] == [((0, 1), ()), ((), (0, 1)), ((2,), (1,)),
+                                                                ((), (1, 2))]
+    options = dict(io_seconds=None, compute_flops_per_s=4e11, compute_bytes=2, memory_bytes_per_s=1e10,
+                   schedule=schedule, layer_call_seconds=1e-4)
+    merged = job_timeline(LLAMA_70B, rows, [], **options).compute_seconds
+    unmerged = job_timeline(LLAMA_70B, rows, [], **options, decode_merges=False).compute_seconds
+    assert unmerged[:3] == merged[:3]  # one micro-batch alive until row 2 joins
+    weights = pass_memory_bytes(LLAMA_70B, 2, 2, 604, True)[0]
+    assert unmerged[3] - merged[3] == pytest.approx(weights / 1e10 + LLAMA_70B.num_layers * 1e-4)
 
 
 def test_a_row_counts_weight_rate_is_interpolated_in_time_per_byte():
