@@ -311,8 +311,9 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     # (the whole batch's cache at its longest) are counted below.
     choice_batches = [batch for batch in batches if rows[batch[0]].is_choice]
     generation = [i for batch in batches if not rows[batch[0]].is_choice for i in batch]
-    schedule = refill_schedule(own_rows, generation, max_sequences, max_tokens)
     schedule_prefix = shared if shares_prefix(len(generation), max_sequences) else 0
+    decode_merges = bool(schedule_prefix) or _inside_windows(sizes, rows, generation)  # score.GreedyPool.refills
+    schedule = refill_schedule(own_rows, generation, max_sequences, max_tokens, refill_while_live=decode_merges)
     # (rows held, rows prefilled) of each pass that admits: its prefill calls are the admitted rows' alone
     held_together = [([*p.decoding, *p.admitted], p.admitted) for p in schedule if p.admitted]
     peak_batch_bytes = max([_batch_peak_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
@@ -365,7 +366,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
                             shared, (micro_sequences, decode_micro), host_traffic, device, weight_rates,
                             schedule, schedule_prefix, layer_call_seconds,
                             decode_cores_share(sizes, compute_bytes, device, mode, prefetch, compute_threads),
-                            decode_merges=bool(schedule_prefix) or _inside_windows(sizes, rows, generation))
+                            decode_merges=decode_merges)
     if mode == "streamed" and timeline.compute_bound_passes:
         caveats.append(f"{timeline.compute_bound_passes} of {passes} passes are compute-bound (long prefills): "
                        "faster reads would not speed those up")

@@ -59,13 +59,15 @@ def shares_prefix(rows: int, max_sequences: int) -> bool:
 
 
 def refill_schedule(rows: Sequence[RowCost], order: Sequence[int], max_sequences: int,
-                    max_tokens: int) -> list[ScheduledPass]:
-    """The passes of generation rows `order` when each runs to its new-token count (RowCost.passes)."""
+                    max_tokens: int, *, refill_while_live: bool = True) -> list[ScheduledPass]:
+    """The passes of generation rows `order` when each runs to its new-token count (RowCost.passes).
+    `refill_while_live` False: rows are admitted only once every live row has finished, batch after batch, where
+    rows admitted in different passes could not decode in one call (score.GreedyPool.refills)."""
     queue = deque(order)
     left: dict[int, int] = {}  # live row -> passes it still needs
     schedule = []
     while queue or left:
-        admitted = admit(rows, list(left), queue, max_sequences, max_tokens)
+        admitted = admit(rows, list(left), queue, max_sequences, max_tokens) if refill_while_live or not left else []
         schedule.append(ScheduledPass(tuple(admitted), tuple(left)))
         left.update((i, rows[i].passes()) for i in admitted)
         left = {i: n - 1 for i, n in left.items() if n > 1}

@@ -133,10 +133,15 @@ class GreedyPool:
         # the micro-batches of rows admitted in different passes merge into one decode call.
         longest = max((len(seq.row.prompt_ids) + seq.row.request.max_new_tokens for seq in self.sequences), default=0)
         self.windows_as_full = SharedPrefix.usable(handle.model, longest)
+        # Where they cannot merge (windowed caches of longer rows), every admission beside live rows would add a
+        # decode call, each reading every layer's weights from RAM once more: rows then wait until the pool is
+        # empty, batch after batch (refill.refill_schedule's refill_while_live, as the plan schedules them).
+        self.refills = self.prefix is not None or self.windows_as_full
 
     def step(self) -> list[Sequence_]:
         """Run one pass; return the sequences that finished in it."""
-        admitted = admit(self.costs, list(self.live), self.queue, *self.limits)
+        admitted = (admit(self.costs, list(self.live), self.queue, *self.limits) if self.refills or not self.live
+                    else [])
         prefilling = None
         if admitted:
             seqs = [list(self.sequences[i].row.prompt_ids) + self.sequences[i].generated for i in admitted]

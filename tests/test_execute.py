@@ -460,6 +460,9 @@ def test_places_of_rows_that_stop_early_are_taken_by_waiting_rows(tmp_path, tiny
         assert row["answer"] == tokenizer.decode(tokens[:length - 1 if stopped else length], skip_special_tokens=True)
     actual = [RowCost(1, n) for n in lengths]
     order = [i for batch in plans[0].batches for i in batch]
+    if arch == "gemma3":  # rows past its window cannot decode in one call once admitted apart: batch after batch
+        assert summary.passes_now == passes_for(actual, plans[0].batches) < plans[0].passes == 9 * 8
+        return
     assert summary.passes_now == len(refill_schedule(actual, order, 2, 10**9)) < plans[0].passes == 9 * 8
     assert summary.passes_now < passes_for(actual, plans[0].batches)  # batches waiting for their last row
 

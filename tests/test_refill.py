@@ -30,6 +30,16 @@ def test_a_finished_row_s_place_is_taken_in_the_next_pass():
     assert passes_for(rows, pack_batches(rows, 2, 10**6)) == 6  # batches: (1, 2) then (2, 4) new tokens
 
 
+def test_without_refilling_while_rows_live_the_rows_run_batch_after_batch():
+    """Where rows admitted in different passes could not decode in one call, a pass admits only into an empty pool:
+    the same rows take the passes of their batches."""
+    rows = [RowCost(100, 1), RowCost(100, 4), RowCost(100, 2), RowCost(100, 2)]
+    schedule = refill_schedule(rows, range(4), max_sequences=2, max_tokens=10**6, refill_while_live=False)
+    assert schedule == [ScheduledPass((0, 1), ()), ScheduledPass((), (1,)), ScheduledPass((), (1,)),
+                        ScheduledPass((), (1,)), ScheduledPass((2, 3), ()), ScheduledPass((), (2, 3))]
+    assert len(schedule) == passes_for(rows, pack_batches(rows, 2, 10**6)) == 6
+
+
 def test_the_token_budget_holds_back_a_long_row_until_it_fits():
     rows = [RowCost(90, 2), RowCost(90, 6), RowCost(290, 2)]
     schedule = refill_schedule(rows, range(3), max_sequences=4, max_tokens=400)

@@ -113,3 +113,33 @@ def test_rows_inside_a_sliding_window_merge_into_one_decode_call_whatever_pass_a
     for row, answer in zip(rows, out):
         assert (answer["answer"], answer["finish_reason"]) == reference_generation(
             model, tokenizer, row["prompt"], row["max_new_tokens"])
+
+
+def test_rows_past_a_sliding_window_wait_for_an_empty_pool_and_decode_in_their_batchs_calls(tmp_path,
+                                                                                          tiny_checkpoint,
+                                                                                          monkeypatch):
+    """Windowed caches of rows longer than the window cannot merge: admitted beside live rows, every admission would
+    keep a decode call of its own (helper review: 4 calls a pass at 6 rows a pass). Such rows are admitted only
+    into an empty pool, batch after batch, as the plan schedules them, and answer as generate() does."""
+    passes = []  # (rows live before the pass, rows it admitted, decode micro-batches after it)
+    step = score.GreedyPool.step
+
+    def recording_step(self):
+        live, queued = len(self.live), len(self.queue)
+        finished = step(self)
+        passes.append((live, queued - len(self.queue), len(self.states)))
+        return finished
+
+    monkeypatch.setattr(score.GreedyPool, "step", recording_step)
+    path = tiny_checkpoint("gemma3")  # its window (8 tokens) is shorter than every row
+    model, tokenizer = reference_model(path)
+    rows = staggered_rows(8)
+    plans = []
+    summary, out = run(write_jsonl(tmp_path / "s.jsonl", rows), tmp_path, path, "w", streaming="always",
+                       batch_size=3, on_plan=plans.append)
+    assert summary.passes_now == plans[0].passes == len(passes)
+    assert not [p for p in passes if p[0] and p[1]], passes  # nobody admitted beside live rows
+    assert sum(admitted for _, admitted, _ in passes) == len(rows) and max(states for *_, states in passes) <= 3
+    for row, answer in zip(rows, out):
+        assert (answer["answer"], answer["finish_reason"]) == reference_generation(
+            model, tokenizer, row["prompt"], row["max_new_tokens"])
