@@ -39,6 +39,21 @@ def record_widths(monkeypatch) -> list[tuple[int, int]]:
     return widths
 
 
+def gemma3_with_window(tmp_path, tiny_checkpoint, window: int):
+    """A copy of the tiny Gemma 3 whose sliding window is `window` tokens."""
+    path = shutil.copytree(tiny_checkpoint("gemma3"), tmp_path / "gemma3")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"sliding_window": window}))
+    return path
+
+
+def assert_answers_as_generate(path, rows: list[dict], answers: list[dict]) -> None:
+    model, tokenizer = reference_model(path)
+    for row, answer in zip(rows, answers):
+        assert (answer["answer"], answer["finish_reason"]) == reference_generation(
+            model, tokenizer, row["prompt"], row["max_new_tokens"])
+
+
 @pytest.mark.parametrize("streaming", ["never", "always"])
 def test_a_pool_that_never_empties_keeps_its_cache_as_wide_as_its_longest_live_row(tmp_path, tiny_checkpoint,
                                                                                    monkeypatch, streaming):
@@ -47,15 +62,12 @@ def test_a_pool_that_never_empties_keeps_its_cache_as_wide_as_its_longest_live_r
     sized, unbounded over a long job."""
     widths = record_widths(monkeypatch)
     path = tiny_checkpoint("llama")
-    model, tokenizer = reference_model(path)
     rows = staggered_rows(16)
     summary, out = run(write_jsonl(tmp_path / "s.jsonl", rows), tmp_path, path, "w", streaming=streaming,
                        batch_size=2)
     assert summary.passes_now > 2 * 4 and len(widths) > 10
     assert all(width == filled for width, filled in widths), widths
-    for row, answer in zip(rows, out):
-        assert (answer["answer"], answer["finish_reason"]) == reference_generation(
-            model, tokenizer, row["prompt"], row["max_new_tokens"])
+    assert_answers_as_generate(path, rows, out)
 
 
 @pytest.mark.parametrize("streaming", ["never", "always"])
@@ -65,20 +77,14 @@ def test_a_sliding_window_model_sharing_its_prefix_answers_as_generate_after_man
     (prefill.SharedPrefix.usable). Padding left behind by departed rows pushed real tokens out of the window, and
     rows admitted late answered differently from generate()."""
     rows = staggered_rows(24)
-    source = tiny_checkpoint("gemma3")
-    _, tokenizer = reference_model(source)
+    _, tokenizer = reference_model(tiny_checkpoint("gemma3"))
     window = max(len(prompt_ids(tokenizer, row["prompt"])) for row in rows) + 4  # the longest row fits exactly
-    path = shutil.copytree(source, tmp_path / "gemma3")
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps(config | {"sliding_window": window}))
-    model, tokenizer = reference_model(path)
+    path = gemma3_with_window(tmp_path, tiny_checkpoint, window)
     plans = []
     _, out = run(write_jsonl(tmp_path / "s.jsonl", rows), tmp_path, path, "w", streaming=streaming, batch_size=2,
                  on_plan=plans.append)
     assert plans[0].shared_prefix_tokens > 0
-    for row, answer in zip(rows, out):
-        assert (answer["answer"], answer["finish_reason"]) == reference_generation(
-            model, tokenizer, row["prompt"], row["max_new_tokens"])
+    assert_answers_as_generate(path, rows, out)
 
 
 def test_rows_inside_a_sliding_window_merge_into_one_decode_call_whatever_pass_admitted_them(tmp_path,
@@ -98,21 +104,15 @@ def test_rows_inside_a_sliding_window_merge_into_one_decode_call_whatever_pass_a
     monkeypatch.setattr(score.GreedyPool, "step", recording_step)
     rows = [{"id": i, "prompt": f"{word} review {i}: fine", "max_new_tokens": 2 + i % 3}  # nothing shared
             for i, word in enumerate(["Short", "Odd", "Long", "Brief", "Plain", "Late", "Other", "Final", "Extra"])]
-    source = tiny_checkpoint("gemma3")
-    _, tokenizer = reference_model(source)
+    _, tokenizer = reference_model(tiny_checkpoint("gemma3"))
     window = max(len(prompt_ids(tokenizer, row["prompt"])) + row["max_new_tokens"] for row in rows)
-    path = shutil.copytree(source, tmp_path / "gemma3")
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps(config | {"sliding_window": window}))
-    model, tokenizer = reference_model(path)
+    path = gemma3_with_window(tmp_path, tiny_checkpoint, window)
     plans = []
     _, out = run(write_jsonl(tmp_path / "s.jsonl", rows), tmp_path, path, "w", streaming="always", batch_size=2,
                  on_plan=plans.append)
     assert plans[0].shared_prefix_tokens == 0 and len(calls) > 4 and 0 not in calls[:-1]  # never empty till the end
     assert max(calls) == 1, calls
-    for row, answer in zip(rows, out):
-        assert (answer["answer"], answer["finish_reason"]) == reference_generation(
-            model, tokenizer, row["prompt"], row["max_new_tokens"])
+    assert_answers_as_generate(path, rows, out)
 
 
 def test_rows_past_a_sliding_window_wait_for_an_empty_pool_and_decode_in_their_batchs_calls(tmp_path,
@@ -132,7 +132,6 @@ def test_rows_past_a_sliding_window_wait_for_an_empty_pool_and_decode_in_their_b
 
     monkeypatch.setattr(score.GreedyPool, "step", recording_step)
     path = tiny_checkpoint("gemma3")  # its window (8 tokens) is shorter than every row
-    model, tokenizer = reference_model(path)
     rows = staggered_rows(8)
     plans = []
     summary, out = run(write_jsonl(tmp_path / "s.jsonl", rows), tmp_path, path, "w", streaming="always",
@@ -140,6 +139,4 @@ def test_rows_past_a_sliding_window_wait_for_an_empty_pool_and_decode_in_their_b
     assert summary.passes_now == plans[0].passes == len(passes)
     assert not [p for p in passes if p[0] and p[1]], passes  # nobody admitted beside live rows
     assert sum(admitted for _, admitted, _ in passes) == len(rows) and max(states for *_, states in passes) <= 3
-    for row, answer in zip(rows, out):
-        assert (answer["answer"], answer["finish_reason"]) == reference_generation(
-            model, tokenizer, row["prompt"], row["max_new_tokens"])
+    assert_answers_as_generate(path, rows, out)
