@@ -263,12 +263,18 @@ def windows_allow_sharing(sliding_windows: Sequence[int | None], unplaced_window
     shares a prefix only where no row can reach past the smallest window: the longest prompt plus the most tokens
     any row adds (prefill.SharedPrefix.usable checks each pass, which never spans more). `unplaced_window`: the
     window of a config that does not say which layers slide; inside it no layer's window cuts anything either."""
-    windows = [window for window in sliding_windows if window] + ([unplaced_window] if unplaced_window else [])
-    if not windows or not rows:
+    if not rows:
         return True
     longest = (max(row.prompt_tokens for row in rows)
                + max(row.sequence_length() - row.prompt_tokens for row in rows))
-    return longest <= min(windows)
+    return inside_windows(sliding_windows, unplaced_window, longest)
+
+
+def inside_windows(sliding_windows: Sequence[int | None], unplaced_window: int | None, columns: int) -> bool:
+    """Whether `columns` cache positions fit inside the smallest sliding window (or the model has none): no window
+    cuts anything there, so windowed layers attend exactly as full ones."""
+    windows = [window for window in [*sliding_windows, unplaced_window] if window]
+    return not windows or columns <= min(windows)
 
 
 def without_prefix(row: RowCost, shared: int) -> RowCost:

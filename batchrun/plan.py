@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
 
 from batchrun.batching import (
-    RowCost, batch_shape, lower_bound_passes, pack_batches, passes_for, without_prefix,
+    RowCost, batch_shape, inside_windows, lower_bound_passes, pack_batches, passes_for, without_prefix,
 )
 from batchrun.plan_format import format_bytes, format_duration, format_rate
 from batchrun.plan_memory import (  # noqa: F401 (re-exported)
@@ -312,7 +312,10 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, de
     choice_batches = [batch for batch in batches if rows[batch[0]].is_choice]
     generation = [i for batch in batches if not rows[batch[0]].is_choice for i in batch]
     schedule_prefix = shared if shares_prefix(len(generation), max_sequences) else 0
-    decode_merges = bool(schedule_prefix) or _inside_windows(sizes, rows, generation)  # score.GreedyPool.refills
+    # Every row, answered in full, inside the smallest window: windowed layers cache as full ones and decode
+    # micro-batches merge, as a shared prefix's do (score.GreedyPool.refills)
+    decode_merges = bool(schedule_prefix) or inside_windows(
+        sizes.sliding_windows, sizes.unplaced_window, max((rows[i].sequence_length() for i in generation), default=0))
     schedule = refill_schedule(own_rows, generation, max_sequences, max_tokens, refill_while_live=decode_merges)
     # (rows held, rows prefilled) of each pass that admits: its prefill calls are the admitted rows' alone
     held_together = [([*p.decoding, *p.admitted], p.admitted) for p in schedule if p.admitted]
@@ -456,13 +459,6 @@ def _batch_peak_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, r
     if prefix_bytes and (batch_shape(rows, batch)[0] > 1 if shares is None else shares):
         return batch_bytes(sizes, compute_bytes, device, own_rows, batch, micro_sequences, prefilling) + prefix_bytes
     return batch_bytes(sizes, compute_bytes, device, rows, batch, micro_sequences, prefilling)
-
-
-def _inside_windows(sizes: CheckpointSizes, rows: Sequence[RowCost], indices: Sequence[int]) -> bool:
-    """Whether every row of `indices`, answered in full, fits inside the model's smallest sliding window (or it has
-    none): its windowed layers then cache as full ones and its decode micro-batches merge (score.GreedyPool)."""
-    windows = [window for window in [*sizes.sliding_windows, sizes.unplaced_window] if window]
-    return not windows or max((rows[i].sequence_length() for i in indices), default=0) <= min(windows)
 
 
 def _padded_tokens(rows: Sequence[RowCost], batch: Sequence[int]) -> int:

@@ -3,7 +3,6 @@ timeline of a job. No torch."""
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -94,35 +93,6 @@ def weight_rate_at(rates: Mapping[int, float], rows: int) -> float:
     return 1 / ((1 - share) / rates[lower] + share / rates[upper])
 
 
-def batch_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost], batch: Sequence[int],
-                       flops_per_s: float | None, memory_bytes_per_s: float | None,
-                       shared_prefix: int = 0, micro_batches: tuple[int | None, int | None] = (None, None),
-                       streaming_bytes: tuple[int, int] = (0, 0), device: str = "cpu",
-                       decode_rates: Mapping[int, float] | None = None,
-                       layer_call_seconds: float = 0.0, decode_cores_share: float = 1.0) -> list[float | None]:
-    """Compute seconds of each pass of a batch, in the order of batch_pass_flops. With a shared prefix, `rows` are
-    the rows without it (batching.without_prefix); attention still reads the prefix for every sequence.
-    micro_batches: sequences per forward call in the prefill and in decode passes (None: all; a CPU prefill still cuts
-    by length, batching.prefill_groups); every call reads the layer's weights from memory once more.
-    streaming_bytes: the host's own traffic of streaming the layers in the prefill and in a decode pass
-    (host_streaming_bytes), 0 when resident or when an accelerator computes.
-    decode_rates: {rows: weight bytes/s} of the checkpoint's layer matrices (measure.decode_rates), which price a
-    decode pass's weights at the rows of each of its calls; None: the memory rate.
-    layer_call_seconds: what each forward call of a decoder layer costs besides its matmuls (measure.py).
-    decode_cores_share: the share of the cores a decode pass computes on (a host streaming leaves one to the
-    reader, stream.py)."""
-    prefill = batch_shape(rows, batch)[2]
-    live = _live_sequences(rows, batch)
-    flops = batch_pass_flops(sizes, rows, batch, shared_prefix)
-    first = prefill_seconds(sizes, compute_bytes, rows, batch, flops[0], flops_per_s, memory_bytes_per_s,
-                            shared_prefix, micro_batches[0], streaming_bytes[0], device, layer_call_seconds,
-                            computes_prefix=shared_prefix > 0)
-    return [first] + [decode_seconds(sizes, compute_bytes, live[step], shared_prefix + prefill + step, flops[step],
-                                     flops_per_s, memory_bytes_per_s, micro_batches[1], streaming_bytes[1],
-                                     decode_rates, layer_call_seconds, decode_cores_share)
-                      for step in range(1, len(live))]
-
-
 def prefill_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost], batch: Sequence[int],
                     flops: int, flops_per_s: float | None, memory_bytes_per_s: float | None, shared_prefix: int,
                     micro_batch: int | None, streaming_bytes: int, device: str, layer_call_seconds: float = 0.0, *,
@@ -164,25 +134,12 @@ def with_layer_calls(compute_seconds: float | None, sizes: CheckpointSizes, call
     return compute_seconds + sizes.num_layers * calls * layer_call_seconds
 
 
-def _live_sequences(rows: Sequence[RowCost], batch: Sequence[int]) -> list[int]:
-    """Sequences still generating at each pass of a batch (rows drop out as they reach their new-token count)."""
-    sequences = batch_shape(rows, batch)[0]
-    finishing = Counter(rows[i].passes() for i in batch)
-    live = [sequences]
-    for step in range(2, max(finishing) + 1):
-        live.append(live[-1] - finishing[step - 1])
-    return live
-
-
-def batch_pass_flops(sizes: CheckpointSizes, rows: Sequence[RowCost], batch: Sequence[int],
-                     shared_prefix: int = 0) -> list[int]:
-    """FLOPs of each pass of a batch: pass 1 prefills every prompt (a shared prefix once); each later pass decodes
-    one token for the sequences still generating (rows drop out as they reach their new-token count)."""
+def batch_prefill_flops(sizes: CheckpointSizes, rows: Sequence[RowCost], batch: Sequence[int],
+                        shared_prefix: int = 0) -> int:
+    """FLOPs of a batch's prefill: every prompt (a shared prefix once), padded to the batch's longest."""
     sequences, _, prefill, positions = batch_shape(rows, batch)
-    live = _live_sequences(rows, batch)
-    first = (prefill_flops(sizes, sequences, prefill, positions, shared_prefix)
-             + shared_prefix_flops(sizes, shared_prefix))
-    return [first] + [decode_flops(sizes, live[step], shared_prefix + prefill + step) for step in range(1, len(live))]
+    own = prefill_flops(sizes, sequences, prefill, positions, shared_prefix)
+    return own + shared_prefix_flops(sizes, shared_prefix)
 
 
 @dataclass(frozen=True)
@@ -206,7 +163,8 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
                  schedule: Sequence[ScheduledPass] = (), schedule_prefix: int = 0,
                  layer_call_seconds: float = 0.0, decode_cores_share: float = 1.0,
                  decode_merges: bool = True) -> Timeline:
-    """Seconds of every pass of the job, in run order: each batch of `batches` (choice rows: one pass each), then
+    """Seconds of every pass of the job, in run order: each batch of `batches` (choice rows: one pass each, no
+    decoding), then
     the generation rows' `schedule` (refill.refill_schedule). A batch of several sequences computes `shared_prefix`
     prompt tokens once (prefill.SharedPrefix), one sequence alone its whole prompt; the scheduled passes share
     `schedule_prefix` tokens (score.GreedyPool: 0 where a pass holds one row), computed by their first pass.
@@ -217,10 +175,11 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
     computes: list[float | None] = []
     for batch in batches:
         shared = shared_prefix if batch_shape(rows, batch)[0] > 1 else 0
-        computes += batch_pass_seconds(sizes, compute_bytes, own_rows if shared else rows, batch,
-                                       compute_flops_per_s, memory_bytes_per_s, shared, micro_batches,
-                                       streaming_bytes, device, decode_rates, layer_call_seconds,
-                                       decode_cores_share)
+        costs = own_rows if shared else rows  # a shared prefix: the rows' own tokens, the prefix once
+        flops = batch_prefill_flops(sizes, costs, batch, shared)
+        computes.append(prefill_seconds(sizes, compute_bytes, costs, batch, flops,
+                                        compute_flops_per_s, memory_bytes_per_s, shared, micro_batches[0],
+                                        streaming_bytes[0], device, layer_call_seconds, computes_prefix=shared > 0))
     first_answer = 1 if batches else 0
     steps: dict[int, int] = {}  # live row -> tokens it has after the pass before
     scheduled_rows = own_rows if schedule_prefix else rows

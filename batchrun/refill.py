@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from batchrun.batching import RowCost
 
@@ -25,20 +25,12 @@ class ScheduledPass:
     decoding: tuple[int, ...]  # rows admitted before, each generating one more token
 
 
-def fits(rows: Sequence[RowCost], members: Iterable[int], max_sequences: int, max_tokens: int) -> bool:
-    """pack_batches' limits for rows live at once: sequences, and sequences x the longest sequence's tokens (a decode
-    micro-batch pads its members to the longest)."""
-    members = list(members)
-    sequences = sum(rows[i].sequences() for i in members)
-    longest = max((rows[i].sequence_length() for i in members), default=0)
-    return sequences <= max_sequences and sequences * longest <= max_tokens
-
-
 def admit(rows: Sequence[RowCost], live: Sequence[int], queue: deque, max_sequences: int,
           max_tokens: int) -> list[int]:
-    """Take rows from the head of `queue` while they fit beside `live`; a row too large for the limits alone still
-    runs, alone, when nothing else is live. Queue order is kept: a row that does not fit holds back those behind it,
-    so rows finish in about the order the plan packed them."""
+    """Take rows from the head of `queue` while they fit beside `live` within pack_batches' limits (sequences, and
+    sequences x the longest sequence's tokens: a decode micro-batch pads its members to the longest); a row too
+    large for the limits alone still runs, alone, when nothing else is live. Queue order is kept: a row that does
+    not fit holds back those behind it, so rows finish in about the order the plan packed them."""
     sequences = sum(rows[i].sequences() for i in live)
     longest = max((rows[i].sequence_length() for i in live), default=0)
     admitted: list[int] = []

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from batchrun.batching import (MICRO_BATCH_COST_TOKENS, micro_batches, pack_in_order, prefill_call_count,
                                prefill_groups, shared_prefix_tokens, windows_allow_sharing, without_prefix)
 from batchrun.checkpoint import sizes_from_config
-from batchrun.plan_time import batch_pass_flops, job_timeline, pass_memory_bytes, weight_rate_at
+from batchrun.plan_time import batch_prefill_flops, job_timeline, pass_memory_bytes, weight_rate_at
 from batchrun.plan import (
     HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, PREFILL_CALL_BYTES, MEMORY_HEADROOM_SHARE, Bandwidth,
     RowCost,
@@ -257,8 +257,8 @@ def test_a_shared_prompt_prefix_is_sized_and_timed_once_per_batch():
     assert shared.shared_prefix_tokens == 600 and plain.shared_prefix_tokens == 0
     assert shared.batch_size > plain.batch_size
     assert shared.passes <= plain.passes
-    first_pass = batch_pass_flops(LLAMA_70B, [without_prefix(r, 600) for r in rows], list(range(64)), 600)[0]
-    assert first_pass < batch_pass_flops(LLAMA_70B, rows, list(range(64)))[0] / 5
+    first_pass = batch_prefill_flops(LLAMA_70B, [without_prefix(r, 600) for r in rows], list(range(64)), 600)
+    assert first_pass < batch_prefill_flops(LLAMA_70B, rows, list(range(64))) / 5
 
 
 def test_shared_prefix_tokens_follow_the_executor_rules():

@@ -7,7 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchrun.batching import RowCost, lower_bound_passes, pack_batches, passes_for
-from batchrun.refill import ScheduledPass, fits, refill_schedule
+from batchrun.refill import ScheduledPass, refill_schedule
+
+
+def fits(rows, members, max_sequences: int, max_tokens: int) -> bool:
+    """pack_batches' limits for rows live at once: sequences, and sequences x the longest sequence's tokens."""
+    members = list(members)
+    sequences = sum(rows[i].sequences() for i in members)
+    longest = max((rows[i].sequence_length() for i in members), default=0)
+    return sequences <= max_sequences and sequences * longest <= max_tokens
 
 
 def test_rows_of_equal_answers_make_the_passes_of_their_batches():
