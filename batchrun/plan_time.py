@@ -164,11 +164,10 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
                  layer_call_seconds: float = 0.0, decode_cores_share: float = 1.0,
                  decode_merges: bool = True) -> Timeline:
     """Seconds of every pass of the job, in run order: each batch of `batches` (choice rows: one pass each, no
-    decoding), then
-    the generation rows' `schedule` (refill.refill_schedule). A batch of several sequences computes `shared_prefix`
-    prompt tokens once (prefill.SharedPrefix), one sequence alone its whole prompt; the scheduled passes share
-    `schedule_prefix` tokens (score.GreedyPool: 0 where a pass holds one row), computed by their first pass.
-    `decode_merges` False: the scheduled passes' micro-batches cannot merge for decoding (sliding-window caches of
+    decoding), then the generation rows' `schedule` (refill.refill_schedule). A batch of several sequences computes
+    `shared_prefix` prompt tokens once (prefill.SharedPrefix), one sequence alone its whole prompt; the scheduled
+    passes share `schedule_prefix` tokens (score.GreedyPool: 0 where a pass holds one row), computed by their first
+    pass. `decode_merges` False: the scheduled passes' micro-batches cannot merge for decoding (sliding-window caches of
     rows longer than the window, prefill.merge_for_decode), so each admission's prefill micro-batches decode in a
     call of their own for as long as one of their rows lives."""
     own_rows = [without_prefix(row, shared_prefix) for row in rows]
