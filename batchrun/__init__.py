@@ -7,31 +7,32 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from batchrun import native_env  # noqa: E402 - before torch loads anywhere: MKL reads its settings then
+from batchrun.host import native_env  # noqa: E402 - before torch loads anywhere: MKL reads its settings then
 
 native_env.apply()
 
 _EXPORTS = {
-    "StreamedModel": "batchrun.stream",
-    "ResidentModel": "batchrun.runtime",
-    "default_device": "batchrun.devices",
-    "default_dtype": "batchrun.devices",
+    "StreamedModel": "batchrun.runtime.stream",
+    "ResidentModel": "batchrun.runtime.resident",
+    "default_device": "batchrun.runtime",
+    "default_dtype": "batchrun.runtime",
     "resolve_checkpoint": "batchrun.checkpoint",
     "tensor_index": "batchrun.checkpoint",
     "checkpoint_sizes": "batchrun.checkpoint",
-    "default_model": "batchrun.default",
+    "default_model": "batchrun.checkpoint",
     "read_spec": "batchrun.spec",
     "make_plan": "batchrun.plan",
-    "plan_report": "batchrun.prepare",
-    "JobOptions": "batchrun.prepare",
-    "submit": "batchrun.execute",
+    "plan_report": "batchrun.job",
+    "JobOptions": "batchrun.job",
+    "submit": "batchrun.job",
     "Store": "batchrun.store",
-    # What a script may catch: `except batchrun.user_errors() as error` catches every failure the CLI prints as
+    # What a script may catch: `except batchrun.BatchrunError as error` catches every failure the CLI prints as
     # one `Error:` line; each class is also here by name.
+    "BatchrunError": "batchrun.errors",
     "user_errors": "batchrun.errors",
-    "SpecError": "batchrun.template",
-    "CheckpointError": "batchrun.checkpoint_files",
-    "DefaultModelError": "batchrun.default",
+    "SpecError": "batchrun.spec",
+    "CheckpointError": "batchrun.checkpoint",
+    "DefaultModelError": "batchrun.checkpoint",
     "PlanRefused": "batchrun.errors",
     "SettingRefused": "batchrun.errors",
     "OutputRefused": "batchrun.errors",

@@ -9,8 +9,19 @@ from pathlib import Path
 
 import click
 
-from batchrun.interrupts import Stopped, stop_signals_unwind
-from batchrun.paths import default_db_path
+from batchrun import measure
+from batchrun.errors import user_errors
+from batchrun.host import Stopped, default_db_path, stop_signals_unwind
+from batchrun.job import JobOptions, plan_report, resolve_model
+from batchrun.output import check_output_writable, output_format, write_results
+from batchrun.plan import (
+    format_comparison,
+    format_duration,
+    format_plan_table,
+    parse_streaming,
+)
+from batchrun.spec import kind
+from batchrun.store import JobNotFound, Store
 
 
 def _choices_option(value: str | None) -> tuple[str, ...] | None:
@@ -41,8 +52,6 @@ def _choices_array(value: str) -> tuple[str, ...]:
         raise refuse("the array is empty; give at least one choice")
     for number, item in enumerate(items, start=1):
         if not isinstance(item, str):
-            from batchrun.spec_files import kind
-
             raise refuse(f"item {number} is {kind(item)}, not a string")
         if not item:
             raise refuse(f"item {number} is empty")
@@ -107,9 +116,6 @@ def job_options(fn):
 
 
 def build_options(model: str | None, kw: dict):
-    from batchrun.plan import parse_streaming
-    from batchrun.prepare import JobOptions
-
     try:
         parse_streaming(kw["streaming"])
     except ValueError as exc:
@@ -131,8 +137,6 @@ class FriendlyErrors(click.Group):
     """Known failures print one clear line, never a traceback."""
 
     def invoke(self, ctx):
-        from batchrun.errors import user_errors
-
         try:
             with stop_signals_unwind():
                 return super().invoke(ctx)
@@ -166,9 +170,7 @@ def cli():
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
 def submit(spec, models, output, db, force, quiet, as_json, **kw):
     """Plan SPEC, run it (resuming an interrupted run of the same job), write Parquet."""
-    from batchrun.execute import submit as run_submit
-    from batchrun.plan_format import format_plan_table
-
+    from batchrun.job import submit as run_submit
     if len(models) > 1:
         raise click.BadParameter("submit takes one --model", param_hint="--model")
     options = build_options(models[0] if models else None, kw)
@@ -193,9 +195,6 @@ def submit(spec, models, output, db, force, quiet, as_json, **kw):
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(spec, models, as_json, **kw):
     """Validate SPEC and print what running it will cost. Reads no weights."""
-    from batchrun.plan_format import format_comparison, format_plan_table
-    from batchrun.prepare import plan_report
-
     options = build_options(None, kw)
     report = plan_report(Path(spec), list(models) or [None], options)
     if as_json:
@@ -210,8 +209,6 @@ def plan(spec, models, as_json, **kw):
 
 def _existing_store(db: Path | None):
     """The progress database to read from; a missing one is an error, not a new empty file."""
-    from batchrun.store import JobNotFound, Store
-
     path = db or default_db_path(create=False)  # reading makes no state directory either
     if not Path(path).exists():
         raise JobNotFound(f"no jobs recorded in {path} yet (no database there)")
@@ -224,8 +221,6 @@ def _existing_store(db: Path | None):
 @click.option("--json", "as_json", is_flag=True)
 def status(job, db, as_json):
     """Progress of JOB (default: the one run last), also while it runs elsewhere."""
-    from batchrun.plan import format_duration
-
     store = _existing_store(db)
     try:
         info = store.status(store.find_job(job))
@@ -254,10 +249,7 @@ def status(job, db, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def jobs(db, as_json):
     """List jobs, newest first."""
-    from batchrun.store import Store
-
     if db is not None and not Path(db).exists():  # a mistyped --db is said so, not listed as empty
-        from batchrun.store import JobNotFound
         raise JobNotFound(f"no database at {db}")
     path = db or default_db_path(create=False)
     if not Path(path).exists():  # a look at the jobs creates no database
@@ -287,8 +279,6 @@ def jobs(db, as_json):
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
 def results(job, output, fmt, db, force):
     """Export JOB's answers so far (partial while it runs): Parquet, or OpenAI batch-output JSONL."""
-    from batchrun.output import check_output_writable, output_format, write_results
-
     store = _existing_store(db)
     try:
         job_id = store.find_job(job)
@@ -309,9 +299,6 @@ def results(job, output, fmt, db, force):
 @click.option("--json", "as_json", is_flag=True)
 def disk(model, as_json):
     """Measure the cold read bandwidth of a checkpoint's storage; cached per filesystem."""
-    from batchrun import measure
-    from batchrun.prepare import JobOptions, resolve_model
-
     checkpoint = resolve_model(model, JobOptions(model=model))
     result = measure.measure_read_bandwidth(checkpoint)
     if as_json:

@@ -1,25 +1,28 @@
-"""Failures a user can act on: the CLI prints their message, never a traceback. No torch."""
+"""Failures a user can act on: the CLI prints their message as one `Error:` line, never a traceback.
+
+Every such failure derives from BatchrunError, so this module imports nothing of batchrun's and a script catches
+them all with `except batchrun.BatchrunError`. Each keeps the built-in base it had (ValueError for bad input,
+FileExistsError for an existing output, ...), so code that catches those still does.
+"""
 from __future__ import annotations
 
 
-class PlanRefused(RuntimeError):
+class BatchrunError(Exception):
+    """A failure the user can act on; the message says what failed, where, and what to do."""
+
+
+class PlanRefused(BatchrunError, RuntimeError):
     """The plan says the job cannot run as asked (does not fit, streaming refused, ...)."""
 
 
-class SettingRefused(ValueError):
+class SettingRefused(BatchrunError, ValueError):
     """An option or environment variable holds a value batchrun cannot use here."""
 
 
-class OutputRefused(FileExistsError):
+class OutputRefused(BatchrunError, FileExistsError):
     """The output file exists and --force was not given."""
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    from batchrun.checkpoint import CheckpointError
-    from batchrun.default import DefaultModelError
-    from batchrun.output import OutputError, OutputExists, OutputFormatUnknown
-    from batchrun.spec import SpecError
-    from batchrun.store import JobLocked, JobNotFound, StoreError
-
-    return (SpecError, CheckpointError, DefaultModelError, PlanRefused, OutputRefused, OutputExists,
-            OutputError, OutputFormatUnknown, JobLocked, JobNotFound, StoreError, SettingRefused)
+    """What the CLI prints as one line: for `except batchrun.user_errors() as error` in scripts."""
+    return (BatchrunError,)

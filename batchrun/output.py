@@ -15,20 +15,20 @@ from typing import Callable, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun import faults
-from batchrun.store_locks import HOST, pid_alive
-from batchrun.store_rows import RowResult
+from batchrun.errors import BatchrunError
+from batchrun.host import HOST, faults, pid_alive
+from batchrun.store import RowResult
 
 CHOICE_PROBS_TYPE = pa.map_(pa.string(), pa.float64())
 
 
-class OutputExists(FileExistsError):
+class OutputExists(BatchrunError, FileExistsError):
     def __init__(self, path: Path):
         self.path = Path(path)
         super().__init__(f"{path} exists; pass --force to overwrite")
 
 
-class OutputError(OSError):
+class OutputError(BatchrunError, OSError):
     """Writing an answers file failed (disk full, permissions); the previous file, if any, is unchanged."""
 
     def __init__(self, path: Path, reason: object):
@@ -36,7 +36,7 @@ class OutputError(OSError):
         super().__init__(f"could not write {path}: {reason}; the previous file, if any, is unchanged")
 
 
-class OutputFormatUnknown(ValueError):
+class OutputFormatUnknown(BatchrunError, ValueError):
     """An output name whose extension says neither Parquet nor JSONL, and no --format."""
 
 

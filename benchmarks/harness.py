@@ -119,7 +119,7 @@ def cold_read_bandwidth(checkpoint: Path, max_bytes: int = 1 << 30, repeats: int
     """Cold sequential read rate (bytes/s) of the checkpoint's shards, median of `repeats` (this machine's disk
     swings by +-30% from one read to the next); the figure `batchrun disk` measures and caches. Pass it to
     `batchrun plan --bandwidth` (in GB/s) so predictions use it."""
-    from batchrun.measure import measure_read_bandwidth
+    from batchrun.measure.compute import measure_read_bandwidth
 
     return statistics.median(measure_read_bandwidth(Path(checkpoint), max_bytes=max_bytes).bytes_per_s
                              for _ in range(repeats))
@@ -127,7 +127,7 @@ def cold_read_bandwidth(checkpoint: Path, max_bytes: int = 1 << 30, repeats: int
 
 def compute_rate(dtype: str = "float32") -> float:
     """The FLOP/s batchrun's plan uses for `dtype` on the CPU (cached measurement)."""
-    from batchrun.measure import compute_rate as cached_rate
+    from batchrun.measure.compute import compute_rate as cached_rate
 
     return cached_rate(dtype, "cpu")
 

@@ -4,9 +4,9 @@ polling, and writes what the kernel reports of it to a JSON file.
 Why a process of its own: wait4's ru_maxrss keeps the high-water mark the child had before its exec, and a child
 forked by the benchmark (which holds a tokenizer, torch and its own measurements) starts at the benchmark's RSS.
 Forked from this small process instead, the command's ru_maxrss is its own peak, exactly, however short-lived.
-The benchmark used to learn the peak by reading /proc/<pid>/status every 20 ms and checking for the exit every 10
-ms; on 2 cores that polling took a core's time slices from the measured pass: the classification sweep's pass read
-20.0 s polled against 19.5 s unpolled (4 alternating pairs, s37).
+And nothing polls the command: reading /proc/<pid>/status every 20 ms for the peak and checking for the exit every
+10 ms takes a core's time slices from the measured pass on 2 cores: the classification sweep's pass reads 20.0 s
+polled against 19.5 s unpolled (4 alternating pairs, 2-core AVX512-BF16 EPYC).
 
     python benchmarks/launcher.py REPORT [--cgroup-procs FILE] -- COMMAND...
 

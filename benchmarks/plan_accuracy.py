@@ -8,8 +8,8 @@ each streamed run) and measures:
     committed (what the executor calls a pass), split into the prefill pass (first of a batch) and decode passes.
 Targets (the issue): peak within 20% and median seconds per pass within 30%.
 
-    /work/venv/bin/python -m benchmarks.plan_accuracy              # all cases (~10 min on 2 cores)
-    /work/venv/bin/python -m benchmarks.plan_accuracy --cases default-resident-generate,large-streamed-generate
+    .venv/bin/python -m benchmarks.plan_accuracy              # all cases (~10 min on 2 cores)
+    .venv/bin/python -m benchmarks.plan_accuracy --cases default-resident-generate,large-streamed-generate
 
 Results: a Markdown table on stdout and benchmarks/results/plan_accuracy.json.
 """
@@ -110,7 +110,7 @@ def predict(spec: Path, arguments: list[str]) -> dict:
     """`batchrun plan --json` (the candidate), plus the prefill and decode pass times from the same arithmetic,
     which the JSON folds into one median.
 
-    Until batchrun.prepare.plan_rows passes the measured memory read rate to make_plan (the candidate then reports
+    Until batchrun.job.prepare.plan_rows passes the measured memory read rate to make_plan (the candidate then reports
     memory_bytes_per_s), the prediction is made in-process with that rate added, and the row says so."""
     plan = subprocess.run([sys.executable, "-m", "batchrun", "plan", str(spec), *arguments, "--json"],
                           capture_output=True, text=True, check=False)
@@ -129,7 +129,7 @@ def predict(spec: Path, arguments: list[str]) -> dict:
 @contextlib.contextmanager
 def _memory_rate_passed(already: bool):
     """make_plan as prepare.plan_rows will call it once it passes measure.memory_read_rate."""
-    import batchrun.prepare as prepare
+    import batchrun.job.prepare as prepare
     from batchrun import measure
 
     original = prepare.make_plan
@@ -143,7 +143,7 @@ def _memory_rate_passed(already: bool):
 
 
 def _plan_in_process(spec: Path, arguments: list[str]) -> dict:
-    from batchrun.prepare import plan_report
+    from batchrun.job.prepare import plan_report
 
     options = _options_from_arguments(arguments)
     return plan_report(spec, [options.model], options)["candidates"][0]
@@ -151,7 +151,7 @@ def _plan_in_process(spec: Path, arguments: list[str]) -> dict:
 
 def predicted_pass_kinds(spec: Path, arguments: list[str]) -> tuple[float | None, float | None]:
     """Median predicted seconds of the first pass of each batch (prefill) and of the later ones (decode)."""
-    from batchrun.prepare import plan_rows, prepare_job, row_costs
+    from batchrun.job.prepare import plan_rows, prepare_job, row_costs
 
     options = _options_from_arguments(arguments)
     prepared = prepare_job(spec, options)
@@ -172,7 +172,7 @@ def _forget_decode_rates() -> None:
     """Drop the cached rates of checkpoints' layer matrices (measure.decode_rates) and a layer call's fixed cost
     (measure.layer_call_seconds) from the state directory: measured again, as the other rates are."""
     from batchrun import measure
-    from batchrun.paths import state_dir
+    from batchrun.host.paths import state_dir
 
     file = state_dir() / measure.MEASUREMENTS_FILE
     measurements = json.loads(file.read_text()) if file.exists() else {}
@@ -182,7 +182,7 @@ def _forget_decode_rates() -> None:
 
 
 def _options_from_arguments(arguments: list[str]):
-    from batchrun.prepare import JobOptions
+    from batchrun.job.prepare import JobOptions
 
     values = dict(zip(arguments[::2], arguments[1::2]))
     return JobOptions(model=values["--model"], streaming=values["--streaming"], memory_gb=float(values["--memory"]),
@@ -199,8 +199,8 @@ def probe(events_file: Path, submit_arguments: list[str]) -> int:
 
     Timing hooks only: the model's own forward pre/post hooks and the executor's named fault points
     (`pass` after a pass computed, `committed` after its results are stored)."""
-    import batchrun.execute as execute
-    from batchrun import faults
+    import batchrun.job.execute as execute
+    from batchrun.host import faults
     from batchrun.cli import cli
 
     events: list[list] = [["imported", time.perf_counter(), _rss_now()]]
@@ -316,7 +316,7 @@ def _median_of(passes: list[dict], kind: str) -> float | None:
 def checkpoint_for(model: str) -> Path:
     if model == "large":
         return harness.large_checkpoint()
-    from batchrun.default import default_model
+    from batchrun.checkpoint.default_model import default_model
 
     return default_model()
 

@@ -59,8 +59,8 @@ def main() -> None:
     subprocess.run(command, check=True, capture_output=True)  # first run measures the machine once, then cached
     cli_runs = [timed(lambda: subprocess.run(command, check=True, capture_output=True))[0] for _ in range(3)]
 
-    from batchrun.prepare import JobOptions, plan_report, prepare_model, read_job_spec
-    from batchrun.prompts import encode_requests
+    from batchrun.job.prepare import JobOptions, plan_report, prepare_model, read_job_spec
+    from batchrun.spec.encode import encode_requests
 
     options = JobOptions(model=str(args.model))
     read_s, job_spec = timed(lambda: read_job_spec(spec, options))

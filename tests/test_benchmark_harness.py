@@ -78,7 +78,7 @@ def test_the_bounds_matmul_rate_multiplies_the_checkpoints_own_layer_matrices(ti
          (hidden, inner)])
     rate = layer_rate.layer_matmul_rate(checkpoint, "float32", "aten", tokens=16, repeats=1)
     assert math.isfinite(rate) and rate > 0
-    from batchrun import linear_kernels
+    from batchrun.runtime import linear_kernels
 
     if linear_kernels.packing_available():  # the bound's bfloat16 rate on packed weights
         packed = layer_rate.layer_matmul_rate(checkpoint, "bfloat16", "packed", tokens=16, repeats=1)

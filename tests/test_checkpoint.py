@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from batchrun.checkpoint import (
+from batchrun.checkpoint.resolve import (
     CheckpointError, checkpoint_sizes, decoder_layer_prefix, load_config, read_tensor_infos, resolve_checkpoint,
     sizes_from_config, tensor_index,
 )
@@ -337,7 +337,7 @@ def test_window_without_layer_information_is_planned_as_full_attention_sharing_o
     from transformers import Gemma2Config, MistralConfig
     from transformers.cache_utils import DynamicCache
 
-    from batchrun.sizes import kv_bytes_for_sequence
+    from batchrun.checkpoint.sizes import kv_bytes_for_sequence
 
     config = dict(TINY_CONFIG, sliding_window=4)  # Mistral-7B-v0.1 and gemma-2 configs say no more than this
     sizes = sizes_from_config(config)
@@ -442,7 +442,7 @@ def test_hub_metadata_download_brings_remote_code_and_tokenizer_files_but_no_wei
     ship their vocabulary as *.tiktoken. Shards come in a second step, only those the index names."""
     from huggingface_hub.utils import filter_repo_objects
 
-    from batchrun.checkpoint import HUB_METADATA_PATTERNS
+    from batchrun.checkpoint.resolve import HUB_METADATA_PATTERNS
 
     files = ["config.json", "configuration_acme.py", "modeling_acme.py", "tokenizer.json", "qwen.tiktoken",
              "tokenizer.model", "chat_template.jinja", "model.safetensors.index.json",

@@ -12,7 +12,7 @@ from click.testing import CliRunner, Result
 
 from batchrun.cli import cli
 from batchrun.output import read_parquet_results
-from batchrun.store import Store
+from batchrun.store.database import Store
 
 PROMPTS = ["Summarise: the parcel came late.", "Summarise: great soup.", "Summarise: the app crashes.",
            "Summarise: friendly staff.", "Summarise: too loud.", "Summarise: fair price."]
@@ -197,7 +197,7 @@ def test_a_failed_write_after_the_run_keeps_the_job_done_and_says_where_the_answ
 def test_typed_escapes_in_stop_strings_mean_what_they_do_in_a_json_spec(spec, model, monkeypatch):
     """`--stop "\\n"` in a shell passes a backslash and an n: it must stop at a newline, as "\\n" does in JSONL. A
     template or system message keeps its backslashes (LaTeX, Windows paths), with a warning for a typed \\n."""
-    from batchrun import execute
+    from batchrun.job import execute
 
     seen = {}
 

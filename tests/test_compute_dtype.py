@@ -9,10 +9,10 @@ import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from batchrun import compute_dtype
+from batchrun.host import compute_dtype
 from batchrun.cli import cli
-from batchrun.runtime import ResidentModel
-from batchrun.stream import StreamedModel
+from batchrun.runtime.resident import ResidentModel
+from batchrun.runtime.stream import StreamedModel
 from tests.test_execute import REVIEWS, choice_spec, reference_choice_probs, run
 
 CPUINFO_FLAGS = "flags\t\t: fpu vme sse2 avx2 avx512f {extra} sha_ni\n"

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from batchrun import default
-from batchrun.default import (
+from batchrun.checkpoint import default_model as default
+from batchrun.checkpoint.default_model import (
     DEFAULT_MODEL_NAME,
     GGUF_MEMBER,
     LOCK_NAME,
@@ -106,7 +106,7 @@ def test_default_checkpoint_loads_and_chats(default_checkpoint):
 def test_provisioned_model_is_found_without_importing_torch(default_checkpoint):
     home = default_checkpoint.parent.parent
     code = (
-        "import sys; from batchrun.default import default_model; "
+        "import sys; from batchrun.checkpoint.default_model import default_model; "
         "print(default_model(home=sys.argv[1])); assert 'torch' not in sys.modules, 'torch imported'"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), WHEEL_ENV: "/nonexistent.whl"}

@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from batchrun.batching import RowCost, passes_for
+from batchrun.plan.batching import RowCost, passes_for
 from batchrun.errors import OutputRefused
-from batchrun.execute import submit
-from batchrun.prepare import JobOptions
-from batchrun.refill import refill_schedule
-from batchrun.store import Store
+from batchrun.job.execute import submit
+from batchrun.job.prepare import JobOptions
+from batchrun.plan.refill import refill_schedule
+from batchrun.store.database import Store
 
 REVIEWS = [
     "The blender is loud but it crushes ice in seconds.",
@@ -83,7 +83,7 @@ def reference_generation(model, tokenizer, prompt, max_new_tokens):
 
 def record_shared_prefixes(monkeypatch) -> list[int]:
     """The length of every prefix a pass shares, as the run computes it."""
-    from batchrun import prefill as prefill_module
+    from batchrun.runtime import prefill as prefill_module
 
     shared_at_run = []
     real = prefill_module.SharedPrefix.__init__
@@ -158,7 +158,7 @@ def test_a_bf16_checkpoint_streamed_in_float32_generates_as_in_memory(tmp_path, 
                                                                      monkeypatch):
     """Decode passes multiply the checkpoint's bf16 linear weights as they lie (linear_kernels.widening_linear), the
     prefill the weights widened in their slots: the answers are plain transformers' in float32."""
-    from batchrun import linear_kernels
+    from batchrun.runtime import linear_kernels
 
     path = tmp_path / "bf16"
     AutoModelForCausalLM.from_pretrained(tiny_checkpoint(arch), dtype=torch.bfloat16).save_pretrained(path)
@@ -390,8 +390,8 @@ def test_the_default_compute_dtype_follows_the_device_and_the_checkpoint(device,
                                                                          monkeypatch):
     """auto: half precision on accelerators; on the CPU a bfloat16 checkpoint's own dtype only where the CPU has
     bfloat16 units (compute_dtype.py). An explicit --dtype always wins."""
-    from batchrun import compute_dtype
-    from batchrun.prepare import compute_dtype_for
+    from batchrun.host import compute_dtype
+    from batchrun.job.prepare import compute_dtype_for
 
     monkeypatch.setattr(compute_dtype, "cpu_bfloat16_feature", lambda: cpu_feature)
     assert compute_dtype_for(JobOptions(), device, storage) == dtype
@@ -517,7 +517,8 @@ def test_an_output_made_while_the_job_ran_is_kept_and_the_answers_are_exportable
 def test_a_run_loads_the_tokenizer_once_and_plans_for_its_memory(tmp_path, tiny_checkpoint, monkeypatch, streaming):
     """Gemma's 262k-entry tokenizer holds ~330 MB: the model handles must not load a second copy, and the plan must
     count the one the job holds."""
-    from batchrun import prepare, tokenizer
+    from batchrun.job import prepare
+    from batchrun.checkpoint import tokenizer
 
     def second_copy(*args, **kwargs):
         raise AssertionError("the model handle loaded its own tokenizer")
@@ -547,9 +548,9 @@ def test_an_unreadable_generation_config_is_skipped_in_both_modes(tmp_path, tiny
 
 def test_the_default_model_is_also_named_default(tmp_path, default_checkpoint, monkeypatch):
     """`--model default` names it beside another model in `plan`; a directory called "default" still wins."""
-    from batchrun import prepare
+    from batchrun.job import prepare
 
-    monkeypatch.setattr("batchrun.default.default_model", lambda: default_checkpoint)
+    monkeypatch.setattr("batchrun.checkpoint.default_model.default_model", lambda: default_checkpoint)
     monkeypatch.chdir(tmp_path)
     assert prepare.resolve_model("default", JobOptions()) == default_checkpoint
     assert prepare.prepare_model("default", JobOptions()).name == prepare.DEFAULT_MODEL_LABEL
@@ -585,7 +586,7 @@ def test_answers_empty_at_their_first_token_are_counted_and_explained(tmp_path, 
 
 
 def test_the_plan_warns_when_choices_would_glue_to_a_raw_prompt(tmp_path, tiny_checkpoint):
-    from batchrun.prepare import plan_report
+    from batchrun.job.prepare import plan_report
 
     glued = write_jsonl(tmp_path / "g.jsonl", [{"prompt": "Is it good? Answer:", "choices": ["yes", "no"]}])
     spaced = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "Is it good? Answer:", "choices": [" yes", " no"]}])
@@ -642,7 +643,7 @@ def test_a_job_none_of_whose_rows_can_run_is_refused_naming_why(tmp_path, tiny_c
     and `submit` refuses, naming the rows and why, rather than 'complete' a job of errors with exit code 0. No
     tokenizer warning about indexing errors either: batchrun checks the context itself."""
     from batchrun.errors import PlanRefused
-    from batchrun.prepare import plan_report
+    from batchrun.job.prepare import plan_report
 
     long_text = " ".join(REVIEWS * 20)
     spec = write_jsonl(tmp_path / "long.jsonl", [{"id": "a", "prompt": long_text, "max_new_tokens": 4},
@@ -681,7 +682,7 @@ def test_an_edited_spec_computes_only_its_changed_rows(tmp_path, tiny_checkpoint
 
 def test_a_stop_while_the_output_is_written_leaves_the_job_done(tmp_path, tiny_checkpoint, monkeypatch):
     """Every answer was committed before the write began: the job is done (`results` exports it), not interrupted."""
-    from batchrun import execute
+    from batchrun.job import execute
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -703,8 +704,8 @@ def test_rows_that_repeat_another_exactly_are_computed_once(tmp_path, tiny_check
     rows = [{"id": f"g{i}", "prompt": f"Summarise: {REVIEWS[i % 2]}", "max_new_tokens": 4} for i in range(4)]
     rows += [{"id": "g-longer", "prompt": f"Summarise: {REVIEWS[0]}", "max_new_tokens": 5}]
     rows += [{"id": f"c{i}", "prompt": f"Review: {REVIEWS[2]}", "choices": ["positive", "negative"]} for i in range(3)]
-    from batchrun.plan_format import format_plan_table
-    from batchrun.prepare import plan_report
+    from batchrun.plan.formatting import format_plan_table
+    from batchrun.job.prepare import plan_report
 
     spec = write_jsonl(tmp_path / "rep.jsonl", rows)
     report = plan_report(spec, [str(path)], JobOptions(model=str(path)))
@@ -726,8 +727,9 @@ def test_a_model_that_does_not_attend_in_place_as_planned_decodes_with_the_prefi
     """The plan sizes decode calls as reading keys and values in place when the model's class attends through sdpa.
     Should the built model not (here: told so), the run says so, decodes with the prefill's micro-batches and
     read-ahead, which the plan sized, and its answers are still greedy generate's."""
-    from batchrun import execute, prefix_attention
-    from batchrun.runtime import open_model
+    from batchrun.job import execute
+    from batchrun.runtime import prefix_attention
+    from batchrun.runtime.resident import open_model
 
     path = tiny_checkpoint("llama")
     instruction = "Read the customer review below and write a short summary of what the customer thinks of it."

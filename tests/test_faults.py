@@ -1,6 +1,6 @@
 """`batchrun submit` killed at any moment, or by the kernel for lack of memory, resumes to the same answers.
 
-Real processes: a SIGKILL (BATCHRUN_KILL_AT, see batchrun/faults.py) and the OOM killer act on the process, so
+Real processes: a SIGKILL (BATCHRUN_KILL_AT, see batchrun/host/faults.py) and the OOM killer act on the process, so
 these tests run the command line in subprocesses. Each start costs a few seconds of torch import, so the jobs
 are tiny.
 """
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from batchrun.oom import CGROUP_ROOT, memory_cgroup_dir, oom_kill_count
+from batchrun.host.oom import CGROUP_ROOT, memory_cgroup_dir, oom_kill_count
 from batchrun.output import read_parquet_results, write_parquet
-from batchrun.store import integrity_ok
-from batchrun.store_locks import HOST
+from batchrun.store.database import integrity_ok
+from batchrun.host.processes import HOST
 from tests.procs import (
     Reference, assert_same_answers, batchrun_env, done_answers, finish, fresh_home, mixed_job, reference_run, run,
     start, submit_args, write_jsonl,

@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from batchrun.passes import glibc
+from batchrun.host.heap import glibc
 
 SCRIPT = """
 import contextlib, resource, sys, torch
-from batchrun.passes import keep_freed_pages_below, keep_heap_flat, return_freed_memory
+from batchrun.host.heap import keep_freed_pages_below, keep_heap_flat, return_freed_memory
 
 def rss():
     for line in open("/proc/self/status"):
@@ -45,7 +45,7 @@ def _run(*mode: str) -> tuple[int, int]:
 
 @pytest.mark.skipif(glibc() is None, reason="glibc's malloc only")
 def test_memory_freed_by_a_layer_turn_does_not_stay_resident():
-    from batchrun.passes import TRIM_AFTER_GROWTH_BYTES
+    from batchrun.host.heap import TRIM_AFTER_GROWTH_BYTES
 
     kept = _run("keep")[0]  # without the trim the freed activations stay resident
     trimmed = _run("trim")[0]
@@ -59,7 +59,7 @@ def test_with_room_under_the_plan_a_turn_reuses_the_pages_the_last_one_freed():
     next turn instead of being faulted in again, glibc's own trim of the heap's top included; with no room the
     trims go on as before. (Allocations that stay, landing among the freed ones, grow the heap turn by turn: the
     limit then brings the trims back, as test_trims_resume_once_the_process_nears_the_plans_peak checks.)"""
-    from batchrun.passes import TRIM_AFTER_GROWTH_BYTES
+    from batchrun.host.heap import TRIM_AFTER_GROWTH_BYTES
 
     kept, faults_kept = _run("room", "no-kv")
     trimmed, faults_trimmed = _run("no-room", "no-kv")
@@ -73,11 +73,11 @@ class FakeHeap:
     `trim_frees` bytes."""
 
     def __init__(self, monkeypatch, resident: int, trim_frees: int):
-        from batchrun import measure, passes
+        from batchrun.host import heap as passes
 
         self.resident, self.trim_frees, self.trims, self.settings = resident, trim_frees, [], []
         monkeypatch.setattr(passes, "glibc", lambda: self)
-        monkeypatch.setattr(measure, "resident_bytes", lambda: self.resident)
+        monkeypatch.setattr(passes, "resident_bytes", lambda: self.resident)
         monkeypatch.setattr(passes, "_resident_after_trim", 0)
 
     def malloc_trim(self, pad):
@@ -90,7 +90,7 @@ class FakeHeap:
 
 def test_a_turn_that_grew_the_process_little_skips_the_trim(monkeypatch):
     """The trim walks the whole heap; after a decode step's small turn there is next to nothing to hand back."""
-    from batchrun import passes
+    from batchrun.host import heap as passes
 
     heap = FakeHeap(monkeypatch, 100 << 20, 4 << 20)
     passes.return_freed_memory()  # the first turn: trimmed, 96 MB held after it
@@ -106,7 +106,7 @@ def test_a_turn_that_grew_the_process_little_skips_the_trim(monkeypatch):
 
 def test_trims_resume_once_the_process_nears_the_plans_peak(monkeypatch):
     """Under the limit no trim, however much the process grew since the last one; over it, trimmed again."""
-    from batchrun import passes
+    from batchrun.host import heap as passes
 
     heap = FakeHeap(monkeypatch, 100 << 20, 30 << 20)
     with passes.keep_freed_pages_below(200 << 20):
@@ -121,7 +121,7 @@ def test_trims_resume_once_the_process_nears_the_plans_peak(monkeypatch):
 
 def test_a_run_puts_back_the_trim_threshold_the_user_gave_glibc(monkeypatch):
     """A job's pages are kept by raising glibc's trim threshold; afterwards the process trims as its user set it."""
-    from batchrun import passes
+    from batchrun.host import heap as passes
 
     heap = FakeHeap(monkeypatch, 100 << 20, 0)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1048576")
@@ -132,7 +132,7 @@ def test_a_run_puts_back_the_trim_threshold_the_user_gave_glibc(monkeypatch):
 
 
 def test_the_start_up_trim_threshold_is_read_as_glibc_reads_it():
-    from batchrun.passes import DEFAULT_TRIM_THRESHOLD_BYTES, NEVER_TRIM_ON_FREE_BYTES, trim_threshold_at_start
+    from batchrun.host.heap import DEFAULT_TRIM_THRESHOLD_BYTES, NEVER_TRIM_ON_FREE_BYTES, trim_threshold_at_start
 
     assert trim_threshold_at_start({}) == DEFAULT_TRIM_THRESHOLD_BYTES
     assert trim_threshold_at_start({"MALLOC_TRIM_THRESHOLD_": "0x200000"}) == 2 << 20

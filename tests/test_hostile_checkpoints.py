@@ -133,7 +133,7 @@ def test_trusting_remote_code_lifts_the_refusal(tmp_path, tiny_checkpoint):
 def test_a_quantized_checkpoint_is_not_streamed_as_if_it_were_plain(tmp_path, tiny_checkpoint):
     """Packed weights read without their scales would give wrong answers: the plan and the streamer refuse."""
     from batchrun import StreamedModel
-    from batchrun.checkpoint import CheckpointError
+    from batchrun.checkpoint.resolve import CheckpointError
 
     model = copy_model(tiny_checkpoint("llama"), tmp_path / "fp8")
     edit_config(model, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})

@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from batchrun.interrupts import Stopped, stop_signals_unwind, stops_deferred
+from batchrun.host.signals import Stopped, stop_signals_unwind, stops_deferred
 
 
 def test_sigterm_raises_stopped_and_the_previous_handler_comes_back():
@@ -42,8 +42,8 @@ def test_an_ignored_signal_stays_ignored():
 
 def test_a_sigterm_during_a_runs_release_lets_the_release_finish(tmp_path):
     """Cut short, the release would leave a finished run 'running': the next run would call it dead."""
-    from batchrun.execute import _release
-    from batchrun.store import Store
+    from batchrun.job.execute import _release
+    from batchrun.store.database import Store
 
     with Store(tmp_path / "j.db") as store:
         job_id = store.ensure_job("f" * 16, spec_path="s.jsonl", model="m", settings={}, rows=[(0, "a")])
@@ -67,7 +67,7 @@ def test_a_stop_unwinds_every_micro_batch_of_the_pass_before_it_goes_on():
     (none is left suspended half-way), and the stop reaches the caller."""
     import time
 
-    from batchrun.passes import LayerTurns, PassGroup, run_interleaved
+    from batchrun.runtime.turns import LayerTurns, PassGroup, run_interleaved
 
     group = PassGroup(turns=LayerTurns(2))
     layers_done, unwound = [], []

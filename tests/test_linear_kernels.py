@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from batchrun import linear_kernels, measure
-from batchrun.runtime import open_model
+from batchrun.runtime import linear_kernels
+
+from batchrun import measure
+from batchrun.runtime.resident import open_model
 from tests.tiny_models import TINY_ARCHS
 
 TOLERANCE = 1e-5

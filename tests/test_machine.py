@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from batchrun import machine
+from batchrun.host import machine
 
 X86_CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel

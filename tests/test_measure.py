@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
-from batchrun import layer_overhead, measure
-from batchrun.paths import state_dir
+from batchrun.measure import layer_call as layer_overhead
+
+from batchrun import measure
+from batchrun.host.paths import state_dir
 
 
 
@@ -251,14 +253,14 @@ def test_an_accelerators_rates_are_kept_apart_by_its_name(monkeypatch):
 
 
 def test_a_checkpoints_layer_matrices_are_timed_by_row_count_once(tiny_checkpoint, monkeypatch):
-    from batchrun.sizes import checkpoint_sizes
+    from batchrun.checkpoint.sizes import checkpoint_sizes
 
     sizes = checkpoint_sizes(tiny_checkpoint("llama"))
     assert sizes.layer_matrices and all(len(shape) == 2 for shape in sizes.layer_matrices)
     assert (sizes.hidden_size, sizes.intermediate_size) in sizes.layer_matrices  # down_proj's [out, in]
     rates = measure.decode_rates(sizes.layer_matrices, sizes.num_layers, "float32")
     assert sorted(rates) == list(measure.DECODE_ROWS) and all(rate > 0 for rate in rates.values())
-    from batchrun import layer_rates
+    from batchrun.measure import layer_rates
 
     monkeypatch.setattr(layer_rates, "weight_read_rates", lambda *a, **k: pytest.fail("measured again"))
     assert measure.decode_rates(sizes.layer_matrices, sizes.num_layers, "float32") == rates
@@ -268,7 +270,7 @@ def test_a_checkpoints_layer_matrices_are_timed_by_row_count_once(tiny_checkpoin
 
 
 def test_the_matrices_timed_are_the_models_working_set_or_a_bounded_slice_of_it():
-    from batchrun.layer_rates import cycled_shapes
+    from batchrun.measure.layer_rates import cycled_shapes
 
     small = [(64, 64), (128, 64)]  # 48 KiB a layer in float32
     assert cycled_shapes(small, 4, num_layers=3) == small * 3  # the whole decoder: what its passes meet

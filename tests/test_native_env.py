@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from batchrun.native_env import NATIVE_DEFAULTS
+from batchrun.host.native_env import NATIVE_DEFAULTS
 
 
 def _run(script: str, **env: str) -> str:
@@ -28,9 +28,9 @@ def test_importing_batchrun_sets_the_bounds_and_keeps_what_the_user_set():
 GROWTH_SCRIPT = """
 import torch
 import batchrun
-from batchrun.linear_kernels import onednn_available
-from batchrun.measure import resident_bytes
-from batchrun.passes import glibc, keep_heap_flat
+from batchrun.runtime.linear_kernels import onednn_available
+from batchrun.host.memory import resident_bytes
+from batchrun.host.heap import glibc, keep_heap_flat
 if not onednn_available() or glibc() is None:
     print("skip"); raise SystemExit
 keep_heap_flat()

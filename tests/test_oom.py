@@ -1,7 +1,7 @@
 """How far a resumed job cuts its batch after the kernel's OOM killer ended one of its runs."""
 from pathlib import Path
 
-from batchrun.oom import batch_cap_after_oom, killed_by_oom
+from batchrun.host.oom import batch_cap_after_oom, killed_by_oom
 
 
 def cgroup_with_kills(directory: Path, kills: int) -> str:

@@ -21,7 +21,7 @@ from batchrun.output import (
     write_jsonl,
     write_parquet,
 )
-from batchrun.store import RowResult
+from batchrun.store.database import RowResult
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,7 +130,7 @@ FILL_DISK = """
     import os, resource, signal, sys
     from pathlib import Path
     from batchrun.output import OutputError, write_jsonl, write_parquet
-    from batchrun.store import RowResult
+    from batchrun.store.database import RowResult
     path, writer = Path(sys.argv[1]), sys.argv[2]
     # Random text does not compress: 300 rows x 8 KB is ~2.4 MB against a 256 KB file-size limit.
     rows = [RowResult(i, i, os.urandom(4096).hex(), None, None, None, 1, 1, "stop", None) for i in range(300)]

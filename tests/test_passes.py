@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from batchrun.passes import LayerTurns, PassAborted, PassGroup, run_interleaved
+from batchrun.runtime.turns import LayerTurns, PassAborted, PassGroup, run_interleaved
 
 
 def _walker(group, micro, layers, log, fail_at=None):

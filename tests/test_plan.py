@@ -10,11 +10,11 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from batchrun.batching import (MICRO_BATCH_COST_TOKENS, micro_batches, pack_in_order, prefill_call_count,
+from batchrun.plan.batching import (MICRO_BATCH_COST_TOKENS, micro_batches, pack_in_order, prefill_call_count,
                                prefill_groups, shared_prefix_tokens, windows_allow_sharing, without_prefix)
-from batchrun.checkpoint import sizes_from_config
-from batchrun.plan_time import batch_prefill_flops, job_timeline, pass_memory_bytes, weight_rate_at
-from batchrun.plan import (
+from batchrun.checkpoint.resolve import sizes_from_config
+from batchrun.plan.timing import batch_prefill_flops, job_timeline, pass_memory_bytes, weight_rate_at
+from batchrun.plan.planner import (
     HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, PREFILL_CALL_BYTES, MEMORY_HEADROOM_SHARE, Bandwidth,
     RowCost,
     activation_bytes_for_sequence,
@@ -22,10 +22,10 @@ from batchrun.plan import (
     pack_batches,
     host_streaming_bytes, parse_streaming, passes_for, streamed_weights, decode_pass_bytes, batch_bytes,
 )
-from batchrun.plan_format import format_bytes, format_comparison, format_plan_table
-from batchrun import plan_memory
-from batchrun.refill import refill_schedule
-from batchrun.plan_memory import (IN_PLACE_SCORE_COPIES, batch_bytes, decode_call_bytes_per_sequence,
+from batchrun.plan.formatting import format_bytes, format_comparison, format_plan_table
+from batchrun.plan import memory as plan_memory
+from batchrun.plan.refill import refill_schedule
+from batchrun.plan.memory import (IN_PLACE_SCORE_COPIES, batch_bytes, decode_call_bytes_per_sequence,
                                   largest_turn_bytes)
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -846,7 +846,7 @@ def test_the_peak_counts_every_forward_call_of_the_prefill():
 
 def test_a_turn_is_sized_by_the_largest_forward_call_not_the_whole_batch():
     """The executor may keep a turn's freed pages while the process stays under the plan's peak less turn_bytes
-    (passes.keep_freed_pages_below): that is the largest call the prefill makes, cut by length as the executor cuts
+    (host.heap.keep_freed_pages_below): that is the largest call the prefill makes, cut by length as the executor cuts
     it. 16 short and 16 long choice rows make two calls on the CPU; the long one is the largest turn."""
     rows = [RowCost(40, 0, (1, 1))] * 16 + [RowCost(900, 0, (1, 1))] * 16
     candidate = plan(GEMMA_1B, rows, compute_dtype="float32", memory_budget_bytes=64 * GiB)

@@ -7,10 +7,10 @@ import shutil
 import pytest
 import torch
 
-from batchrun.batching import MIN_SHARED_PREFIX
-from batchrun.prefill import PrefixSharedLayer, SharedPrefix, decode, drop_finished, merge_for_decode, prefill
-from batchrun.runtime import ResidentModel
-from batchrun.stream import StreamedModel
+from batchrun.plan.batching import MIN_SHARED_PREFIX
+from batchrun.runtime.prefill import PrefixSharedLayer, SharedPrefix, decode, drop_finished, merge_for_decode, prefill
+from batchrun.runtime.resident import ResidentModel
+from batchrun.runtime.stream import StreamedModel
 
 ARCHS_WITHOUT_WINDOWS = ["llama", "qwen2", "gpt_neox", "phi3", "mixtral", "gpt2"]
 

@@ -9,10 +9,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from batchrun import plan_memory, prefix_attention
-from batchrun.batching import MIN_SHARED_PREFIX
-from batchrun.prefill import cache_argument, decode, merge_for_decode, output_cache, prefill
-from batchrun.stream import StreamedModel
+from batchrun.plan import memory as plan_memory
+
+from batchrun.runtime import prefix_attention
+from batchrun.plan.batching import MIN_SHARED_PREFIX
+from batchrun.runtime.prefill import cache_argument, decode, merge_for_decode, output_cache, prefill
+from batchrun.runtime.stream import StreamedModel
 from tests.test_prefill import plain_logprobs, sequences
 from tests.tiny_models import TINY_ARCHS
 
@@ -193,7 +195,7 @@ def test_the_plan_is_told_what_the_built_model_will_answer(tiny_checkpoint, tmp_
         (checkpoint / "config.json").write_text(json.dumps(config | {"attn_implementation": requested}))
     predicted = prefix_attention.attends_through_sdpa(AutoConfig.from_pretrained(checkpoint))
     with StreamedModel(checkpoint, device="cpu", dtype=torch.float32) as handle:
-        assert predicted == prefix_attention.supported(handle.model)
+        assert predicted == prefix_attention.reads_prefix_in_place(handle.model)
     if requested == "eager":
         assert not predicted
 
@@ -209,7 +211,7 @@ def test_a_grouped_decode_step_through_sdpa_copies_no_keys_per_query_head(tiny_c
     monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda states, n: repeated.append(states.shape[-2])
                         or real_repeat(states, n))
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.float32)
-    assert model.config.num_key_value_heads < model.config.num_attention_heads and prefix_attention.supported(model)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads and prefix_attention.reads_prefix_in_place(model)
     ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     with torch.no_grad():

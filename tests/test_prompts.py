@@ -1,8 +1,8 @@
 """What text a row becomes without a chat template (--raw, or a base model's tokenizer)."""
 from types import SimpleNamespace
 
-from batchrun.prompts import render_text
-from batchrun.spec import read_spec
+from batchrun.spec.encode import render_text
+from batchrun.spec.read import read_spec
 from tests.test_spec import write_jsonl
 
 NO_TEMPLATE = SimpleNamespace(chat_template=None)
@@ -44,7 +44,7 @@ class CaseBlindTokenizer:
 
 
 def test_choices_the_tokenizer_cannot_tell_apart_are_an_errored_row(tmp_path):
-    from batchrun.prompts import encode_requests
+    from batchrun.spec.encode import encode_requests
 
     spec = read_spec(write_jsonl(tmp_path, [{"prompt": "Agree?", "choices": ["Yes", "yes", "no"]},
                                             {"prompt": "Agree?", "choices": ["yes", "no"]}]))

@@ -6,8 +6,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchrun.batching import RowCost, lower_bound_passes, pack_batches, passes_for
-from batchrun.refill import ScheduledPass, refill_schedule
+from batchrun.plan.batching import RowCost, lower_bound_passes, pack_batches, passes_for
+from batchrun.plan.refill import ScheduledPass, refill_schedule
 
 
 def fits(rows, members, max_sequences: int, max_tokens: int) -> bool:

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from batchrun import score
+from batchrun.runtime import score
 from tests.test_execute import prompt_ids, reference_generation, reference_model, run, write_jsonl
 
 INSTRUCTION = ("You are a careful assistant. Read the customer review below and summarise it in a few words, "

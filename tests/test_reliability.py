@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from batchrun.output import read_parquet_results
-from batchrun.store import integrity_ok
+from batchrun.store.database import integrity_ok
 from tests.procs import (
     Reference, assert_clean_error, assert_same_answers, batchrun_env, done_answers, finish, mixed_job,
     reference_run, run, start, submit_args,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchrun.checkpoint import read_tensor_infos
-from batchrun.runtime import ResidentModel, copy_out_of_file_mappings, file_mapped_ranges, lies_in
+from batchrun.checkpoint.resolve import read_tensor_infos
+from batchrun.runtime.resident import ResidentModel, copy_out_of_file_mappings, file_mapped_ranges, lies_in
 
 
 def weight_files(path) -> set:
@@ -63,7 +63,7 @@ def mapping_resident_bytes(files) -> int:
 def test_copying_weights_out_of_the_file_mapping_leaves_its_pages_unmapped(tmp_path, monkeypatch, chunk_bytes):
     """Otherwise every page the copies read stays resident beside them until the last tensor is copied: a resident
     load peaked at twice the weights."""
-    from batchrun import runtime
+    from batchrun.runtime import resident as runtime
     from tests.tiny_models import build_large_llama
 
     if chunk_bytes:

@@ -3,9 +3,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from batchrun.prompts import EncodedRow
-from batchrun.score import GreedyPool, Sequence_, special_token_ids
-from batchrun.spec import Request
+from batchrun.spec.encode import EncodedRow
+from batchrun.runtime.score import GreedyPool, Sequence_, special_token_ids
+from batchrun.spec.read import Request
 
 EOS, TURN = 0, 1
 

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchrun.spec import Field, InvalidRow, Request, SpecError, parse_template, read_spec
+from batchrun.spec.read import Field, InvalidRow, Request, SpecError, parse_template, read_spec
 
 
 def write_jsonl(directory: Path, rows: list, name: str = "jobs.jsonl") -> Path:

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchrun.spec import Field, JobSpec, SpecError, parse_template, read_spec
-from batchrun.template import RowProblem, render_template
+from batchrun.spec.read import Field, JobSpec, SpecError, parse_template, read_spec
+from batchrun.spec.template import RowProblem, render_template
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 KNOWN_KEYS = ["id", "custom_id", "prompt", "messages", "system", "choices", "max_new_tokens", "stop",

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from batchrun.cli import cli
-from batchrun.spec import read_spec
+from batchrun.spec.read import read_spec
 from tests.test_spec import only_problem, openai_line, write_jsonl
 
 # ------------------------------------------------------------------------------------------ --choices
@@ -29,7 +29,7 @@ def choices_from_command_line(monkeypatch, value: str):
     def capture(spec, models, options):
         raise _Captured(options.choices)
 
-    monkeypatch.setattr("batchrun.prepare.plan_report", capture)
+    monkeypatch.setattr("batchrun.job.prepare.plan_report", capture)
     result = CliRunner().invoke(cli, ["plan", "never-read.jsonl", "--choices", value])
     if isinstance(result.exception, _Captured):
         return result.exception.args[0]

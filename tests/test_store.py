@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from batchrun import store_migrations
-from batchrun.store import JobLocked, JobNotFound, RowResult, Store, StoreError, integrity_ok
-from batchrun.store_locks import HOST, process_identity
+from batchrun.store import migrations as store_migrations
+from batchrun.store.database import JobLocked, JobNotFound, RowResult, Store, StoreError, integrity_ok
+from batchrun.host.processes import HOST, process_identity
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FINGERPRINT = "0123456789abcdef" + "0" * 48
@@ -313,7 +313,7 @@ def test_find_job_by_prefix_fingerprint_or_newest(store):
 
 HOLDER = """
     import sys
-    from batchrun.store import Store
+    from batchrun.store.database import Store
     store = Store(sys.argv[1])
     store.acquire(sys.argv[2])
     store.record_run_plan(sys.argv[2], batch_size=32, planned_peak_bytes=5_000_000)
@@ -423,7 +423,7 @@ def test_a_running_job_keeps_its_lock_fresh_between_commits(store, db_path):
 
 RACER = """
     import os, sys, time
-    from batchrun.store import JobLocked, Store
+    from batchrun.store.database import JobLocked, Store
     store = Store(sys.argv[1])
     print("ready", flush=True)
     while not os.path.exists(sys.argv[3]):
@@ -471,7 +471,7 @@ def test_release_closes_the_run_and_previous_run_reports_it(store):
 
 FILL_DISK = """
     import os, resource, signal, sys
-    from batchrun.store import RowResult, Store, StoreError
+    from batchrun.store.database import RowResult, Store, StoreError
     path, job_id = sys.argv[1], sys.argv[2]
     store = Store(path)
     # A file-size limit makes writes fail like a full disk; ignore SIGXFSZ so write() returns EFBIG.
@@ -530,7 +530,7 @@ def test_a_new_job_takes_answers_and_tokens_so_far_of_the_same_rows_from_earlier
 
 def test_a_read_only_database_is_named_as_such_with_the_way_out(tmp_path, monkeypatch):
     """Root ignores permissions, so the read-only directory is simulated: the message says why and what to do."""
-    from batchrun import store_files
+    from batchrun.store import files as store_files
 
     error = sqlite3.OperationalError("unable to open database file")
     error.sqlite_errorname = "SQLITE_CANTOPEN"

@@ -11,9 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchrun import StreamedModel, linear_kernels, stream
-from batchrun.checkpoint import CheckpointError
-from batchrun.loader import SLACK_BYTES, widen_in_place
+from batchrun import StreamedModel
+
+from batchrun.runtime import linear_kernels
+
+from batchrun.runtime import stream
+from batchrun.checkpoint.resolve import CheckpointError
+from batchrun.runtime.loader import SLACK_BYTES, widen_in_place
 from tests.tiny_models import TINY_ARCHS, build_large_llama, build_sharded_checkpoint
 
 TOLERANCE = 1e-5
@@ -223,7 +227,7 @@ def test_a_disk_error_names_the_file(tmp_path, tiny_checkpoint, monkeypatch):
     import errno
     import os
 
-    from batchrun import weights
+    from batchrun.runtime import weights
 
     def failing_disk(*args):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
@@ -236,7 +240,7 @@ def test_a_disk_error_names_the_file(tmp_path, tiny_checkpoint, monkeypatch):
 
 
 def test_contiguous_runs_merge_back_to_back_ranges_of_one_file_only():
-    from batchrun.loader import contiguous_runs
+    from batchrun.runtime.loader import contiguous_runs
 
     def info(file, offset, nbytes):
         return SimpleNamespace(file=Path(file), offset=offset, nbytes=nbytes)
@@ -250,7 +254,7 @@ def test_each_layer_read_is_dropped_from_the_page_cache_in_one_advice(tiny_check
     """While streaming, the kernel is told to drop the bytes just read (the model does not fit anyway, and the
     user's other work keeps its cache): every byte of every layer, one call per contiguous run (a layer's tensors
     are back to back in a safetensors file), not one per tensor."""
-    from batchrun import loader
+    from batchrun.runtime import loader
 
     advised = []
     real = loader.os.posix_fadvise
@@ -275,7 +279,7 @@ def test_a_failed_read_surfaces_only_after_the_layers_widenings_stop_writing_int
     import threading
     import time
 
-    from batchrun import loader
+    from batchrun.runtime import loader
 
     path = tmp_path / "bf16"
     reference(tiny_checkpoint("llama")).to(torch.bfloat16).save_pretrained(path)
@@ -327,7 +331,7 @@ def store_tensors_in_reverse_name_order(shard: Path) -> None:
 
 def test_a_layer_is_read_in_the_order_its_bytes_lie_in_the_shard(tmp_path, tiny_checkpoint, monkeypatch):
     """Reads follow the file, not the parameter list: readahead serves a sequential reader (loader.py)."""
-    from batchrun import loader
+    from batchrun.runtime import loader
 
     path = tmp_path / "bf16"
     reference(tiny_checkpoint("llama")).to(torch.bfloat16).save_pretrained(path)
@@ -360,7 +364,7 @@ def test_the_reader_moves_on_while_a_layer_widens_and_the_forward_waits_for_it(t
     the layer, never skipped: slow widenings give the same logits."""
     import time
 
-    from batchrun import loader
+    from batchrun.runtime import loader
 
     path = tmp_path / "bf16"
     reference(tiny_checkpoint("llama")).to(torch.bfloat16).save_pretrained(path)
@@ -404,7 +408,7 @@ def test_a_released_slot_starts_the_next_read_before_the_next_layer_runs(tmp_pat
 def test_a_failed_widening_fails_the_pass_and_gives_its_slot_back(tmp_path, tiny_checkpoint, monkeypatch):
     import threading
 
-    from batchrun import loader
+    from batchrun.runtime import loader
 
     path = tmp_path / "bf16"
     reference(tiny_checkpoint("llama")).to(torch.bfloat16).save_pretrained(path)

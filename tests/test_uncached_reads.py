@@ -10,8 +10,12 @@ import os
 import pytest
 import torch
 
-from batchrun import StreamedModel, loader, stream
-from batchrun.checkpoint import CheckpointError
+from batchrun import StreamedModel
+
+from batchrun.runtime import loader
+
+from batchrun.runtime import stream
+from batchrun.checkpoint.resolve import CheckpointError
 from tests.test_stream import TOLERANCE, in_memory_logits
 from tests.tiny_models import TINY_ARCHS
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 # Import everything heavy before counting, as the other runners do: a cold import of torch reads hundreds of MB.
-import batchrun.execute  # noqa: F401
+import batchrun.job.execute  # noqa: F401
 import pyarrow.parquet as parquet
 from batchrun.cli import cli
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-# batchrun shares a prefix only from this many tokens (batchrun/prefill.py MIN_SHARED_PREFIX).
+# batchrun shares a prefix only from this many tokens (batchrun/runtime/prefill.py MIN_SHARED_PREFIX).
 MIN_SHARED_PREFIX = 16
 
 
@@ -29,7 +29,7 @@ class ModelShape:
 
     @classmethod
     def of(cls, checkpoint: Path) -> "ModelShape":
-        from batchrun.sizes import checkpoint_sizes
+        from batchrun.checkpoint.sizes import checkpoint_sizes
 
         sizes = checkpoint_sizes(checkpoint)
         return cls(sizes.decoder_params, sizes.decoder_bytes, sizes.checkpoint_bytes, sizes.vocab_size,

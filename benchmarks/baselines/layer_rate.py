@@ -25,7 +25,7 @@ MAX_COPIES = 16  # a tiny test model's layers stay cached whatever we do: no poi
 
 def layer_matrix_shapes(checkpoint: Path) -> list[tuple[int, int]]:
     """[out, in] of every 2-D weight of decoder layer 0 (the matrices one token multiplies in each layer)."""
-    from batchrun.checkpoint import read_tensor_infos
+    from batchrun.checkpoint.resolve import read_tensor_infos
 
     shapes = [tuple(info.shape) for name, info in read_tensor_infos(checkpoint).items()
               if LAYER_ZERO.search(name) and name.endswith(".weight") and len(info.shape) == 2]
@@ -40,7 +40,7 @@ def layer_matmul_rate(checkpoint: Path, dtype: str, kernel: str, tokens: int = P
     `repeats`."""
     import torch
 
-    from batchrun import linear_kernels
+    from batchrun.runtime import linear_kernels
 
     torch_dtype = getattr(torch, dtype)
     shapes = layer_matrix_shapes(checkpoint)

@@ -1,0 +1,127 @@
+"""Where a model lives and what it holds: resolve a local directory or a Hugging Face repository id, then read
+its config, safetensors headers and sizes without loading a weight.
+
+This module is the public face; the reading is done in checkpoint_files.py and the sizing in sizes.py.
+No torch here: planning a 70B model must not cost a torch import.
+"""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from batchrun.checkpoint.files import (
+    CONFIG_NAME,
+    DTYPE_BITS,
+    INDEX_NAME,
+    SINGLE_SHARD_NAME,
+    CheckpointError,
+    TensorInfo,
+    decoder_layer_prefix,
+    load_config,
+    read_header,
+    read_tensor_infos,
+    read_weight_map,
+    refuse_without_safetensors,
+    storage_dtype,
+    tensor_index,
+)
+from batchrun.checkpoint.sizes import (
+    CheckpointSizes,
+    checkpoint_sizes,
+    sizes_from_config,
+)
+
+__all__ = [
+    "CONFIG_NAME", "DTYPE_BITS", "CheckpointError", "CheckpointSizes", "TensorInfo", "checkpoint_sizes",
+    "decoder_layer_prefix", "load_config", "read_header", "read_tensor_infos", "resolve_checkpoint",
+    "sizes_from_config", "storage_dtype", "tensor_index",
+]
+
+# Everything a run needs besides the weights; shards are fetched in a second step, only those the index names,
+# so a repository that also ships a consolidated copy of the weights is not downloaded twice. The repository's own
+# Python (*.py) comes too: nothing runs it without --trust-remote-code, and with it the model cannot load without.
+HUB_METADATA_PATTERNS = ["*.json", "tokenizer*", "*.model", "*.jinja", "*.txt", "*.tiktoken", "*.py"]
+_HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+
+
+def resolve_checkpoint(
+    model: str | os.PathLike, hf_token: str | None = None, *, cache_dir: str | os.PathLike | None = None
+) -> Path:
+    """A local checkpoint directory for `model`: an existing directory, or a Hugging Face repository id fetched
+    into the hub cache (the cache is tried first, so a cached model works offline)."""
+    text = os.fspath(model)
+    local = Path(text).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists():
+        raise CheckpointError(f"{local}: is a file; a checkpoint is a directory holding config.json and safetensors")
+    if isinstance(model, os.PathLike) or _looks_like_path(text):
+        raise CheckpointError(f"{local}: no such checkpoint directory")
+    try:
+        return _fetch_from_hub(text, hf_token, cache_dir, local_only=True)
+    except CheckpointError:
+        raise
+    except Exception:  # noqa: BLE001 - any miss in the cache just means: go online
+        pass
+    try:
+        return _fetch_from_hub(text, hf_token, cache_dir, local_only=False)
+    except CheckpointError:
+        raise
+    except Exception as error:  # noqa: BLE001 - network/hub failures become one clear message
+        detail = _without_secret(f"{type(error).__name__}: {error}", hf_token)
+        raise CheckpointError(
+            f"repository {text} not found / not cached; no local directory of that name either. "
+            f"Check the name, your network and access token (gated models need one). Hub said: {detail}"
+        ) from None
+
+
+def _looks_like_path(text: str) -> bool:
+    """A missing path must be reported as such, not looked up on the hub: explicit path syntax, a string that
+    cannot be a repository id, or one whose parent directory exists here ("models/llama" beside ./models)."""
+    if text.startswith(("/", ".", "~")) or not _HUB_REPO_ID.match(text):
+        return True
+    parent = Path(text).parent
+    return str(parent) != "." and parent.is_dir()
+
+
+def _without_secret(message: str, secret: str | None) -> str:
+    return message.replace(secret, "***") if secret else message
+
+
+def _fetch_from_hub(repo_id: str, token: str | None, cache_dir, *, local_only: bool) -> Path:
+    """The snapshot directory holding the repository's metadata and exactly the weight files it needs.
+    local_only: from the cache, or FileNotFoundError when anything is missing there."""
+    from huggingface_hub import snapshot_download
+
+    def fetch(patterns: list[str]) -> Path:
+        return Path(snapshot_download(
+            repo_id, allow_patterns=patterns, token=token, cache_dir=cache_dir, local_files_only=local_only
+        ))
+
+    snapshot = fetch(HUB_METADATA_PATTERNS)
+    if (snapshot / INDEX_NAME).is_file():
+        weights = sorted(set(read_weight_map(snapshot / INDEX_NAME).values()))
+    elif local_only:
+        weights = [path.name for path in snapshot.glob("*.safetensors")]
+    else:
+        weights = _hub_weight_files(repo_id, token)
+    if local_only:
+        if not weights or not all((snapshot / name).is_file() for name in weights):
+            raise FileNotFoundError(f"{repo_id}: weights not in the cache")
+        return snapshot
+    fetch(weights)
+    return snapshot
+
+
+def _hub_weight_files(repo_id: str, token: str | None) -> list[str]:
+    """The safetensors file(s) of an unsharded repository; pickle-only repositories are refused by name."""
+    from huggingface_hub import HfApi
+
+    names = HfApi().list_repo_files(repo_id, token=token)
+    if SINGLE_SHARD_NAME in names:
+        return [SINGLE_SHARD_NAME]
+    top_level = [name for name in names if name.endswith(".safetensors") and "/" not in name]
+    if not top_level:
+        refuse_without_safetensors(f"repository {repo_id}", names)
+    return top_level

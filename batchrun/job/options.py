@@ -1,0 +1,59 @@
+"""What a user asks of a job besides its spec: the options `plan` and `submit` share, checked as the CLI checks
+them so that scripts building options get the same refusals.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from batchrun.errors import SettingRefused
+from batchrun.plan import parse_streaming
+
+# Settings that can change answers, recorded with a job. Its identity is what they do to its rows (fingerprint):
+# batch size, memory budget, streaming policy and prefetch change no row, so a job resumes whatever they are.
+ANSWER_SETTINGS = ("template", "id_column", "choices", "system", "max_new_tokens", "stop", "raw", "dtype")
+
+
+@dataclass
+class JobOptions:
+    model: str | None = None
+    template: str | None = None
+    id_column: str | None = None
+    choices: tuple[str, ...] | None = None
+    system: str | None = None
+    max_new_tokens: int = 16
+    stop: tuple[str, ...] | None = None
+    raw: bool = False
+    dtype: str | None = None
+    skip_invalid: bool = False
+    device: str | None = None
+    batch_size: int | None = None
+    memory_gb: float | None = None
+    streaming: str | None = None
+    prefetch: bool = True
+    prefetch_depth: int = 1  # layers read ahead of the one computing
+    micro_batch: int | None = None  # sequences per forward call within a pass (default: the plan's)
+    bandwidth_gbps: float | None = None
+    hf_token: str | None = field(default=None, repr=False)
+    trust_remote_code: bool = False
+
+    def __post_init__(self):
+        """The checks the CLI's option types make, for scripts that build options themselves."""
+        if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
+            raise SettingRefused(f"dtype {self.dtype!r}: use float32, bfloat16 or float16 (or None: the device's)")
+        for name in ("batch_size", "micro_batch", "prefetch_depth", "max_new_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise SettingRefused(f"{name} must be a positive integer, got {value!r}")
+        for name in ("memory_gb", "bandwidth_gbps"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise SettingRefused(f"{name} must be a positive number, got {value!r}")
+        if self.streaming is not None:
+            try:
+                parse_streaming(self.streaming)
+            except ValueError as error:
+                raise SettingRefused(str(error)) from None
+
+    def answer_settings(self) -> dict:
+        values = asdict(self)
+        return {k: (list(values[k]) if isinstance(values[k], tuple) else values[k]) for k in ANSWER_SETTINGS}

@@ -1,0 +1,309 @@
+"""Everything before the first weight is read: spec, checkpoint, tokens, fingerprint, plan.
+
+Shared by `batchrun plan` (which stops here) and `batchrun submit`. No torch at import.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+from batchrun import measure
+from batchrun.checkpoint import (
+    CheckpointError,
+    CheckpointSizes,
+    checkpoint_sizes,
+    default_model,
+    load_config,
+    load_tokenizer,
+    resolve_checkpoint,
+)
+from batchrun.host import (
+    auto_compute_dtype,
+    available_memory_bytes,
+    cpu_auto_reason,
+    disk_free_bytes,
+    resident_bytes,
+)
+from batchrun.job.identity import (
+    fingerprint,
+    model_identity_parts,
+    one_row_per_key,
+    row_keys,
+)
+from batchrun.job.options import JobOptions
+from batchrun.plan import (
+    Bandwidth,
+    Candidate,
+    RowCost,
+    make_plan,
+    parse_streaming,
+    shared_prefix_tokens,
+    windows_allow_sharing,
+)
+from batchrun.spec import (
+    EncodedRow,
+    JobSpec,
+    encode_requests,
+    kept_positions,
+    read_spec,
+    shortest_first_pass_sequence,
+    uses_chat_template,
+)
+
+DEFAULT_MODEL_LABEL = "default (SmolLM2-135M-Instruct)"  # shown, stored and written for jobs run without --model
+ASSUMED_BANDWIDTH = 1.0e9  # bytes/s: the low end of cold sequential reads measured on this kind of machine
+
+
+@dataclass
+class PreparedModel:
+    name: str
+    checkpoint: Path
+    sizes: CheckpointSizes
+    tokenizer: object
+    context_length: int | None
+    tokenizer_bytes: int = 0  # resident memory the tokenizer took as it loaded: a run holds it beside the model
+    # How its decode steps attend (prefix_attention): through transformers' sdpa, and whether sdpa then reads a
+    # one-token query's keys and values where they lie. The plan sizes decode calls by them.
+    attends_through_sdpa: bool = False
+    sdpa_groups_decode_queries: bool = False
+
+
+@dataclass
+class PreparedJob:
+    spec: JobSpec
+    options: JobOptions
+    model: PreparedModel
+    rows: list[EncodedRow]  # valid rows, tokenized (some may carry an error: too long for the context)
+    fingerprint: str
+    device: str
+    compute_dtype: str
+    row_keys: dict[int, str | None]  # row index -> what its answer depends on (store_reuse.py)
+
+
+def names_default_model(model: str | None) -> bool:
+    """No --model, or `--model default` (to name it beside another model), unless a directory is called that."""
+    return model is None or (model == "default" and not Path(model).exists())
+
+
+def model_label(model: str | None) -> str:
+    """How plans, jobs and outputs name a model: the --model given, or the default model's label."""
+    return DEFAULT_MODEL_LABEL if names_default_model(model) else model
+
+
+def resolve_model(model: str | None, options: JobOptions) -> Path:
+    if names_default_model(model):
+        return default_model()
+    return resolve_checkpoint(model, hf_token=options.hf_token)
+
+
+def prepare_model(model: str | None, options: JobOptions) -> PreparedModel:
+    checkpoint = resolve_model(model, options)
+    sizes = checkpoint_sizes(checkpoint, trust_remote_code=options.trust_remote_code)
+    # What loading a tokenizer imports (transformers' model code, and torch with it) is the runtime's cost, already
+    # counted: imported before the reading, so the reading is the tokenizer's own memory.
+    import transformers.modeling_utils  # noqa: F401
+    import transformers.models.auto.tokenization_auto  # noqa: F401
+    before = resident_bytes()
+    tokenizer = load_tokenizer(checkpoint, options.trust_remote_code)
+    after = resident_bytes()
+    if tokenizer is None:
+        raise CheckpointError(f"{checkpoint}: the checkpoint ships no tokenizer, so text prompts cannot be encoded")
+    # A 262k-entry vocabulary (Gemma) holds ~310 MB, SmolLM2's ~50 MB: part of the run's fixed cost.
+    tokenizer_bytes = max(after - before, 0) if before is not None and after is not None else 0
+    return PreparedModel(model_label(model), checkpoint, sizes, tokenizer, sizes.max_position_embeddings,
+                         tokenizer_bytes, *_decode_attention(checkpoint, options))
+
+
+def _decode_attention(checkpoint: Path, options: JobOptions) -> tuple[bool, bool]:
+    """(attends through transformers' sdpa, sdpa groups one-token queries): PreparedModel's two fields. The first is
+    False, the safe side for the plan's memory, where the answer would take the repository's own code or a config
+    transformers cannot read: planning reads config.json alone and must not fail on this."""
+    from transformers import AutoConfig
+
+    from batchrun.runtime import (  # torch, loaded by now
+        attends_through_sdpa,
+        sdpa_groups_one_token_queries,
+    )
+
+    groups = sdpa_groups_one_token_queries()
+    if load_config(checkpoint, options.trust_remote_code).get("auto_map"):
+        return False, groups
+    try:
+        config = AutoConfig.from_pretrained(checkpoint)
+    except (ValueError, KeyError, OSError):  # e.g. a model_type this transformers does not know
+        return False, groups
+    return attends_through_sdpa(config), groups
+
+
+def read_job_spec(spec_path: Path, options: JobOptions) -> JobSpec:
+    return read_spec(spec_path, template=options.template, id_column=options.id_column, choices=options.choices,
+                     system=options.system, max_new_tokens=options.max_new_tokens, stop=options.stop,
+                     skip_invalid=options.skip_invalid)
+
+
+def row_costs(rows: Sequence[EncodedRow], prefixes: dict[int, int] | None = None) -> list[RowCost]:
+    """Plan inputs; a row resuming with k generated tokens prefills k more and decodes k fewer."""
+    prefixes = prefixes or {}
+    costs = []
+    for row in rows:
+        if row.is_choice:
+            costs.append(RowCost(len(row.prompt_ids), 0, tuple(len(c) for c in row.choice_ids)))
+        else:
+            done = prefixes.get(row.request.index, 0)
+            costs.append(RowCost(len(row.prompt_ids) + done, max(1, row.request.max_new_tokens - done),
+                                 resumed=done > 0))
+    return costs
+
+
+def compute_dtype_for(options: JobOptions, device: str, storage_dtype: str | None) -> str:
+    """--dtype, else what auto computes in on the device for the checkpoint's storage dtype (safetensors code)."""
+    if options.dtype and options.dtype != "auto":
+        return options.dtype
+    return auto_compute_dtype(device, storage_dtype)
+
+
+def bandwidth_for(checkpoint: Path, options: JobOptions) -> Bandwidth:
+    if options.bandwidth_gbps:
+        return Bandwidth(options.bandwidth_gbps * 1e9, "declared", "declared with --bandwidth")
+    cached = measure.cached_bandwidth(checkpoint)
+    if cached is not None:
+        return cached
+    return Bandwidth(ASSUMED_BANDWIDTH, "assumed",
+                     "not measured on this disk yet; `batchrun disk --model ...` measures it")
+
+
+def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobOptions, device: str,
+              generated: dict[int, int] | None = None) -> Candidate:
+    """Plan `rows` (runnable ones); `generated`: row index -> tokens a previous run already generated."""
+    costs = row_costs(rows, generated)
+    # The kept positions and shortest sequence of the first pass (score.py), so plan and run share the same prefix.
+    shortest = min((shortest_first_pass_sequence(row) for row in rows), default=0)
+    prompts = [row.prompt_ids for row in rows]
+    sizes = prepared.sizes
+    windows_allow = windows_allow_sharing(sizes.sliding_windows, sizes.unplaced_window, costs)
+    shared = shared_prefix_tokens(prompts, own_tokens=kept_positions(rows), sharing_allowed=windows_allow,
+                                  shortest_sequence=shortest)
+    common = 0 if windows_allow else shared_prefix_tokens(prompts, own_tokens=kept_positions(rows),
+                                                          shortest_sequence=shortest)
+    compute_dtype = compute_dtype_for(options, device, sizes.storage_dtype)
+    budget = int(options.memory_gb * 1e9) if options.memory_gb else available_memory_bytes(device)
+    plan = make_plan(
+        prepared.sizes, costs, model=prepared.name, device=device, compute_dtype=compute_dtype,
+        memory_budget_bytes=budget, streaming=parse_streaming(options.streaming), prefetch=options.prefetch,
+        prefetch_depth=options.prefetch_depth,
+        bandwidth=bandwidth_for(prepared.checkpoint, options),
+        compute_flops_per_s=measure.compute_rate(compute_dtype, device),
+        memory_bytes_per_s=measure.memory_read_rate(compute_dtype, device),
+        disk_free_bytes=disk_free_bytes(prepared.checkpoint), checkpoint_is_local=True,
+        runtime_overhead_bytes=measure.runtime_overhead_bytes() + prepared.tokenizer_bytes,
+        batch_size=options.batch_size,
+        context_length=prepared.context_length, shared_prefix_tokens=shared,
+        decode_rates=_decode_rates(sizes, compute_dtype, device, costs),
+        # A decode step against the shared prefix reads it in place (prefix_attention); one without, where sdpa
+        # groups a one-token query on the key heads.
+        decode_in_place=prepared.attends_through_sdpa and (shared > 0 or prepared.sdpa_groups_decode_queries),
+        packs_weights=measure.packs_weights(compute_dtype, device),
+        layer_call_seconds=measure.layer_call_seconds(device), compute_threads=measure.compute_threads())
+    caveats = plan.caveats + _glued_choices_caveat(prepared.tokenizer, rows, options.raw)
+    if common:
+        window = min([window for window in sizes.sliding_windows if window] + [sizes.unplaced_window or math.inf])
+        caveats.append(f"the rows share a {common}-token prompt head, but the longest reaches past the model's "
+                       f"{window}-token sliding window, so each row computes it (no shared prefix: the window would "
+                       f"count the padding between the head and a row's own tokens)")
+    reason = (cpu_auto_reason(sizes.storage_dtype)
+              if device.split(":")[0] == "cpu" and options.dtype in (None, "auto") else None)
+    return replace(plan, linear_kernel=measure.linear_kernel(compute_dtype, device), caveats=caveats,
+                   compute_dtype_reason=reason)
+
+
+def _decode_rates(sizes: CheckpointSizes, compute_dtype: str, device: str, costs) -> dict[int, float] | None:
+    """The layer matrices' rates by row count, measured only where a decode pass will run (a generating row) and
+    the weights are plain matrices (a quantized checkpoint's packed tensors are not what its matmuls multiply)."""
+    if sizes.quantization or not any(cost.passes() > 1 for cost in costs):
+        return None
+    return measure.decode_rates(sizes.layer_matrices, sizes.num_layers, compute_dtype, device)
+
+
+def _glued_choices_caveat(tokenizer, rows: Sequence[EncodedRow], raw: bool) -> list[str]:
+    """Without a chat template a choice is scored as the very next text after the prompt: "...one word.positive"."""
+    if uses_chat_template(tokenizer, raw):
+        return []
+    glued = sum(1 for row in rows if row.is_choice and not row.request.messages[-1][1][-1:].isspace()
+                and any(not choice[:1].isspace() for choice in row.request.choices))
+    if not glued:
+        return []
+    return [f"{glued} choice row(s) score each choice as the text right after the prompt (\"...one word.positive\"): "
+            "with no chat template, write choices with the space a continuation begins with (\" positive\")"]
+
+
+def detect_device(options: JobOptions) -> str:
+    if options.device:
+        from batchrun.runtime import check_device
+        return check_device(options.device)
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return "cpu"
+    from batchrun.runtime import default_device
+    return default_device()
+
+
+def prepare_job(spec_path: Path, options: JobOptions) -> PreparedJob:
+    spec = read_job_spec(spec_path, options)  # every bad row is reported before any model work
+    device = detect_device(options)
+    prepared = prepare_model(options.model, options)
+    rows = encode_requests(prepared.tokenizer, spec.requests, raw=options.raw,
+                           context_length=prepared.context_length)
+    dtype = compute_dtype_for(options, device, prepared.sizes.storage_dtype)
+    model_identity = model_identity_parts(prepared.checkpoint)
+    return PreparedJob(spec, options, prepared, rows, fingerprint(spec, model_identity, dtype, rows), device, dtype,
+                       row_keys(model_identity, dtype, rows))
+
+
+def nothing_runs(rows: Sequence[EncodedRow], invalid_rows: int = 0) -> str | None:
+    """Why a job none of whose rows can run on this model is refused (a spec meant for another model, a context
+    too short for every prompt): a run would only record errors, and exit as if it had answered."""
+    errored = [row for row in rows if row.error]
+    if len(errored) < len(rows) or not (rows or invalid_rows):
+        return None
+    reasons = "; ".join(f"{row.request.location}: {row.error}" for row in errored[:3])
+    more = len(errored) - 3 + invalid_rows
+    return (f"none of the {len(rows) + invalid_rows} rows can run on this model"
+            + (f": {reasons}" if reasons else "") + (f" (and {more} more)" if more > 0 else ""))
+
+
+def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptions) -> dict:
+    """What `batchrun plan` prints: the spec's token totals and one candidate per model."""
+    spec = read_job_spec(spec_path, options)
+    device = detect_device(options)
+    report: dict = {"spec": str(spec_path), "rows": spec.total_rows, "invalid_rows": len(spec.invalid),
+                    "device": device, "candidates": []}
+    for model in models:
+        try:
+            prepared = prepare_model(model, options)
+        except CheckpointError as exc:
+            report["candidates"].append({"model": model_label(model), "mode": None, "fits": False,
+                                         "reason": "the checkpoint cannot be used", "blockers": [str(exc)],
+                                         "caveats": []})
+            continue
+        rows = encode_requests(prepared.tokenizer, spec.requests, raw=options.raw,
+                               context_length=prepared.context_length)
+        runnable = [r for r in rows if not r.error]
+        distinct = one_row_per_key(runnable, row_keys(model_identity_parts(prepared.checkpoint),
+                                                      compute_dtype_for(options, device, prepared.sizes.storage_dtype),
+                                                      runnable))
+        if "prompt_tokens_total" not in report:
+            report["repeated_rows"] = len(runnable) - len(distinct)
+            report["prompt_tokens_total"] = sum(len(r.prompt_ids) for r in rows)
+            report["prompt_tokens_max"] = max((len(r.prompt_ids) for r in rows), default=0)
+            report["new_tokens_max"] = max((r.request.max_new_tokens for r in rows if not r.is_choice), default=0)
+            report["unrunnable_rows"] = [{"location": r.request.location, "reason": r.error} for r in rows if r.error]
+        candidate = plan_rows(prepared, distinct, options, device).to_json()
+        refusal = nothing_runs(rows, len(spec.invalid))
+        if refusal:
+            candidate["blockers"].append(refusal)
+            candidate["fits"] = False
+        candidate["model"] = model_label(model)
+        report["candidates"].append(candidate)
+    return report

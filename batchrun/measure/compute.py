@@ -1,0 +1,229 @@
+"""How fast this machine multiplies: a prefill-shaped matmul's FLOP/s, the rate a decode-shaped matmul streams its
+weights from memory, the checkpoint's own layer matrices by row count, and which linear kernel is the faster here.
+Each is cached per device, dtype and thread count (measure.cache); importing this module imports no torch, only
+measuring does.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import statistics
+import time
+from typing import Sequence
+
+from batchrun.measure import layer_rates
+from batchrun.measure.cache import SHAPES_SEPARATOR, cached, compute_key, store
+
+# A matmul shaped like a batch of a few hundred tokens through a 2k-wide layer (median of COMPUTE_REPEATS).
+COMPUTE_SHAPE = (256, 2048, 2048)
+COMPUTE_REPEATS = 9
+PACKED = "packed"  # the packed-weight kernel's name among those timed (linear_kernels.packed_weight_linear)
+# A decode step: a few sequences through weights much larger than the CPU caches, so the matmul runs at the speed
+# the weights stream from RAM, not at COMPUTE_SHAPE's rate. Several matrices in turn, so none is cached on a repeat.
+DECODE_SHAPE = (8, 2048, 8192)
+DECODE_MATRICES = 4
+# Row counts at which a checkpoint's own layer matrices are timed (decode_rates); a pass's rows interpolate.
+DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def measure_compute_rate(dtype: str, device: str = "cpu") -> float:
+    """FLOP/s of a prefill-shaped matmul in `dtype` on `device` (median of a few), cached per device, dtype and
+    torch thread count. Where the CPU has a choice of linear kernel (linear_kernels.py), each is timed and the
+    faster is cached with it: the one runs use, so the rate the plan assumes is the rate they get."""
+    import torch
+
+    rows, inner, cols = COMPUTE_SHAPE
+    torch_dtype = getattr(torch, dtype)
+    tokens = torch.randn(rows, inner, dtype=torch_dtype, device=device)
+    weight = torch.randn(cols, inner, dtype=torch_dtype, device=device)  # nn.Linear's [out, in]
+    flops = 2 * rows * inner * cols
+    works = {name: functools.partial(linear, tokens, weight)
+             for name, linear in _linear_kernels(torch, tokens, weight).items()}
+    times_packing = device.split(":")[0] == "cpu" and dtype == "bfloat16"  # where runs may pack (packs_weights)
+    if times_packing:
+        from batchrun.runtime import linear_kernels  # torch: only when measuring
+
+        packed = linear_kernels.packed_weight_linear(weight)
+        if packed is not None:
+            works[PACKED] = functools.partial(packed, tokens)
+    rounds = _interleaved_seconds(works, _synchronizer(torch, device))
+    seconds = {name: _median(times) for name, times in rounds.items()}
+    rates = {name: flops / seconds[name] for name in works if name != PACKED}
+    kernel = max(rates, key=rates.get)
+    entry = {"flops_per_s": rates[kernel], "linear_kernel": kernel, "kernel_flops_per_s": rates}
+    if times_packing:
+        entry["packed_flops_per_s"] = flops / seconds[PACKED] if PACKED in seconds else None
+        entry["packs_weights"] = PACKED in rounds and faster_at_best(rounds[PACKED], rounds[kernel])
+    store("compute", compute_key(dtype, device, torch.get_num_threads()), entry)
+    return rates[kernel]
+
+
+def _linear_kernels(torch, tokens, weight) -> dict:
+    """The kernels a run could use for these tensors: aten always, oneDNN where it would take them."""
+    import torch.nn.functional as F
+
+    kernels = {"aten": F.linear}
+    if tokens.device.type == "cpu":
+        from batchrun.runtime import linear_kernels  # torch: only when measuring
+
+        if linear_kernels.onednn_available() and linear_kernels.takes_onednn(tokens, weight, None):
+            kernels["onednn"] = linear_kernels.onednn_linear
+    return kernels
+
+
+def _median_seconds(work, wait) -> float:
+    """Median wall time of `work` over COMPUTE_REPEATS runs, after one untimed run (first touch, kernel selection,
+    thread start-up); `wait` makes an accelerator finish before the clock stops."""
+    return _median(_interleaved_seconds({"work": work}, wait)["work"])
+
+
+def _median(times: list[float]) -> float:
+    return max(statistics.median(times), 1e-9)
+
+
+def _interleaved_seconds(works: dict, wait) -> dict[str, list[float]]:
+    """Wall times of each of `works` (name -> callable), timed in turn round by round (COMPUTE_REPEATS rounds,
+    after one untimed run of each), so a stretch of noise on this shared machine slows every kernel alike instead
+    of whichever was being timed. Timed one after another, the packed kernel read 906 GFLOP/s against the plain
+    one's 989 in 2 of 12 fresh processes (1,026-1,098 against 891-1,059 otherwise), and one such run left packing
+    off: its classification pass took 23.3 s against 19.6-20.6 s packed."""
+    for work in works.values():
+        work()
+        wait()
+    seconds: dict = {name: [] for name in works}
+    for _ in range(COMPUTE_REPEATS):
+        for name, work in works.items():
+            start = time.perf_counter()
+            work()
+            wait()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def faster_at_best(candidate: list[float], incumbent: list[float]) -> bool:
+    """Whether `candidate` is the faster kernel, judged by each one's fastest round. Noise on a shared machine only
+    ever slows a round down, so the fastest of the interleaved rounds is a kernel's own speed with the least noise
+    in it; medians keep some. On the s33 machine (packed ~4% faster), 30 measurements in one process: by medians
+    plain won once, by fastest rounds never; 1 of ~45 fresh processes one afternoon (s38, by medians, 927 against
+    932 GFLOP/s) left packing off, and its classification pass spent 18.4 s in linears against 16.5-17.3 s packed."""
+    return min(candidate) < min(incumbent)
+
+
+def _synchronizer(torch, device: str):
+    """Accelerators run asynchronously: time only after the work is done."""
+    kind = device.split(":")[0]
+    if kind == "cuda":
+        return torch.cuda.synchronize
+    if kind == "mps":
+        return torch.mps.synchronize
+    return lambda: None
+
+
+def compute_rate(dtype: str, device: str = "cpu") -> float:
+    """The cached compute rate for dtype on device, measured now if there is none."""
+    entry = _compute_entry(dtype, device)
+    return entry["flops_per_s"] if entry else measure_compute_rate(dtype, device)
+
+
+def linear_kernel(dtype: str, device: str = "cpu") -> str:
+    """The kernel a run computes its linears with: BATCHRUN_LINEAR_KERNEL if set, else the faster one measured for
+    dtype on device (measured now if it never was). `aten` wherever oneDNN's route does not apply: off the CPU and
+    below float32 (linear_kernels.takes_onednn)."""
+    from batchrun.runtime import linear_kernels  # torch: only when measuring
+
+    override = linear_kernels.kernel_override()  # checked everywhere: a bad value is refused on any device
+    if device.split(":")[0] != "cpu" or dtype != "float32":
+        return "aten"
+    if override is not None:
+        return override
+    entry = _compute_entry(dtype, device)
+    if entry is None or "linear_kernel" not in entry:  # an entry cached before kernels were compared
+        measure_compute_rate(dtype, device)
+        entry = _compute_entry(dtype, device)
+    return entry.get("linear_kernel", "aten") if entry else "aten"
+
+
+def packs_weights(dtype: str, device: str = "cpu") -> bool:
+    """Whether long prefills multiply packed weights (linear_kernels.pack_weights): only on a CPU computing in
+    bfloat16, where the packed kernel ran COMPUTE_SHAPE faster than the plain one in its fastest round
+    (faster_at_best; measured now if it never was).
+    Its 256 rows are a small prefill call: on a 2-core AMX Xeon (s24) such calls ran slower packed."""
+    if device.split(":")[0] != "cpu" or dtype != "bfloat16":
+        return False
+    entry = _compute_entry(dtype, device)
+    if entry is None or "packs_weights" not in entry:  # cached before packing was decided by the fastest rounds
+        measure_compute_rate(dtype, device)
+        entry = _compute_entry(dtype, device)
+    return bool(entry and entry.get("packs_weights"))
+
+
+def _compute_entry(dtype: str, device: str) -> dict | None:
+    import torch
+
+    return cached("compute", compute_key(dtype, device, torch.get_num_threads()))
+
+
+def measure_memory_read_rate(dtype: str, device: str = "cpu") -> float:
+    """Bytes/s at which a decode-shaped matmul streams its weights from memory (median of a few), cached per device,
+    dtype and torch thread count: what bounds a decode pass of a few sequences. Timed on the linear kernel runs
+    use."""
+    import torch
+
+    rows, inner, cols = DECODE_SHAPE
+    torch_dtype = getattr(torch, dtype)
+    tokens = torch.ones(rows, inner, dtype=torch_dtype, device=device)
+    weights = [torch.full((cols, inner), 0.01, dtype=torch_dtype, device=device) for _ in range(DECODE_MATRICES)]
+    kernel = linear_kernel(dtype, device)
+    linear = _linear_kernels(torch, tokens, weights[0])[kernel]
+
+    def decode_step():
+        for weight in weights:
+            linear(tokens, weight)
+
+    streamed = sum(weight.numel() * weight.element_size() for weight in weights)
+    rate = streamed / _median_seconds(decode_step, _synchronizer(torch, device))
+    store("memory", compute_key(dtype, device, torch.get_num_threads()),
+           {"bytes_per_s": rate, "linear_kernel": kernel})
+    return rate
+
+
+def memory_read_rate(dtype: str, device: str = "cpu") -> float:
+    """The cached memory read rate for dtype on device, measured now if there is none for the kernel runs use."""
+    import torch
+
+    entry = cached("memory", compute_key(dtype, device, torch.get_num_threads()))
+    if entry and entry.get("linear_kernel") == linear_kernel(dtype, device):
+        return entry["bytes_per_s"]
+    return measure_memory_read_rate(dtype, device)
+
+
+def decode_rates(shapes: Sequence[tuple[int, int]], num_layers: int, dtype: str,
+                 device: str = "cpu") -> dict[int, float] | None:
+    """{rows: weight bytes/s} of the checkpoint's own layer matrices (`shapes`, layer 0's) at each of DECODE_ROWS
+    rows, on the kernel runs use (layer_rates.py): what prices a decode pass. Cached per shape set, device, dtype and
+    thread count; None without shapes (sizes estimated from the config)."""
+    if not shapes:
+        return None
+    import torch
+
+    kernel = linear_kernel(dtype, device)
+    digest = hashlib.sha256(repr((sorted(shapes), num_layers)).encode()).hexdigest()[:16]
+    key = f"{compute_key(dtype, device, torch.get_num_threads())}{SHAPES_SEPARATOR}{digest}"
+    entry = cached("decode", key)
+    if entry and entry.get("linear_kernel") == kernel:
+        return {int(rows): rate for rows, rate in entry["bytes_per_s"].items()}
+    from batchrun.runtime import linear_kernels  # torch: only when measuring
+
+    linear = linear_kernels.kernel_linear(kernel)
+    rates = layer_rates.weight_read_rates(shapes, num_layers, dtype, device, DECODE_ROWS, linear,
+                                          _synchronizer(torch, device))
+    store("decode", key, {"bytes_per_s": {str(rows): rate for rows, rate in rates.items()}, "linear_kernel": kernel,
+                           "matrices": len(shapes)})
+    return rates
+
+
+def compute_threads() -> int:
+    """The threads torch computes with in this process: what every rate here was measured with."""
+    import torch
+
+    return torch.get_num_threads()

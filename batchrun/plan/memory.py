@@ -1,0 +1,170 @@
+"""Memory as named steps: what one sequence's activations, a batch and a decode pass hold. No torch.
+
+The coefficients below are first estimates, kept at the top so measurement can calibrate them
+(benchmarks/plan_accuracy.py checks them against measured RSS).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from batchrun.checkpoint import CheckpointSizes, kv_bytes_for_sequence
+from batchrun.plan.batching import (
+    RowCost,
+    batch_shape,
+    prefill_call_count,
+    prefill_calls,
+)
+
+# Activations of one sequence at prefill, the peak of a batch (checked against RSS in benchmarks/plan_accuracy.py):
+HIDDEN_STATE_COPIES = 4  # residual stream, normed input, attention output, MLP output live together
+MLP_INTERMEDIATE_COPIES = 3  # act(gate), up, and their product live together until down_proj runs
+ATTENTION_SCORE_BYTES = 4  # an unfused attention materialises heads x S x S float32 scores...
+SCORES_MATERIALISED_ON = frozenset({"mps"})  # ...while torch's SDPA computes them in tiles on CUDA and on CPU
+LOGIT_BYTES = 4  # logits are upcast to float32
+# glibc malloc keeps some freed activation memory even with host.heap.keep_heap_flat: what a layer turn frees stays in
+# the heap until the turn ends and the heap is trimmed, and fragments it meanwhile. Measured with the per-turn trim
+# (3 GB Llama under a 1.55 GB cap, 32 sequences of ~100 own tokens): peak RSS 1.33 GB with micro-batches of 5,
+# 1.365 GB with 9, 1.40 GB with 11: 120 KB per extra token where the live activations are 100 KB; a whole batch in
+# one forward call keeps more (SmolLM2, 16 sequences streamed: 974 MB measured, 855 MB predicted at a quarter). Half
+# a copy, on the safe side of both. (Before the trim, with every block of 128 KiB or more unmapped when freed, one
+# whole copy was measured.)
+HEAP_RETAINED_ACTIVATION_COPIES = 0.5
+HEAP_RETAINS_ON = frozenset({"cpu"})  # accelerator allocators hold freed blocks for reuse: no growth beyond the peak
+
+# Micro-batches (passes.py): when a pass's activations do not fit all at once, its sequences enter each layer in
+# turns, so only one micro-batch's activations are live while every sequence's KV cache and hidden state wait.
+HELD_HIDDEN_COPIES = 2  # a waiting micro-batch holds its hidden states and the residual they add to
+# Each of a prefill's forward calls is held suspended between its turns (passes.run_interleaved), keeping its saved
+# stack and Python frames until the pass ends: ~40 KiB a call measured (200 suspended calls of a tiny Llama); its
+# activations are counted apart. The OpenMP team and matmul scratch are the one calling thread's, in the runtime.
+PREFILL_CALL_BYTES = 256 << 10
+# A decode step that attends to its keys and values where they lie (decode_in_place) may still copy one layer's
+# [H_kv, context, D] once (a strided cache view made contiguous), and prefix_attention.attend_with_prefix keeps its
+# float32 scores against the prefix and its own tokens, their concatenation, the scaled and masked scores and the
+# softmax weights alive together.
+IN_PLACE_SCORE_COPIES = 5
+# A half-precision prefill of prefix-sharing micro-batches on a CPU attends a chunk of query rows at a time
+# (prefix_attention.attend_in_chunks): its scores take at most this much beside the call's activations.
+ATTENTION_CHUNK_BYTES = 16 << 20
+
+
+def attention_scratch_bytes(device: str, compute_bytes: int, shared: int) -> int:
+    """The chunked attention's scratch: only a CPU prefill in half precision behind a shared prefix takes it."""
+    return ATTENTION_CHUNK_BYTES if shared and compute_bytes == 2 and device.split(":")[0] == "cpu" else 0
+
+
+def linear_activation_bytes_per_token(sizes: CheckpointSizes, compute_bytes: int, device: str = "cuda") -> int:
+    """Live activations of one token in the layer computing, plus what the host allocator keeps of earlier layers'."""
+    hidden_states = sizes.hidden_size * compute_bytes * HIDDEN_STATE_COPIES
+    mlp_intermediate = sizes.intermediate_size * compute_bytes * MLP_INTERMEDIATE_COPIES
+    return round((hidden_states + mlp_intermediate) * heap_factor(device))
+
+
+def activation_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, device: str,
+                                  prefill_tokens: int, logit_positions: int) -> int:
+    per_token = prefill_tokens * linear_activation_bytes_per_token(sizes, compute_bytes, device)
+    attention_scores = 0
+    if scores_materialised(device):  # one layer's scores at a time
+        attention_scores = round(sizes.num_attention_heads * prefill_tokens * prefill_tokens
+                                 * ATTENTION_SCORE_BYTES * heap_factor(device))
+    logits = logit_positions * sizes.vocab_size * LOGIT_BYTES  # only the positions the executor keeps
+    return per_token + attention_scores + logits
+
+
+def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
+                batch: Sequence[int], micro_sequences: int | None = None,
+                prefilling: Sequence[int] | None = None) -> int:
+    """KV cache at the batch's longest sequence (none for choice rows) plus activations at its longest prefill, for
+    every sequence; with micro-batches, activations for one micro-batch and held hidden states for the others; and
+    the prefill's suspended forward calls: those of `prefilling`, the rows whose prompts the pass prefills (a
+    refilled pass: the rows it admits; None: the whole batch)."""
+    sequences, longest, prefill, positions = batch_shape(rows, batch)
+    holds_cache = any(rows[i].holds_cache for i in batch)
+    kv = kv_bytes_for_sequence(sizes, compute_bytes, longest) if holds_cache else 0
+    activations = activation_bytes_for_sequence(sizes, compute_bytes, device, prefill, positions)
+    prefilled = batch if prefilling is None else prefilling
+    calls = (prefill_call_count(rows, prefilled, micro_sequences, device) if prefilled else 0) * PREFILL_CALL_BYTES
+    if micro_sequences is None or micro_sequences >= sequences:
+        return sequences * (kv + activations) + calls
+    held = prefill * sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
+    return sequences * (kv + held) + micro_sequences * activations + calls
+
+
+def largest_turn_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
+                       own_rows: Sequence[RowCost], batch: Sequence[int], micro_sequences: int | None,
+                       decode_group: int | None, shared: int, decode_in_place: bool = False,
+                       prefilling: Sequence[int] | None = None) -> int:
+    """The most activation memory one forward call's turn at a layer takes in a batch's passes: its largest prefill
+    call (cut as the executor cuts them), the shared prefix's call, or a decode call. A turn that finds no freed
+    pages to reuse takes this much more memory (host.heap.keep_freed_pages_below). `prefilling`: as batch_bytes."""
+    sequences = batch_shape(rows, batch)[0]
+    sharing = bool(shared) and sequences > 1
+    costs = own_rows if sharing else rows
+    positions = batch_shape(costs, batch)[3]
+    prefilled = batch if prefilling is None else prefilling
+    turns = [len(call) * activation_bytes_for_sequence(sizes, compute_bytes, device, max(call), positions)
+             for call in (prefill_calls(costs, prefilled, micro_sequences, device) if prefilled else ())]
+    if sharing:
+        turns.append(activation_bytes_for_sequence(sizes, compute_bytes, device, shared, 0))
+    if any(rows[i].passes() > 1 for i in batch):
+        context = (shared if sharing else 0) + max(costs[i].sequence_length() for i in batch)
+        turns.append(min(decode_group or sequences, sequences)
+                     * decode_call_bytes_per_sequence(sizes, compute_bytes, device, context, decode_in_place))
+    return max(turns)
+
+
+def decode_call_bytes_per_sequence(sizes: CheckpointSizes, compute_bytes: int, device: str, context: int,
+                                   in_place: bool = False) -> int:
+    """What a decode forward adds per sequence at the context length: the attention's copies of one layer's keys and
+    values, plus one token's activations and logits. Expanded to every query head where transformers' sdpa repeats
+    them (under a padding mask, before transformers 5.24, or an eager attention); `in_place` (the step reads them
+    where they lie: a shared prefix through prefix_attention, or sdpa's grouped one-token query) one copy at the key
+    heads and the float32 scores per query head."""
+    if in_place:
+        attention = (2 * sizes.num_kv_heads * sizes.head_dim * context * compute_bytes
+                     + IN_PLACE_SCORE_COPIES * sizes.num_attention_heads * context * ATTENTION_SCORE_BYTES)
+    else:
+        attention = 2 * sizes.num_attention_heads * sizes.head_dim * context * compute_bytes
+    return attention + activation_bytes_for_sequence(sizes, compute_bytes, device, 1, 1)
+
+
+def decode_kv_bytes(sizes: CheckpointSizes, compute_bytes: int, own_rows: Sequence[RowCost],
+                    planned: Sequence[int], max_sequences: int) -> tuple[int, int]:
+    """(KV cache of a full batch at the longest row's end, that row's own length) during its decode passes."""
+    longest_own = max(own_rows[i].sequence_length() for i in planned)
+    return max_sequences * kv_bytes_for_sequence(sizes, compute_bytes, longest_own), longest_own
+
+
+def decode_group_size(sizes: CheckpointSizes, compute_bytes: int, device: str, own_rows: Sequence[RowCost],
+                      planned: Sequence[int], shared: int, micro_sequences: int | None, max_sequences: int,
+                      free_bytes: int, in_place: bool = False) -> int | None:
+    """Sequences per forward call in a decode pass: as many as fit beside the batch's whole KV cache.
+
+    A decode forward reads the layer's weights from memory however few sequences it carries, so decode micro-batches
+    are made as large as memory allows. The prefill's activations and held hidden states are gone by then."""
+    if micro_sequences is None or not planned:
+        return None
+    kv_cache, longest_own = decode_kv_bytes(sizes, compute_bytes, own_rows, planned, max_sequences)
+    per_sequence = decode_call_bytes_per_sequence(sizes, compute_bytes, device, shared + longest_own, in_place)
+    return int(min(max_sequences, max(micro_sequences, (free_bytes - kv_cache) // per_sequence)))
+
+
+def decode_pass_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, own_rows: Sequence[RowCost],
+                      planned: Sequence[int], shared: int, decode_group: int | None, max_sequences: int,
+                      in_place: bool = False) -> int:
+    """What a batch holds during its decode passes (beside the weights and the shared prefix): its whole KV cache and
+    one decode call. 0 when no planned row decodes (choice rows and one-token answers finish in their prefill)."""
+    if not planned or not any(own_rows[i].passes() > 1 for i in planned):
+        return 0
+    kv_cache, longest_own = decode_kv_bytes(sizes, compute_bytes, own_rows, planned, max_sequences)
+    group = min(decode_group or max_sequences, max_sequences)
+    return kv_cache + group * decode_call_bytes_per_sequence(sizes, compute_bytes, device, shared + longest_own,
+                                                             in_place)
+
+
+def scores_materialised(device: str) -> bool:
+    return device.split(":")[0] in SCORES_MATERIALISED_ON
+
+
+def heap_factor(device: str) -> float:
+    return 1 + HEAP_RETAINED_ACTIVATION_COPIES if device.split(":")[0] in HEAP_RETAINS_ON else 1

@@ -1,0 +1,257 @@
+"""Time arithmetic of the plan, as named steps: FLOPs and memory traffic of each pass, its roofline, and the
+timeline of a job. No torch."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from batchrun.checkpoint import (
+    CheckpointSizes,
+    attended_positions,
+    kv_bytes_for_sequence,
+)
+from batchrun.plan.batching import (
+    RowCost,
+    batch_shape,
+    prefill_call_count,
+    prefill_groups,
+    without_prefix,
+)
+from batchrun.plan.refill import ScheduledPass
+
+# A decode pass streams every weight from RAM once, so below a few dozen sequences it runs at the speed of memory,
+# not of the matmul units. The KV cache moves once more: attention reads it. Appending the token writes in place
+# (prefill.RoomyLayer), and transformers' SDPA decodes grouped-query heads packed (pack_gqa), without expanding K and
+# V to every query head.
+KV_COPIES_PER_DECODE = 1
+# A host streaming a layer moves it through RAM besides the disk read: the kernel copies it out of the page cache
+# (read + write), and a checkpoint narrower than the compute dtype is widened in its slot (read + a wider write).
+# That traffic shares the memory bus with the pass's own compute. Measured on the 3 GB bf16 Llama streamed in float32
+# (2 cores, 32 sequences decoding): widening 1.1 s and copying 0.7 s of reader time per pass, decode passes 3.0 s
+# where reads took 1.6 s and the matmuls alone would take 1.9 s. A decode pass leaves the linear weights narrow and
+# widens them tile by tile inside the matmul (stream.run_pass, linear_kernels.widening_linear): the copy only, and the
+# matmuls at about the time they take on float32 weights from RAM (3 GB Llama layer, 32 rows, 2 cores: 43 against
+# 32-50 ms), so their weight term stays as it is.
+PAGE_CACHE_COPY_TRAFFIC = 2
+
+
+def prefill_flops(sizes: CheckpointSizes, sequences: int, prefill_tokens: int, logit_positions: int,
+                  context_before: int = 0) -> int:
+    """FLOPs of computing prefill_tokens per sequence after context_before tokens already cached."""
+    tokens = sequences * prefill_tokens
+    matmuls = 2 * sizes.decoder_params * tokens  # multiply-add per weight per token
+    head = 2 * sizes.vocab_size * sizes.hidden_size * sequences * logit_positions  # logits only where kept
+    attention = (4 * sizes.num_attention_heads * sizes.head_dim * tokens
+                 * attended_positions(sizes, context_before + prefill_tokens))
+    return matmuls + head + attention
+
+
+def shared_prefix_flops(sizes: CheckpointSizes, shared_prefix: int) -> int:
+    """The prefix a pass computes once for all its sequences: one sequence, no logits kept."""
+    return prefill_flops(sizes, 1, shared_prefix, 0) if shared_prefix else 0
+
+
+def decode_flops(sizes: CheckpointSizes, live_sequences: int, context: int) -> int:
+    matmuls = 2 * (sizes.decoder_params + sizes.vocab_size * sizes.hidden_size) * live_sequences
+    attention = 4 * sizes.num_attention_heads * sizes.head_dim * live_sequences * attended_positions(sizes, context)
+    return matmuls + attention
+
+
+def pass_memory_bytes(sizes: CheckpointSizes, compute_bytes: int, sequences: int, context: int,
+                      decode: bool) -> tuple[int, int]:
+    """(weight bytes, KV bytes) a pass moves through RAM: every decoder weight and the head once at the compute
+    dtype; a prefill writes its KV cache once, a decode pass moves the batch's cache KV_COPIES_PER_DECODE times."""
+    weights = (sizes.decoder_params + sizes.vocab_size * sizes.hidden_size) * compute_bytes
+    kv = sequences * kv_bytes_for_sequence(sizes, compute_bytes, context)
+    return weights, kv * (KV_COPIES_PER_DECODE if decode else 1)
+
+
+def host_streaming_bytes(sizes: CheckpointSizes, compute_bytes: int, decode: bool = False) -> int:
+    """Bytes a host moves through RAM to stream the decoder layers once, beyond the disk read and the matmuls: the
+    page-cache copy, and for a prefill the widening of a narrower checkpoint in its slots (a decode pass has none)."""
+    copied = sizes.decoder_bytes * PAGE_CACHE_COPY_TRAFFIC
+    widened = sizes.decoder_params * compute_bytes
+    return copied + (sizes.decoder_bytes + widened if widened > sizes.decoder_bytes and not decode else 0)
+
+
+def pass_compute_seconds(flops: int, memory: tuple[int, int], flops_per_s: float | None,
+                         memory_bytes_per_s: float | None, weights_bytes_per_s: float | None = None) -> float | None:
+    """Roofline of one pass: matmuls take the longer of their FLOPs and streaming their weights from RAM (at
+    weights_bytes_per_s where the pass's row count has a measured rate, else the memory rate); KV cache traffic adds
+    to that. The memory terms count only when the memory rate is known."""
+    if flops_per_s is None:
+        return None
+    if memory_bytes_per_s is None:
+        return flops / flops_per_s
+    weights, kv = memory
+    return max(flops / flops_per_s, weights / (weights_bytes_per_s or memory_bytes_per_s)) + kv / memory_bytes_per_s
+
+
+def weight_rate_at(rates: Mapping[int, float], rows: int) -> float:
+    """Weight bytes/s of a matmul of `rows` rows from the rates measured at a few row counts (measure.decode_rates):
+    time per byte interpolated linearly between the nearest two; below the fewest rows, theirs; past the most, time
+    per byte grows with the rows, as it does where a matmul turns compute-bound (the FLOP term takes over there)."""
+    counts = sorted(rates)
+    if rows <= counts[0]:
+        return rates[counts[0]]
+    if rows >= counts[-1]:
+        return rates[counts[-1]] * counts[-1] / rows
+    upper = next(count for count in counts if count >= rows)
+    lower = counts[counts.index(upper) - 1]
+    share = (rows - lower) / (upper - lower)
+    return 1 / ((1 - share) / rates[lower] + share / rates[upper])
+
+
+def prefill_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost], batch: Sequence[int],
+                    flops: int, flops_per_s: float | None, memory_bytes_per_s: float | None, shared_prefix: int,
+                    micro_batch: int | None, streaming_bytes: int, device: str, layer_call_seconds: float = 0.0, *,
+                    computes_prefix: bool = False) -> float | None:
+    """The prefill of `batch`'s prompts ( `flops` of it): its micro-batches are cut by length, as the executor cuts
+    them, and each reads the layer's weights from memory once. `computes_prefix`: a call of the shared prefix's own
+    runs first (its FLOPs are in `flops`)."""
+    sequences, _, prefill, _ = batch_shape(rows, batch)
+    weights, kv = pass_memory_bytes(sizes, compute_bytes, sequences, shared_prefix + prefill, False)
+    calls = prefill_call_count(rows, batch, micro_batch, device)
+    compute = pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s, memory_bytes_per_s)
+    return with_layer_calls(compute, sizes, calls + computes_prefix, layer_call_seconds)
+
+
+def decode_seconds(sizes: CheckpointSizes, compute_bytes: int, live: int, context: int, flops: int,
+                   flops_per_s: float | None, memory_bytes_per_s: float | None, group: int | None,
+                   streaming_bytes: int, decode_rates: Mapping[int, float] | None,
+                   layer_call_seconds: float = 0.0, cores_share: float = 1.0, calls: int | None = None
+                   ) -> float | None:
+    """One decode step of `live` sequences at `context` tokens, in calls of `group` sequences (None: one call), its
+    roofline computed on `cores_share` of the cores the rates were measured on. `calls`: the calls the step makes
+    where its micro-batches cannot merge (job_timeline), instead of the regrouped ones."""
+    weights, kv = pass_memory_bytes(sizes, compute_bytes, live, context, True)
+    calls = calls or (math.ceil(live / group) if group else 1)
+    weights_rate = weight_rate_at(decode_rates, math.ceil(live / calls)) if decode_rates else None
+    compute = pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s, memory_bytes_per_s,
+                                   weights_rate)
+    # fewer threads take longer over the matmuls and memory traffic; a layer call's Python costs what it costs
+    return with_layer_calls(None if compute is None else compute / cores_share, sizes, calls, layer_call_seconds)
+
+
+def with_layer_calls(compute_seconds: float | None, sizes: CheckpointSizes, calls: int,
+                     layer_call_seconds: float) -> float | None:
+    """A pass's compute plus the fixed cost of each forward call through each decoder layer (measure.py's
+    layer_call_seconds): the Python and small ops a roofline of matmuls and memory traffic leaves out, most of a
+    small model's decode step."""
+    if compute_seconds is None:
+        return None
+    return compute_seconds + sizes.num_layers * calls * layer_call_seconds
+
+
+def batch_prefill_flops(sizes: CheckpointSizes, rows: Sequence[RowCost], batch: Sequence[int],
+                        shared_prefix: int = 0) -> int:
+    """FLOPs of a batch's prefill: every prompt (a shared prefix once), padded to the batch's longest."""
+    sequences, _, prefill, positions = batch_shape(rows, batch)
+    own = prefill_flops(sizes, sequences, prefill, positions, shared_prefix)
+    return own + shared_prefix_flops(sizes, shared_prefix)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    pass_seconds: list[float | None]  # in run order
+    compute_seconds: list[float | None]
+    first_answer_passes: int  # passes until the first rows are answered
+    compute_bound_passes: int
+
+    @property
+    def known(self) -> bool:
+        return None not in self.pass_seconds
+
+
+def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Sequence[Sequence[int]],
+                 io_seconds: float | None, compute_flops_per_s: float | None, compute_bytes: int = 4,
+                 memory_bytes_per_s: float | None = None, shared_prefix: int = 0,
+                 micro_batches: tuple[int | None, int | None] = (None, None),
+                 streaming_bytes: tuple[int, int] = (0, 0), device: str = "cpu",
+                 decode_rates: Mapping[int, float] | None = None,
+                 schedule: Sequence[ScheduledPass] = (), schedule_prefix: int = 0,
+                 layer_call_seconds: float = 0.0, decode_cores_share: float = 1.0,
+                 decode_merges: bool = True) -> Timeline:
+    """Seconds of every pass of the job, in run order: each batch of `batches` (choice rows: one pass each, no
+    decoding), then the generation rows' `schedule` (refill.refill_schedule). A batch of several sequences computes
+    `shared_prefix` prompt tokens once (prefill.SharedPrefix), one sequence alone its whole prompt; the scheduled
+    passes share `schedule_prefix` tokens (score.GreedyPool: 0 where a pass holds one row), computed by their first
+    pass. `decode_merges` False: the scheduled passes' micro-batches cannot merge for decoding (sliding-window caches of
+    rows longer than the window, prefill.merge_for_decode), so each admission's prefill micro-batches decode in a
+    call of their own for as long as one of their rows lives."""
+    own_rows = [without_prefix(row, shared_prefix) for row in rows]
+    computes: list[float | None] = []
+    for batch in batches:
+        shared = shared_prefix if batch_shape(rows, batch)[0] > 1 else 0
+        costs = own_rows if shared else rows  # a shared prefix: the rows' own tokens, the prefix once
+        flops = batch_prefill_flops(sizes, costs, batch, shared)
+        computes.append(prefill_seconds(sizes, compute_bytes, costs, batch, flops,
+                                        compute_flops_per_s, memory_bytes_per_s, shared, micro_batches[0],
+                                        streaming_bytes[0], device, layer_call_seconds, computes_prefix=shared > 0))
+    first_answer = 1 if batches else 0
+    steps: dict[int, int] = {}  # live row -> tokens it has after the pass before
+    scheduled_rows = own_rows if schedule_prefix else rows
+    unmerged: list[set[int]] = []  # the live rows of each micro-batch that decodes alone (decode_merges False)
+    for index, scheduled in enumerate(schedule):
+        calls = len(unmerged) if not decode_merges else None
+        compute = _scheduled_pass_seconds(sizes, compute_bytes, scheduled_rows, scheduled, steps, schedule_prefix,
+                                          index == 0, compute_flops_per_s, memory_bytes_per_s, micro_batches,
+                                          streaming_bytes, device, decode_rates, layer_call_seconds,
+                                          decode_cores_share, calls)
+        computes.append(compute)
+        if not decode_merges and scheduled.admitted:
+            lengths = [scheduled_rows[i].prefill_length() for i in scheduled.admitted]
+            unmerged += [{scheduled.admitted[j] for j in group}
+                         for group in prefill_groups(lengths, micro_batches[0], device)]
+        steps.update((i, 0) for i in scheduled.admitted)
+        steps = {i: n + 1 for i, n in steps.items()}
+        finished = [i for i, n in steps.items() if n >= rows[i].passes()]
+        if finished and not first_answer:
+            first_answer = index + 1
+        for i in finished:
+            del steps[i]
+        unmerged = [left for left in (members.difference(finished) for members in unmerged) if left]
+    passes = [pass_bound(io_seconds, c) for c in computes]
+    compute_bound = sum(1 for c in computes if c is not None and io_seconds and c > io_seconds)
+    return Timeline(passes, computes, first_answer, compute_bound)
+
+
+def _scheduled_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost],
+                            scheduled: ScheduledPass, steps: Mapping[int, int], shared_prefix: int,
+                            computes_prefix: bool, flops_per_s: float | None, memory_bytes_per_s: float | None,
+                            micro_batches: tuple[int | None, int | None], streaming_bytes: tuple[int, int],
+                            device: str, decode_rates: Mapping[int, float] | None,
+                            layer_call_seconds: float, decode_cores_share: float,
+                            decode_calls: int | None = None) -> float | None:
+    """A pass that prefills the admitted rows' prompts and decodes one token of the others: the two sets of calls
+    one after the other, each as a batch would run it (rows: without the prefix where it is shared). A pass that
+    admits nobody is a decode pass on `decode_cores_share` of the cores; one that prefills computes on all."""
+    seconds = []
+    if scheduled.admitted:
+        batch = scheduled.admitted
+        sequences, _, prefill, positions = batch_shape(rows, batch)
+        flops = (prefill_flops(sizes, sequences, prefill, positions, shared_prefix)
+                 + (shared_prefix_flops(sizes, shared_prefix) if computes_prefix else 0))
+        seconds.append(prefill_seconds(sizes, compute_bytes, rows, batch, flops, flops_per_s, memory_bytes_per_s,
+                                       shared_prefix, micro_batches[0], streaming_bytes[0], device,
+                                       layer_call_seconds, computes_prefix=computes_prefix and shared_prefix > 0))
+    if scheduled.decoding:
+        live = len(scheduled.decoding)
+        context = shared_prefix + max(rows[i].prefill_length() + steps[i] for i in scheduled.decoding)
+        streamed = 0 if scheduled.admitted else streaming_bytes[1]  # a pass that prefills streams as a prefill
+        seconds.append(decode_seconds(sizes, compute_bytes, live, context, decode_flops(sizes, live, context),
+                                      flops_per_s, memory_bytes_per_s, micro_batches[1], streamed, decode_rates,
+                                      layer_call_seconds, 1.0 if scheduled.admitted else decode_cores_share,
+                                      decode_calls))
+    return None if None in seconds else sum(seconds)
+
+
+def pass_bound(io_seconds: float | None, compute_seconds: float | None) -> float | None:
+    """max(read the layers, compute); reads alone when the compute rate is unknown. Unknown for a streamed pass
+    without a bandwidth, and for a resident one (io 0) without a compute rate."""
+    if io_seconds is None:
+        return None
+    if compute_seconds is None:
+        return io_seconds or None
+    return max(io_seconds, compute_seconds)

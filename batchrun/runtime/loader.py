@@ -1,0 +1,441 @@
+"""Read one decoder layer's weights from the original safetensors shards into reusable buffers.
+
+The I/O path: each layer's tensors are read with large positional reads of their byte ranges
+(coalesced per shard), never through a memory map, into buffers allocated once and reused for every
+layer (allocating and first-touching fresh memory per layer costs more than the read itself, and
+glibc would keep the freed pages). Once a layer's reads are done the kernel is advised to drop those
+pages (one call per contiguous run): a streamed model does not fit in memory anyway, and the user's
+other work keeps its cache. A pass whose compute outlasts its reads many times over (a long prefill on a CPU) reads
+around the page cache instead (O_DIRECT, `uncached`): the disk writes into the buffers itself, where a cached read
+copies every byte on a core the matmuls need.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import torch
+
+from batchrun.checkpoint import CheckpointError, TensorInfo
+from batchrun.runtime.weights import (
+    SAFETENSORS_DTYPES,
+    Recipe,
+    coalesce,
+    read_into,
+    realize,
+    tensor_from_bytes,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LayerWeights:
+    """A loaded layer: parameter name within the layer -> tensor living in slot `slot`."""
+
+    index: int
+    slot: int
+    tensors: dict[str, torch.Tensor]
+    ready: torch.cuda.Event | None = None  # set when an asynchronous host->device copy is in flight
+    # Host widenings still running when the reads finished: the reader moves on to the next layer at once, and
+    # the layer's user waits for these (wait_widened) before the first forward that reads it.
+    widenings: list[Future] = field(default_factory=list)
+    # Linear weights kept at the checkpoint's narrower dtype (a narrow load): name -> the float32 buffer whose last
+    # bytes hold them, should a pass need them widened after all (LayerLoader.widen_narrow).
+    narrow: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def wait_widened(self) -> None:
+        """Block until every tensor is widened; a widening that failed fails here."""
+        pending, self.widenings = self.widenings, []
+        wait(pending)  # all of them, even when one failed: the caller may give the slot back next
+        for widening in pending:
+            widening.result()
+
+
+class LayerLoader:
+    """Loads layer `i` into buffer slot `s`; slots are owned by the caller (see stream.SlotPool)."""
+
+    def __init__(self, layer_recipes: list[list[Recipe]], layer_prefixes: list[str], meta_params: list[dict],
+                 *, device: torch.device, model, config, drop_page_cache: bool = True,
+                 narrowable: list[frozenset[str]] | None = None):
+        self.layer_recipes = layer_recipes
+        self.layer_prefixes = layer_prefixes
+        self.meta_params = meta_params  # per layer: relative name -> meta tensor (shape, dtype of the target)
+        # per layer: the names whose module computes from a narrower weight as it would from the widened one
+        # (linear_kernels.widening_linear); a narrow load leaves these unwidened
+        self.narrowable = narrowable or [frozenset() for _ in layer_prefixes]
+        self.device = device
+        self.model = model
+        self.config = config
+        self.drop_page_cache = drop_page_cache and hasattr(os, "posix_fadvise")
+        self._fds: dict[str, int] = {}
+        self._uncached_fds: dict[str, int | None] = {}  # None: this file's filesystem refuses O_DIRECT
+        self._raw: dict[tuple, tuple[torch.Tensor, int]] = {}
+        self._uncached_targets: dict[tuple, tuple[torch.Tensor, memoryview]] = {}
+        self._buffers: dict[tuple[int, str, tuple, torch.dtype], torch.Tensor] = {}
+        self._read_targets: dict[tuple, tuple[torch.Tensor, memoryview, torch.Tensor]] = {}
+        # One raw byte buffer (pinned on CUDA) serves every slot: loads run one at a time under the lock, and each
+        # finishes its cast (CPU) or waits for its copy (CUDA) before the next load reuses the buffer.
+        self._staging: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # slot -> the compute that last read it (CUDA); its own lock: a release must not wait for a load in progress
+        self._slot_busy_until: dict[int, torch.cuda.Event] = {}
+        self._busy_lock = threading.Lock()
+        self._widen_pool: ThreadPoolExecutor | None = None
+        self.bytes_read = 0
+
+    # -- buffers -------------------------------------------------------------------------------
+    def _buffer(self, slot: int, name: str, like: torch.Tensor) -> torch.Tensor:
+        key = (slot, name, tuple(like.shape), like.dtype)
+        buf = self._buffers.get(key)
+        if buf is None:
+            if self.device.type == "cpu":  # the aligned start of the bytes an uncached read of `name` also uses
+                raw, start = self._raw_bytes(slot, name, like)
+                buf = raw[start:start + _nbytes(like)].view(like.dtype).view(like.shape)
+            else:
+                buf = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+            self._buffers[key] = buf
+        return buf
+
+    def _raw_bytes(self, slot: int, name: str, like: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """A CPU slot's bytes for `name` and the index of the first aligned one. A cached read fills them from there;
+        an uncached one from there too, with the tensor as far in as its file offset lies past an aligned one, and on
+        to the next aligned byte: room for `like` and SLACK_BYTES more (12 KiB a tensor beyond what the plan counts,
+        inside its headroom)."""
+        key = (slot, name, tuple(like.shape), like.dtype)
+        cached = self._raw.get(key)
+        if cached is None:
+            raw = torch.empty(_nbytes(like) + SLACK_BYTES, dtype=torch.uint8)
+            cached = self._raw[key] = (raw, -raw.data_ptr() % DIRECT_ALIGN)
+        return cached
+
+    def _uncached_target(self, slot: int, name: str, like: torch.Tensor, misalign: int
+                         ) -> tuple[torch.Tensor, memoryview]:
+        """`like` viewed `misalign` bytes past the slot's aligned start, and the aligned span an O_DIRECT read of it
+        fills (from `misalign` bytes before its file offset to the next aligned byte after its end)."""
+        key = (slot, name, tuple(like.shape), like.dtype, misalign)
+        cached = self._uncached_targets.get(key)
+        if cached is None:
+            raw, start = self._raw_bytes(slot, name, like)
+            tensor = raw[start + misalign:start + misalign + _nbytes(like)].view(like.dtype).view(like.shape)
+            span = -(-(misalign + _nbytes(like)) // DIRECT_ALIGN) * DIRECT_ALIGN
+            cached = self._uncached_targets[key] = (tensor, memoryview(raw[start:start + span].numpy()))
+        return cached
+
+    def _read_target(self, slot: int, name: str, like: torch.Tensor, source: torch.dtype
+                     ) -> tuple[torch.Tensor, memoryview, torch.Tensor]:
+        """The slot's buffer for `name`, a view of its last bytes (where the read of `source` values lands, so a
+        widening can run front to back) and those values as a tensor of `like`'s shape, made once per slot: every
+        torch call on the reader thread gives the GIL up and waits to get it back from the forward thread; per
+        tensor and load, that was ~0.5 ms of an idle disk."""
+        key = (slot, name, tuple(like.shape), like.dtype, source)
+        cached = self._read_targets.get(key)
+        if cached is None:
+            buf = self._buffer(slot, name, like)
+            tail = buf.view(-1).view(torch.uint8)[-like.numel() * source.itemsize:]
+            cached = self._read_targets[key] = (buf, memoryview(tail.numpy()), tail.view(source).view(like.shape))
+        return cached
+
+    def slot_in_use_until(self, slot: int, event: torch.cuda.Event) -> None:
+        """The compute stream reads `slot` until `event`: the next asynchronous copy into it waits for that."""
+        with self._busy_lock:
+            self._slot_busy_until[slot] = event
+
+    def forget_slot(self, slot: int) -> None:
+        """Free a retired slot's buffers (nothing may be loading into it or computing from it)."""
+        with self._lock:
+            for cache in (self._read_targets, self._uncached_targets, self._buffers, self._raw):  # views hold them too
+                for key in [key for key in cache if key[0] == slot]:
+                    del cache[key]
+
+    def _staging_bytes(self, nbytes: int) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = None  # free the old one before allocating the larger
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        return self._staging
+
+    def _widener(self) -> ThreadPoolExecutor:
+        if self._widen_pool is None:
+            self._widen_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-widen")
+        return self._widen_pool
+
+    def _fd(self, path) -> int:
+        key = str(path)
+        fd = self._fds.get(key)
+        if fd is None:
+            fd = os.open(key, os.O_RDONLY)
+            self._fds[key] = fd
+        return fd
+
+    def _uncached_fd(self, path) -> int | None:
+        """The file opened for O_DIRECT reads, or None where the platform or the filesystem has none."""
+        key = str(path)
+        if key not in self._uncached_fds:
+            try:
+                self._uncached_fds[key] = os.open(key, os.O_RDONLY | os.O_DIRECT) if hasattr(os, "O_DIRECT") else None
+            except OSError as error:  # EINVAL from a filesystem without O_DIRECT; a real fault shows on the cached open
+                self._refuse_uncached(key, error)
+        return self._uncached_fds[key]
+
+    def _refuse_uncached(self, path, why: OSError) -> None:
+        fd = self._uncached_fds.get(str(path))
+        if fd is not None:
+            os.close(fd)
+        self._uncached_fds[str(path)] = None
+        log.debug("%s: O_DIRECT refused (%s); reading it through the page cache", path, why.strerror or why)
+
+    # -- loading -------------------------------------------------------------------------------
+    def load(self, index: int, slot: int, narrow: bool = False, uncached: bool = False) -> LayerWeights:
+        """Layer `index` into `slot`. `narrow`: leave the narrowable weights at the checkpoint's dtype (read as they
+        lie, not widened), for a pass whose linears widen them as they multiply. `uncached`: read the tensors stored
+        in the compute dtype around the page cache (O_DIRECT), where the filesystem allows it."""
+        with self._lock:
+            return self._load(index, slot, narrow, uncached)
+
+    def _load(self, index: int, slot: int, narrow: bool, uncached: bool) -> LayerWeights:
+        prefix = self.layer_prefixes[index]
+        metas = self.meta_params[index]
+        direct, widened, staged = self._split(index)
+        narrowable = self.narrowable[index] if narrow else frozenset()
+        tensors: dict[str, torch.Tensor] = {}
+        narrowed: dict[str, torch.Tensor] = {}
+        widenings: list[Future] = []
+        try:
+            read: list[TensorInfo] = []
+            # CPU: read straight into the parameter's buffer, in the order the bytes lie in the shards. The kernel's
+            # readahead follows a sequential reader: the same 3 GB checkpoint read tensor by tensor in module order
+            # (q, k, v, o, gate, up, down, a layer at a time) measured 1.58 against 3.0 GB/s in file order (5 cold
+            # reads each). Checkpoints store a layer's tensors in whatever order their writer chose.
+            for recipe in sorted(direct + widened, key=_file_position):
+                name = recipe.target[len(prefix):]
+                info = recipe.sources[0]
+                source = SAFETENSORS_DTYPES[info.dtype]
+                if uncached and recipe not in widened and self._read_uncached(slot, name, metas[name], info, tensors):
+                    self.bytes_read += info.nbytes
+                    continue
+                buf, target, values = self._read_target(slot, name, metas[name], source)
+                read_into(self._fd(info.file), target, info.offset, info.file)
+                read.append(info)
+                self.bytes_read += info.nbytes
+                if recipe in widened and name in narrowable:
+                    tensors[name], narrowed[name] = values, buf  # widened as it multiplies, or by widen_narrow
+                    continue
+                tensors[name] = buf
+                if recipe in widened:
+                    # Widened on its own thread while the next tensor is read: done in turn, a widening left the
+                    # disk idle for ~40% of a one-sequence pass (3 GB bf16 model: reads 1.6 s, widening 1.1 s).
+                    widenings.append(self._widener().submit(_widen_on_thread, buf, source))
+            for path, start, end in contiguous_runs(read):
+                self._advise_dropped(path, start, end - start)
+            ready = self._load_staged(staged, prefix, metas, slot, tensors) if staged else None
+            missing = sorted(set(metas) - set(tensors))
+            if missing:  # left on the meta device, a parameter would compute on uninitialised memory
+                recipes = self.layer_recipes[index]
+                where = recipes[0].sources[0].file.parent if recipes else "the checkpoint"
+                raise CheckpointError(f"{where}: decoder layer {index} has no tensor in the checkpoint for "
+                                      + ", ".join(prefix + name for name in missing))
+        except BaseException:
+            wait(widenings)  # a failed load gives its slot back: nothing may still be writing into it
+            raise
+        # Not waited for here: the last widenings of a layer end ~6 ms after its last read (3 GB bf16 model, 2 cores),
+        # time in which the reader would leave the disk idle before the next layer.
+        return LayerWeights(index=index, slot=slot, tensors=tensors, ready=ready, widenings=widenings, narrow=narrowed)
+
+    def _read_uncached(self, slot: int, name: str, like: torch.Tensor, info: TensorInfo,
+                       tensors: dict[str, torch.Tensor]) -> bool:
+        """Read one tensor with O_DIRECT into its slot, which then holds it; False where it must be read cached: the
+        filesystem refuses O_DIRECT, or the tensor's file offset is not a whole number of elements past an aligned
+        one (torch cannot view it there)."""
+        misalign, fd = info.offset % DIRECT_ALIGN, self._uncached_fd(info.file)
+        if fd is None or misalign % like.element_size():
+            return False
+        tensor, span = self._uncached_target(slot, name, like, misalign)
+        try:  # from the aligned offset below the tensor to the span's aligned end, or the file's
+            read_into(fd, span, info.offset - misalign, info.file, needed=misalign + info.nbytes)
+        except CheckpointError as error:
+            if getattr(error.__cause__, "errno", None) != errno.EINVAL:
+                raise
+            self._refuse_uncached(info.file, error.__cause__)  # the filesystem took the open but not the read
+            return False
+        tensors[name] = tensor
+        return True
+
+    def widen_narrow(self, weights: LayerWeights) -> None:
+        """Widen a narrow load's weights in their slot after all (a pass that multiplies float32 weights reuses a
+        layer read ahead for a decode pass); wait_widened then waits for them."""
+        for name, buf in weights.narrow.items():
+            source = weights.tensors[name].dtype
+            weights.widenings.append(self._widener().submit(_widen_on_thread, buf, source))
+            weights.tensors[name] = buf
+        weights.narrow = {}
+
+    def _split(self, index: int) -> tuple[list[Recipe], list[Recipe], list[Recipe]]:
+        """(read as is, read then widened in place, read into the staging buffer then converted or copied)."""
+        direct, widened, staged = [], [], []
+        prefix = self.layer_prefixes[index]
+        for recipe in self.layer_recipes[index]:
+            meta = self.meta_params[index].get(recipe.target[len(prefix):])
+            source = SAFETENSORS_DTYPES.get(recipe.sources[0].dtype)
+            in_place = (recipe.is_plain and meta is not None and source is not None and self.device.type == "cpu"
+                        and tuple(meta.shape) == recipe.sources[0].shape)
+            if in_place and source == meta.dtype:
+                direct.append(recipe)
+            elif in_place and can_widen(source, meta.dtype):
+                widened.append(recipe)
+            else:
+                staged.append(recipe)
+        return direct, widened, staged
+
+    def _load_staged(self, recipes: list[Recipe], prefix: str, metas: dict, slot: int,
+                     tensors: dict[str, torch.Tensor]):
+        infos: list[TensorInfo] = [info for r in recipes for info in r.sources]
+        by_file: dict[str, list[TensorInfo]] = {}
+        for info in infos:
+            by_file.setdefault(str(info.file), []).append(info)
+        spans = [(path, span) for path, members in by_file.items() for span in coalesce(members)]
+        total = sum(end - start for _, (start, end, _) in spans)
+        staging = self._staging_bytes(total)
+        raw: dict[str, torch.Tensor] = {}
+        cursor = 0
+        for path, (start, end, members) in spans:
+            length = end - start
+            read_into(self._fd(path), memoryview(staging[cursor:cursor + length].numpy()), start, path)
+            self._advise_dropped(path, start, length)
+            self.bytes_read += length
+            for info in members:
+                begin = cursor + info.offset - start
+                raw[info.name] = tensor_from_bytes(staging[begin:begin + info.nbytes], info)
+            cursor += length
+        stream_ctx = torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else _null_context()
+        with stream_ctx:
+            with self._busy_lock:
+                busy = self._slot_busy_until.pop(slot, None)
+            if busy is not None:  # released by the forward thread while its kernels may still be reading
+                self._copy_stream.wait_event(busy)
+            for recipe in recipes:
+                produced = realize(recipe, [raw[i.name] for i in recipe.sources], self.model, self.config)
+                for target, value in produced.items():
+                    name = target[len(prefix):]
+                    buf = self._buffer(slot, name, metas[name])
+                    if tuple(value.shape) != tuple(buf.shape):  # never reshape: same size, other layout is wrong
+                        raise CheckpointError(f"{recipe.sources[0].file}: {target} has shape {tuple(value.shape)} in "
+                                              f"the checkpoint, but the model expects {tuple(buf.shape)}")
+                    # copy_ casts to the compute dtype; on CUDA it overlaps with compute on the main stream
+                    buf.copy_(value, non_blocking=self._copy_stream is not None)
+                    tensors[name] = buf
+        if self._copy_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._copy_stream)
+        # The staging slot is reused by the next load into this slot: wait here (worker thread) so the
+        # main stream never waits on a copy that has not been issued.
+        event.synchronize()
+        return event
+
+    def _advise_dropped(self, path, offset: int, length: int) -> None:
+        if self.drop_page_cache:
+            os.posix_fadvise(self._fd(path), offset, length, os.POSIX_FADV_DONTNEED)
+
+    def buffer_bytes(self) -> int:
+        staging = self._staging.numel() if self._staging is not None else 0
+        # On a CPU every buffer is a view of its slot's raw bytes (slack included); elsewhere it is its own allocation
+        held = [raw for raw, _ in self._raw.values()] if self.device.type == "cpu" else list(self._buffers.values())
+        return sum(b.numel() * b.element_size() for b in held) + staging
+
+    def close(self) -> None:
+        if self._widen_pool is not None:
+            self._widen_pool.shutdown(wait=True)
+            self._widen_pool = None
+        for fd in [*self._fds.values(), *self._uncached_fds.values()]:
+            if fd is not None:
+                os.close(fd)
+        self._fds.clear()
+        self._uncached_fds.clear()
+        for cache in (self._buffers, self._read_targets, self._uncached_targets, self._raw):  # views hold them too
+            cache.clear()
+        self._staging = None
+
+
+# A streamed pass on the CPU reads around the page cache (uncached) when it multiplies each layer by at least this many
+# rows: its matmuls then take ~4 ns a weight at 1 TFLOP/s where an O_DIRECT read of a bf16 weight takes ~1 ns at
+# 2 GB/s, so a slower read still hides behind the compute, and the reader no longer copies 3 GB a pass through the
+# caches on a core the matmuls need. Fewer rows, and decode passes (the disk is their bound), read cached:
+# readahead measured up to a third faster than one O_DIRECT reader on this project's disks.
+UNCACHED_MIN_ROWS = 2048
+
+# O_DIRECT wants the file offset, the length and the memory address aligned to the device's logical block size: 512
+# or 4096 bytes on the disks Linux drives, so 4096 serves both.
+DIRECT_ALIGN = 4096
+SLACK_BYTES = 3 * DIRECT_ALIGN  # up to an alignment each: to the first aligned byte, the misalignment, the last block
+
+
+def _nbytes(like: torch.Tensor) -> int:
+    return like.numel() * like.element_size()
+
+
+# Below this many elements left, the widening finishes through a small temporary (its steps would only shrink).
+WIDEN_TAIL_ELEMENTS = 1 << 16
+
+
+def _file_position(recipe: Recipe) -> tuple[str, int]:
+    return str(recipe.sources[0].file), recipe.sources[0].offset
+
+
+def contiguous_runs(infos: list[TensorInfo]) -> list[tuple[object, int, int]]:
+    """(file, start, end) of each run of back-to-back byte ranges: one page-cache advice per run, not per tensor
+    (~0.4 ms a call for a 23 MB tensor, and a GIL round trip)."""
+    runs: list[tuple[object, int, int]] = []
+    for info in sorted(infos, key=lambda i: (str(i.file), i.offset)):
+        end = info.offset + info.nbytes
+        if runs and runs[-1][0] == info.file and runs[-1][2] == info.offset:
+            runs[-1] = (info.file, runs[-1][1], end)
+        else:
+            runs.append((info.file, info.offset, end))
+    return runs
+
+
+def _widen_on_thread(buffer: torch.Tensor, source: torch.dtype) -> None:
+    # Inference mode is per thread: a slot allocated by a load on the forward thread is an inference tensor, which
+    # only inference mode may update in place.
+    with torch.inference_mode():
+        widen_in_place(buffer, source)
+
+
+def can_widen(source: torch.dtype, target: torch.dtype) -> bool:
+    """Floating types only, to a wider one of a whole multiple of the size (bf16/f16 -> f32)."""
+    wider, narrower = target.itemsize, source.itemsize
+    return (source.is_floating_point and target.is_floating_point and wider > narrower and wider % narrower == 0)
+
+
+def widen_in_place(buffer: torch.Tensor, source: torch.dtype) -> None:
+    """Cast the narrower values stored in the last bytes of `buffer` into the whole of it, front to back.
+
+    Saves the separate read buffer a cast needs (a layer at its checkpoint dtype). Writing element j only
+    overwrites source bytes of elements already read, as long as each step's output ends before the first
+    unread source byte; every step is a plain copy between disjoint ranges.
+    """
+    flat = buffer.view(-1)
+    count, wide, narrow = flat.numel(), flat.element_size(), source.itemsize
+    start = count * (wide - narrow)  # byte offset of the source values
+    values = flat.view(torch.uint8)[start:].view(source)
+    done = 0
+    while done < count:
+        end = min(count, (start + narrow * done) // wide)
+        if end - done < WIDEN_TAIL_ELEMENTS:
+            flat[done:].copy_(values[done:].clone())
+            return
+        flat[done:end].copy_(values[done:end])
+        done = end
+
+
+class _null_context:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

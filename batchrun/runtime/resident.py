@@ -1,0 +1,206 @@
+"""One entry point for the executor: a model that runs resident when it fits, streamed when not."""
+from __future__ import annotations
+
+import ctypes
+import mmap
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from batchrun.checkpoint import (
+    TokenizerOnDemand,
+    load_config,
+    read_tensor_infos,
+    storage_dtype,
+)
+from batchrun.host import glibc, keep_heap_flat, return_freed_memory
+from batchrun.runtime.devices import resolve_dtype
+from batchrun.runtime.linear_kernels import route_linears
+from batchrun.runtime.stream import StreamedModel, find_decoder_stack, text_config
+
+
+class ResidentModel(TokenizerOnDemand):
+    """The plain transformers model, weights loaded once. Same surface as StreamedModel."""
+
+    def __init__(self, checkpoint: Path, *, device: str, dtype=None, trust_remote_code: bool = False):
+        load_config(checkpoint, trust_remote_code=trust_remote_code)
+        infos = read_tensor_infos(checkpoint)  # same refusals as streaming: pickle-only, truncated, missing shards
+        self.checkpoint = Path(checkpoint)
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, self.device, storage_dtype(infos))
+        keep_heap_flat()  # before the first weight is allocated, so no heap grows under the model
+        files = {info.file for info in infos.values()}
+        _read_sequentially(files)
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=self.dtype,
+                                                          trust_remote_code=trust_remote_code).to(self.device)
+        if self.device.type == "cpu":
+            copy_out_of_file_mappings(self.model, files)
+        self.model.eval()
+        self.config = self.model.config
+        self._trust_remote_code = trust_remote_code
+        self.passes = 0
+        self.bytes_read = sum(info.nbytes for info in infos.values())  # every weight, read once at load
+        _, self.layers = find_decoder_stack(self.model, text_config(self.config).num_hidden_layers)
+        self._in_pass = False
+        self._micro = 0
+        self._before_layer = None
+        self._hooks = [self.model.register_forward_pre_hook(self._count_pass)]
+        self._hooks += [layer.register_forward_pre_hook(self._make_layer_hook(i))
+                        for i, layer in enumerate(self.layers)]
+        if self.device.type == "cpu":  # see host.heap.keep_heap_flat
+            self._hooks += [layer.register_forward_hook(_return_freed_memory) for layer in self.layers]
+
+    def _count_pass(self, module, args):
+        if not self._in_pass:
+            self.passes += 1
+
+    def _make_layer_hook(self, index: int):
+        def hook(module, args):
+            if self._before_layer is not None:
+                self._before_layer(index, self._micro)
+        return hook
+
+    def run_pass(self, calls, before_layer=None, *, light: bool = False, rows: int = 0) -> list:
+        """Micro-batches of one pass. Resident weights cost no reads, so they simply run in turn (and every core
+        computes: `light` and `rows` matter only to a streamed model)."""
+        self.passes += 1
+        self._in_pass, self._before_layer = True, before_layer
+        try:
+            results = []
+            for micro, call in enumerate(calls):
+                self._micro = micro
+                with torch.inference_mode():
+                    results.append(call())
+            return results
+        finally:
+            self._in_pass, self._before_layer, self._micro = False, None, 0
+
+    @property
+    def max_seq_len(self) -> int | None:
+        return getattr(text_config(self.config), "max_position_embeddings", None)
+
+    def __call__(self, *args, **kwargs):
+        with torch.inference_mode():
+            return self.model(*args, **kwargs)
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def _return_freed_memory(module, args, output) -> None:
+    return_freed_memory()
+
+
+def _read_sequentially(files, chunk: int = 16 << 20) -> None:
+    """Pull the shards into the page cache with large reads before transformers maps them.
+
+    transformers 5 memory-maps safetensors; from a cold cache the first pass would then fault the
+    weights in 4 KiB at a time (measured here: a 17 s first pass instead of 4 s)."""
+    buffer = bytearray(chunk)
+    for file in files:
+        with open(file, "rb", buffering=0) as handle:
+            while handle.readinto(buffer):
+                pass
+
+
+def copy_out_of_file_mappings(model: torch.nn.Module, files) -> int:
+    """Resident means resident: copy tensors that still point into a memory map of one of the checkpoint's `files`
+    into process memory, so the kernel cannot drop them and fault them back in from disk in the middle of a job.
+    Tensors transformers already converted (a bf16 checkpoint computed in float32) live in process memory: copying
+    every tensor anyway took 6.1 s of an 18 s load of a 3 GB checkpoint. Where /proc/self/maps cannot tell which
+    memory is mapped from a file (not Linux), every tensor is copied. Returns how many were."""
+    mapped = file_mapped_ranges(files)
+    copied = 0
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if mapped is None or lies_in(tensor, mapped):
+                tensor.data = copy_releasing_pages(tensor.data) if mapped is not None else tensor.data.clone()
+                copied += 1
+    model.tie_weights()
+    return copied
+
+
+COPY_CHUNK_BYTES = 16 << 20
+
+
+def copy_releasing_pages(original: torch.Tensor) -> torch.Tensor:
+    """A copy of a file-mapped tensor, made COPY_CHUNK_BYTES at a time, each chunk's file pages unmapped once copied:
+    a whole-tensor copy held the tensor twice at its end (Gemma 3's 335 MB embedding: a 137 MB spike at load)."""
+    if not original.is_contiguous():  # a view: its byte span may hold other tensors' bytes, so nothing is released
+        return original.clone()
+    copy = torch.empty_like(original)
+    source, target = original.view(-1), copy.view(-1)
+    step = max(1, COPY_CHUNK_BYTES // original.element_size())
+    for start in range(0, source.numel(), step):
+        chunk = source[start:start + step]
+        target[start:start + step].copy_(chunk)
+        release_mapped_pages(chunk.data_ptr(), chunk.numel() * chunk.element_size())
+    release_mapped_pages(original.data_ptr(), original.numel() * original.element_size())  # pages chunks shared
+    return copy
+
+
+MADV_DONTNEED = 4  # Linux
+
+
+def release_mapped_pages(address: int, nbytes: int) -> None:
+    """Unmap from this process the file pages wholly inside [address, address + nbytes) of a tensor copied out:
+    the file mapping stays until its last tensor is copied, and meanwhile every page the copies read stayed resident
+    beside the copies (SmolLM2 resident, float32: a 1,495 MB peak at load where the loaded model held 957 MB). Pages a
+    neighbouring tensor shares are kept; the page cache keeps them all, and the mapping faults a page back in from
+    it if anything reads it again. Only the copied tensor's own pages go, so whatever was written there is in its
+    copy."""
+    libc = glibc()
+    page = mmap.PAGESIZE
+    start = -(-address // page) * page
+    end = (address + nbytes) // page * page
+    if libc is not None and end > start:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+
+
+def file_mapped_ranges(files, maps: Path = Path("/proc/self/maps")) -> list[tuple[int, int]] | None:
+    """Address ranges [start, end) this process maps from `files`; None where the maps file cannot be read."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return None
+    wanted = {str(Path(file).resolve()) for file in files}  # the maps name the file itself, not a symlink to it
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] in wanted:
+            start, end = (int(address, 16) for address in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def lies_in(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+    """Whether any byte of the tensor's storage lies in one of the address ranges."""
+    storage = tensor.untyped_storage()
+    start = storage.data_ptr()
+    end = start + storage.nbytes()
+    return any(low < end and start < high for low, high in ranges)
+
+
+def open_model(checkpoint: Path, *, mode: str, device: str, dtype=None, prefetching: bool = True,
+               prefetch_depth: int = 1, decode_prefetch_depth: int | None = None, trust_remote_code: bool = False,
+               linear_kernel: str = "aten", pack_weights: bool = False):
+    """`linear_kernel`: what computes the model's nn.Linear layers (linear_kernels.py; measure.linear_kernel picks).
+    `pack_weights`: a streamed model's long bfloat16 prefills multiply packed weights (measure.packs_weights)."""
+    if mode == "resident":
+        model = ResidentModel(checkpoint, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    else:
+        model = StreamedModel(checkpoint, device=device, dtype=dtype, prefetching=prefetching,
+                              prefetch_depth=prefetch_depth, decode_prefetch_depth=decode_prefetch_depth,
+                              trust_remote_code=trust_remote_code, pack_weights=pack_weights)
+    route_linears(model.model, linear_kernel)
+    return model

@@ -1,0 +1,243 @@
+"""The math of one batch: choice log-likelihoods and greedy decoding, pass by pass.
+
+Every forward call of the model is one pass (one walk through the decoder stack, one read of the
+checkpoint when streamed). Shapes: B sequences, S padded length, V vocabulary.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from batchrun.plan import RowCost, admit, shares_prefix
+from batchrun.runtime.prefill import (
+    PrefillCalls,
+    SharedPrefix,
+    collect_decoded,
+    decode_calls,
+    drop_finished,
+    merge_for_decode,
+    prefill,
+)
+from batchrun.spec import EncodedRow, choice_sequences, kept_positions
+
+
+@dataclass
+class Answer:
+    idx: int
+    answer: str | None
+    choice_probs: dict[str, float] | None
+    score: float | None
+    logprob: float | None
+    prompt_tokens: int
+    output_tokens: int
+    finish_reason: str
+    token_ids: list[int] | None = None
+
+
+# -- choice rows ---------------------------------------------------------------------------------
+def score_choices(handle, rows: Sequence[EncodedRow], pad_id: int, *, micro_batch: int | None = None,
+                  share_prefix: bool = True) -> list[Answer]:
+    """All choices of all rows in one pass; log-likelihood of each choice's tokens after the prompt."""
+    seqs: list[list[int]] = []
+    firsts: list[int] = []  # first sequence of each row
+    for row in rows:
+        firsts.append(len(seqs))
+        seqs.extend(choice_sequences(row))
+    keep = kept_positions(rows)
+    logprobs, _ = prefill(handle, seqs, pad_id, keep=keep, micro_batch=micro_batch, use_cache=False,
+                          share_prefix=share_prefix)  # per sequence [keep, V]
+    return [_choice_answer(row, logprobs, first) for first, row in zip(firsts, rows)]
+
+
+def _choice_answer(row: EncodedRow, logprobs: list[torch.Tensor], first: int) -> Answer:
+    sums = []
+    shared = all(len(c) == 1 for c in row.choice_ids)
+    for k, tokens in enumerate(row.choice_ids):
+        if shared:
+            sums.append(logprobs[first][-1, tokens[0]].item())
+            continue
+        seq_lp = logprobs[first + k]  # [keep, V]; the sequence ends with the choice tokens
+        n = len(tokens)
+        # position -1-n predicts the first choice token, ..., position -2 the last one
+        steps = seq_lp[-1 - n:-1]
+        sums.append(sum(steps[j, t].item() for j, t in enumerate(tokens)))
+    top = max(sums)
+    weights = [math.exp(s - top) for s in sums]
+    total = sum(weights)
+    probs = {c: w / total for c, w in zip(row.request.choices, weights)}
+    best = max(range(len(sums)), key=sums.__getitem__)
+    return Answer(idx=row.request.index, answer=row.request.choices[best], choice_probs=probs,
+                  score=numeric_score(probs), logprob=sums[best], prompt_tokens=len(row.prompt_ids),
+                  output_tokens=len(row.choice_ids[best]), finish_reason="choice")
+
+
+def numeric_score(probs: dict[str, float]) -> float | None:
+    """The probability-weighted mean when every choice is a number."""
+    try:
+        values = {c: float(c) for c in probs}
+    except ValueError:
+        return None
+    if not all(math.isfinite(v) for v in values.values()):
+        return None
+    return sum(values[c] * p for c, p in probs.items())
+
+
+# -- generation rows -----------------------------------------------------------------------------
+@dataclass
+class Sequence_:
+    row: EncodedRow
+    generated: list[int] = field(default_factory=list)
+    logprob: float = 0.0
+    finish: str | None = None
+    text: str | None = None
+
+
+class GreedyPool:
+    """Greedy decoding of a job's generation rows, one pass per call to `step()`. Rows wait in a queue; each pass
+    decodes the next token of the rows live in it and prefills the prompts of the next queued rows, admitted while
+    they fit beside the live ones within the plan's batch limits (refill.admit), so places that rows finishing
+    early leave are taken in the next pass instead of staying empty until the batch's last row is done.
+
+    `costs`: each row's RowCost as the plan sized it (its own tokens where a prefix is shared). A shared prefix of
+    `shared_prefix` tokens (every row starts with it) is computed by the first pass and kept for the later rows.
+    Rows may start with tokens already generated before an interruption (`prefixes`): their prefill then covers
+    prompt + those tokens, and decoding continues from there.
+    """
+
+    def __init__(self, handle, rows: Sequence[EncodedRow], costs: Sequence[RowCost], limits: tuple[int, int],
+                 tokenizer, eos_ids: set[int], pad_id: int,
+                 prefixes: dict[int, tuple[list[int], float]] | None = None, *, micro_batch: int | None = None,
+                 decode_micro_batch: int | None = None, shared_prefix: int = 0):
+        self.handle, self.tokenizer, self.eos_ids, self.pad_id = handle, tokenizer, eos_ids, pad_id
+        self.special_ids = special_token_ids(tokenizer)
+        self.costs, self.limits = costs, limits
+        self.micro_batch = micro_batch
+        # Decoding regroups micro-batches (prefill.merge_for_decode); None: all in one.
+        self.decode_micro_batch = decode_micro_batch
+        prefixes = prefixes or {}
+        self.sequences = [Sequence_(row) for row in rows]
+        for seq in self.sequences:
+            if seq.row.request.index in prefixes:
+                tokens, logprob = prefixes[seq.row.request.index]
+                seq.generated, seq.logprob = list(tokens), logprob
+            if seq.generated:
+                # A row whose restored tokens already end it (the crash came between its last pass and the commit
+                # of its answer) finishes without any pass.
+                self._check_finished(seq)
+        self.already_finished = [seq for seq in self.sequences if seq.finish]
+        self.queue = deque(i for i, seq in enumerate(self.sequences) if not seq.finish)
+        self.live: dict[int, Sequence_] = {}  # admitted, unfinished
+        self.states: list = []  # the live rows' micro-batches between passes
+        self.prefix = (SharedPrefix(handle.model, list(rows[self.queue[0]].prompt_ids[:shared_prefix]),
+                                    handle.device) if shared_prefix and shares_prefix(len(self.queue), limits[0])
+                       else None)
+        # Every row, answered in full, inside the smallest sliding window: windowed layers cache like full ones, so
+        # the micro-batches of rows admitted in different passes merge into one decode call.
+        longest = max((len(seq.row.prompt_ids) + seq.row.request.max_new_tokens for seq in self.sequences), default=0)
+        self.windows_as_full = SharedPrefix.usable(handle.model, longest)
+        # Where they cannot merge (windowed caches of longer rows), every admission beside live rows would add a
+        # decode call, each reading every layer's weights from RAM once more: rows then wait until the pool is
+        # empty, batch after batch (refill.refill_schedule's refill_while_live, as the plan schedules them).
+        self.refills = self.prefix is not None or self.windows_as_full
+
+    def step(self) -> list[Sequence_]:
+        """Run one pass; return the sequences that finished in it."""
+        admitted = (admit(self.costs, list(self.live), self.queue, *self.limits) if self.refills or not self.live
+                    else [])
+        prefilling = None
+        if admitted:
+            seqs = [list(self.sequences[i].row.prompt_ids) + self.sequences[i].generated for i in admitted]
+            prefilling = PrefillCalls.build(self.handle, seqs, self.pad_id, keep=1, micro_batch=self.micro_batch,
+                                            use_cache=True, prefix=self.prefix,
+                                            windows_as_full=self.windows_as_full)
+        decoding = self.states
+        tokens = {i: self.sequences[i].generated[-1] for i in self.live}
+        # after this pass, at most the longest remaining answer less one more passes: the room caches keep
+        after = max((self._left(i) for i in [*self.live, *admitted]), default=1) - 1
+        calls = decode_calls(self.handle, decoding, tokens, after) if decoding else []
+        if prefilling:  # first: the prefix's call and its hook count micro-batches from 0
+            calls = prefilling.calls + calls
+        outputs = self.handle.run_pass(calls, before_layer=prefilling.before_layer if prefilling else None,
+                                       rows=(prefilling.rows if prefilling else 0) + len(tokens),
+                                       light=prefilling is None)
+        logprobs = collect_decoded(decoding, outputs[len(prefilling.calls):] if prefilling else outputs)
+        states = decoding
+        if prefilling:
+            for local, lp in enumerate(prefilling.collect(outputs)):
+                logprobs[admitted[local]] = lp[-1]
+            for state in prefilling.states:
+                state.members = [admitted[local] for local in state.members]
+            states = decoding + prefilling.states
+            self.live.update((i, self.sequences[i]) for i in admitted)
+        finished = {}
+        for i, lp in logprobs.items():
+            seq = self.sequences[i]
+            token = int(lp.argmax())
+            seq.generated.append(token)
+            seq.logprob += float(lp[token])
+            self._check_finished(seq)
+            if seq.finish:
+                finished[i] = self.live.pop(i)
+        states = drop_finished(states, set(finished)) if finished else states
+        # New rows' micro-batches join the others for decoding (their keys and values copied into one cache).
+        self.states = merge_for_decode(states, self.decode_micro_batch) if prefilling else states
+        return list(finished.values())
+
+    def _left(self, index: int) -> int:
+        seq = self.sequences[index]
+        return seq.row.request.max_new_tokens - len(seq.generated)
+
+    @property
+    def done(self) -> bool:
+        return not (self.live or self.queue)
+
+    def _check_finished(self, seq: Sequence_) -> None:
+        request = seq.row.request
+        # A stop that is a special token's text ("<|im_start|>") never shows in the text, which drops those tokens:
+        # it stops at the token itself.
+        stop_ids = {self.special_ids[stop] for stop in request.stop if stop in self.special_ids}
+        if seq.generated[-1] in self.eos_ids or seq.generated[-1] in stop_ids:
+            seq.finish = "stop"
+            seq.text = self.tokenizer.decode(seq.generated[:-1], skip_special_tokens=True)
+            return
+        text = self.tokenizer.decode(seq.generated, skip_special_tokens=True)
+        # The earliest match wins, whatever the order of the stop list: one token can complete two stops at once.
+        cuts = [cut for cut in (text.find(stop) for stop in request.stop) if cut != -1]
+        if cuts:
+            seq.finish, seq.text = "stop", text[:min(cuts)]
+            return
+        if len(seq.generated) >= request.max_new_tokens:
+            seq.finish, seq.text = "length", text
+
+    def partial(self) -> dict[int, tuple[list[int], float]]:
+        """Tokens generated so far by every unfinished row: what a resume keeps."""
+        return {s.row.request.index: (list(s.generated), s.logprob) for s in self.live.values()}
+
+
+def generation_answer(seq: Sequence_) -> Answer:
+    return Answer(idx=seq.row.request.index, answer=seq.text, choice_probs=None, score=None,
+                  logprob=seq.logprob, prompt_tokens=len(seq.row.prompt_ids), output_tokens=len(seq.generated),
+                  finish_reason=seq.finish or "length", token_ids=list(seq.generated))
+
+
+def special_token_ids(tokenizer) -> dict[str, int]:
+    """Text -> id of the tokens that decoding with skip_special_tokens drops: the named special tokens and every
+    added token marked special (SmolLM2's <file_sep>, Llama 3's header tokens)."""
+    ids = {str(token.content): index for index, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+           if getattr(token, "special", False)}
+    ids.update(zip(getattr(tokenizer, "all_special_tokens", ()), getattr(tokenizer, "all_special_ids", ())))
+    return ids
+
+
+def eos_token_ids(model_config, generation_config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(generation_config, "eos_token_id", None), getattr(model_config, "eos_token_id", None),
+                   getattr(tokenizer, "eos_token_id", None)):
+        if source is None:
+            continue
+        ids.update(source if isinstance(source, (list, tuple)) else [source])
+    return ids

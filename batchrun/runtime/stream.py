@@ -1,0 +1,500 @@
+"""The layer-streaming runtime: a transformers model whose decoder layers live on disk.
+
+Lifecycle per decoder layer (accelerate's hook pattern): load (read its tensors from the shards into
+a buffer slot, on a worker thread one or more layers ahead), run (the model's own forward), release
+(parameters back to meta, slot back to the pool). transformers owns the architecture; we only
+discover the decoder stack and swap weights in and out around each layer's forward.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from batchrun.checkpoint import (
+    CheckpointError,
+    TokenizerOnDemand,
+    load_config,
+    read_tensor_infos,
+    resolve_checkpoint,
+    storage_dtype,
+)
+from batchrun.host import faults, keep_heap_flat, return_freed_memory
+from batchrun.runtime.devices import default_device, resolve_dtype
+from batchrun.runtime.linear_kernels import (
+    PACK_MIN_ROWS,
+    drop_packed_weights,
+    pack_weights,
+    packing_available,
+    route_linears,
+    routed_weight_names,
+    sharing_tiles,
+)
+from batchrun.runtime.loader import UNCACHED_MIN_ROWS, LayerLoader, LayerWeights
+from batchrun.runtime.turns import LayerTurns, PassGroup, run_interleaved
+from batchrun.runtime.weights import (
+    Recipe,
+    build_recipes,
+    read_into,
+    realize,
+    tensor_from_bytes,
+)
+
+log = logging.getLogger(__name__)
+
+
+def find_decoder_stack(model: torch.nn.Module, num_layers: int) -> tuple[str, torch.nn.ModuleList]:
+    """The ModuleList whose length is the config's layer count (the largest one if several match)."""
+    found = [(name, module) for name, module in model.named_modules()
+             if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers and name]
+    if not found:
+        raise ValueError(f"no ModuleList of {num_layers} layers in {type(model).__name__}; cannot stream it")
+    return max(found, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+class SlotPool:
+    """Buffer slots; at most `count` layers are materialised at any moment. The pool grows by new slots and shrinks
+    by retiring free ones, whose buffers the caller then frees."""
+
+    def __init__(self, count: int):
+        self._cond = threading.Condition()
+        self._free = collections.deque(range(count))
+        self._next_slot = count
+        self.count = count
+        self.in_use = 0
+        self.peak_in_use = 0
+
+    def take(self) -> int:
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            self.in_use += 1
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+            return self._free.popleft()
+
+    def give(self, slot: int) -> None:
+        with self._cond:
+            self.in_use -= 1
+            self._free.append(slot)
+            self._cond.notify()
+
+    def grow(self, count: int) -> None:
+        with self._cond:
+            while self.count < count:
+                self._free.append(self._next_slot)
+                self._next_slot += 1
+                self.count += 1
+            self._cond.notify_all()
+
+    def retire_free(self, count: int) -> list[int]:
+        """Take free slots out of the pool until it has `count`; returns them (fewer if not enough are free)."""
+        retired = []
+        with self._cond:
+            while self.count > count and self._free:
+                retired.append(self._free.pop())
+                self.count -= 1
+        return retired
+
+
+class StreamedModel(TokenizerOnDemand):
+    """A causal LM whose decoder layers are read from the checkpoint's safetensors as they run."""
+
+    def __init__(self, model: str | Path, *, device: str | torch.device | None = None, dtype=None,
+                 prefetching: bool = True, hf_token: str | None = None, trust_remote_code: bool = False,
+                 max_seq_len: int | None = None, prefetch_depth: int = 1, decode_prefetch_depth: int | None = None,
+                 drop_page_cache: bool = True, pack_weights: bool = False):
+        self.checkpoint = resolve_checkpoint(model, hf_token=hf_token)
+        load_config(self.checkpoint, trust_remote_code=trust_remote_code)  # refuses remote code unless asked
+        self.device = torch.device(device or default_device())
+        infos = read_tensor_infos(self.checkpoint)
+        self.dtype = resolve_dtype(dtype, self.device, storage_dtype(infos))
+        keep_heap_flat()  # before the first weight is allocated, so no heap grows under the model
+        self.config = AutoConfig.from_pretrained(self.checkpoint, trust_remote_code=trust_remote_code)
+        quantization = getattr(self.config, "quantization_config", None)
+        if quantization:  # from_config would build plain layers: packed weights read without their scales
+            method = (quantization.get("quant_method") if isinstance(quantization, dict)
+                      else getattr(quantization, "quant_method", None))
+            raise CheckpointError(f"{self.checkpoint}: quantized checkpoint ({method or 'unknown method'}); "
+                                  "streaming reads unquantized safetensors only: run it resident or use an "
+                                  "unquantized checkpoint")
+        self.num_layers = text_config(self.config).num_hidden_layers
+        self.max_seq_len = max_seq_len or getattr(text_config(self.config), "max_position_embeddings", None)
+        self._trust_remote_code = trust_remote_code
+        with torch.device("meta"):
+            self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype,
+                                                          trust_remote_code=trust_remote_code)
+        self.model.eval()
+        self._read_generation_config()
+        self.layers_path, self.layers = find_decoder_stack(self.model, self.num_layers)
+        route_linears(self.model, "aten")  # routed linears take a weight a decode pass leaves narrow (run_pass)
+        recipes = build_recipes(self.model, infos)
+        layer_recipes, resident = self._split_recipes(recipes)
+        self._load_resident(resident)
+        self._meta_params = [{name: p for name, p in layer.named_parameters()} for layer in self.layers]
+        self._check_layers_covered(layer_recipes)
+        self.prefetching = prefetching
+        self.prefetch_depth = max(1, prefetch_depth) if prefetching else 0
+        # Decode passes (run_pass(light=True)) may read further ahead: the plan gives them the slot the prefill's
+        # activations no longer need (plan.make_plan, decode_prefetch_depth).
+        self.decode_prefetch_depth = max(self.prefetch_depth, decode_prefetch_depth or 0) if prefetching else 0
+        self._depth = self.prefetch_depth  # the depth of the pass in flight
+        self.slots = SlotPool(self.prefetch_depth + 1)
+        self.loader = LayerLoader(layer_recipes, [f"{self.layers_path}.{i}." for i in range(self.num_layers)],
+                                  self._meta_params, device=self.device, model=self.model, config=self.config,
+                                  drop_page_cache=drop_page_cache,
+                                  narrowable=[routed_weight_names(layer) for layer in self.layers])
+        self._narrow = False  # whether the pass in flight leaves linear weights narrow (run_pass(light=True))
+        self._uncached = False  # whether the pass in flight reads around the page cache (run_pass(rows=...))
+        # Whether long prefills may pack (measure.packs_weights: where the packed kernel measured faster), and
+        # whether the pass in flight does (run_pass(rows=...)).
+        self.may_pack, self._pack = pack_weights, False
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-prefetch") \
+            if prefetching else None
+        self._pending: dict[int, Future] = {}
+        self._active: dict[int, LayerWeights] = {}
+        self.passes = 0
+        self._group: PassGroup | None = None
+        self._hooks = []
+        self._install_hooks()
+        self._closed = False
+
+    # -- building ------------------------------------------------------------------------------
+    def _read_generation_config(self) -> None:
+        """from_config reads only config.json; generation_config.json's EOS list is what stops rows. One that does
+        not parse is skipped with a warning, as from_pretrained (the resident path) does."""
+        if not (self.checkpoint / "generation_config.json").is_file():
+            return
+        try:
+            self.model.generation_config = GenerationConfig.from_pretrained(self.checkpoint)
+        except (OSError, ValueError) as error:
+            log.warning("%s/generation_config.json is not usable (%s); using config.json's settings",
+                        self.checkpoint, error)
+
+    def _split_recipes(self, recipes: dict[str, Recipe]) -> tuple[list[list[Recipe]], list[Recipe]]:
+        per_layer: list[list[Recipe]] = [[] for _ in range(self.num_layers)]
+        resident: list[Recipe] = []
+        prefix = self.layers_path + "."
+        for target, recipe in recipes.items():
+            if target.startswith(prefix):
+                index = int(target[len(prefix):].split(".", 1)[0])
+                per_layer[index].append(recipe)
+            else:
+                resident.append(recipe)
+        return per_layer, resident
+
+    def _load_resident(self, recipes: list[Recipe]) -> None:
+        """Embeddings, final norm, head: read once, cast, keep. Then buffers and tied weights."""
+        for recipe in recipes:
+            tensors = []
+            for info in recipe.sources:
+                raw = torch.empty(info.nbytes, dtype=torch.uint8)
+                fd = os.open(info.file, os.O_RDONLY)
+                try:
+                    read_into(fd, memoryview(raw.numpy()), info.offset, info.file)
+                finally:
+                    os.close(fd)
+                tensors.append(tensor_from_bytes(raw, info))
+            for target, value in realize(recipe, tensors, self.model, self.config).items():
+                self._set_tensor(target, value)
+        self.model.tie_weights()
+        self._materialise_buffers()
+        missing = [name for name, p in self.model.named_parameters()
+                   if p.is_meta and not name.startswith(self.layers_path + ".")]
+        if missing:
+            raise CheckpointError(f"{self.checkpoint}: no tensor in the checkpoint for {', '.join(missing[:5])}")
+
+    def _set_tensor(self, target: str, value: torch.Tensor) -> None:
+        module_path, _, name = target.rpartition(".")
+        module = self.model.get_submodule(module_path) if module_path else self.model
+        current = getattr(module, name)
+        value = value.to(device=self.device, dtype=current.dtype if current.is_floating_point() else value.dtype)
+        if tuple(value.shape) != tuple(current.shape):
+            raise CheckpointError(f"{self.checkpoint}: tensor for {target} has shape {tuple(value.shape)}, "
+                                  f"the model expects {tuple(current.shape)}")
+        if name in module._buffers:
+            module._buffers[name] = value
+        else:
+            param = torch.nn.Parameter(value, requires_grad=False)
+            param._is_hf_initialized = True
+            module._parameters[name] = param
+
+    def _materialise_buffers(self) -> None:
+        """Give non-persistent buffers (rotary inv_freq, embedding scales) their real values.
+
+        They are computed, not saved, so they are still on meta: allocate them, then let the model's
+        own `initialize_weights` fill them. Parameters already loaded are flagged initialised and are
+        skipped; decoder-layer parameters are meta and init functions leave them alone.
+        """
+        for name, buffer in list(self.model.named_non_persistent_buffers()):
+            module_path, _, attr = name.rpartition(".")
+            module = self.model.get_submodule(module_path) if module_path else self.model
+            module._buffers[attr] = torch.empty_like(buffer, device=self.device)
+        for _, param in self.model.named_parameters():
+            param._is_hf_initialized = True
+        self.model.initialize_weights()
+
+    def _check_layers_covered(self, layer_recipes: list[list[Recipe]]) -> None:
+        for index, recipes in enumerate(layer_recipes):
+            produced = {r.target for r in recipes}
+            prefix = f"{self.layers_path}.{index}."
+            wanted = {prefix + name for name in self._meta_params[index]}
+            # A converter may produce several targets from its first one (qkv -> q, k, v), so only
+            # flag a layer that has no recipe at all.
+            if not produced and wanted:
+                raise CheckpointError(f"{self.checkpoint}: decoder layer {index} has no tensors in the checkpoint")
+
+    # -- the load / run / release lifecycle ----------------------------------------------------
+    def _install_hooks(self) -> None:
+        self._hooks.append(self.model.register_forward_pre_hook(self._before_pass))
+        for index, layer in enumerate(self.layers):
+            self._hooks.append(layer.register_forward_pre_hook(self._make_pre_hook(index)))
+            self._hooks.append(layer.register_forward_hook(self._make_post_hook(index)))
+
+    def _before_pass(self, module, args):
+        if self._group is not None:
+            return  # a micro-batch of a pass that run_pass already counted
+        self._start_pass()
+
+    def _start_pass(self) -> None:
+        # A pass interrupted by an exception leaves layers assigned: release them first.
+        for index in list(self._active):
+            self._release(index)
+        self.passes += 1
+
+    def _make_pre_hook(self, index: int):
+        def hook(module, args):
+            group = self._group
+            if group is not None:
+                group.turns.wait(index, group.micro)
+            if group is None or group.micro == 0:  # load once; later micro-batches reuse the weights
+                weights = self._acquire(index)
+                for name, tensor in weights.tensors.items():
+                    _assign(module, name, tensor)
+                self._active[index] = weights
+                if self._pack:
+                    pack_weights(module)
+                if self._executor is not None:
+                    for ahead in range(1, self._depth + 1):
+                        self._schedule((index + ahead) % self.num_layers)
+            if group is not None and group.before_layer is not None:
+                group.before_layer(index, group.micro)
+        return hook
+
+    def _make_post_hook(self, index: int):
+        def hook(module, args, output):
+            group = self._group
+            if group is None or group.last_micro:
+                self._release(index)
+                if self._executor is not None:
+                    # The freed slot takes the next layer not yet asked for now, not when the next layer starts:
+                    # the reader never waits for the forward thread while a slot is free.
+                    self._schedule((index + self._depth + 1) % self.num_layers)
+                faults.reached("layer")
+            if self.device.type == "cpu":
+                return_freed_memory()  # before the next turn: its activations are the next resident ones
+            if group is not None:
+                group.turns.advance(index, group.micro)
+        return hook
+
+    def run_pass(self, calls, before_layer=None, *, light: bool = False, rows: int = 0) -> list:
+        """Run forward calls as the micro-batches of ONE pass: each layer is read once for all of them.
+
+        `before_layer(layer, micro)` runs inside the turn, before that micro-batch enters the layer.
+        `light`: the calls compute little per layer (one new token per sequence), less than reading the next layer
+        takes; on the CPU the forward then leaves a core to the reader and the widener, and linear weights stored
+        narrower than the compute dtype stay so, widened tile by tile as they multiply (linear_kernels.widening_linear):
+        a layer crosses RAM once, at its checkpoint's size, instead of being widened into its slot and read back.
+        A prefill widens on the reader's thread instead, beside compute that outlasts it.
+        `rows`: the token positions the calls multiply each layer by, padding included. From PACK_MIN_ROWS on, a
+        bfloat16 pass on the CPU multiplies packed copies of each layer's linear weights (linear_kernels.pack_weights)
+        where the model was opened with pack_weights.
+        """
+        self._narrow = light
+        self._pack = self.packs_weights(rows) and not light
+        self._uncached = rows >= UNCACHED_MIN_ROWS and not light and self.device.type == "cpu"
+        self._use_depth(self.decode_prefetch_depth if light else self.prefetch_depth)
+        with self._leaving_a_core(light):
+            if len(calls) == 1 and before_layer is None:
+                with torch.inference_mode():
+                    return [calls[0]()]
+            self._start_pass()
+            self._group = PassGroup(LayerTurns(len(calls)), before_layer)
+            try:
+                return run_interleaved(self._group, calls, torch.inference_mode)
+            finally:
+                self._group = None
+                for index in list(self._active):  # after a failure, nothing stays materialised
+                    self._release(index)
+
+    @contextlib.contextmanager
+    def _leaving_a_core(self, light: bool):
+        # Measured on 2 cores (3 GB bf16 model, 32-sequence decode passes under a cap): with two threads the matmuls
+        # kept stalling on the core that the reader's page-cache copy and the widening were using; one thread fewer
+        # took the median pass from 2.19 to 2.07 s. A prefill keeps every core: its compute outlasts the reads.
+        # The widening linears' tiles, most of a decode pass's compute, still go to every core, a tile per worker at
+        # a time (linear_kernels.sharing_tiles): a worker the reader delays holds up no other.
+        threads = torch.get_num_threads()
+        if not (light and self.device.type == "cpu" and self._executor is not None and threads > 1):
+            yield
+            return
+        torch.set_num_threads(threads - 1)
+        try:
+            with sharing_tiles(threads):
+                yield
+        finally:
+            torch.set_num_threads(threads)
+
+    def _use_depth(self, depth: int) -> None:
+        """Between passes: read `depth` layers ahead from now on. A pass starts at layer 0, and the previous one left
+        layers 0..old depth read ahead; shrinking gives back those beyond the new depth (a wasted read each, once per
+        switch) and frees the buffers of the slots that leaves unused, before this pass's activations need them."""
+        if depth == self._depth or self._executor is None:
+            return
+        if depth < self._depth:
+            self._give_back_pending(keep=range(depth + 1))
+            for slot in self.slots.retire_free(depth + 1):
+                self.loader.forget_slot(slot)
+            return_freed_memory()
+        else:
+            self.slots.grow(depth + 1)
+        self._depth = depth
+
+    def _schedule(self, index: int) -> None:
+        if index in self._pending or index in self._active:
+            return
+        self._pending[index] = self._executor.submit(self._load, index, self._narrow, self._uncached)
+
+    def _load(self, index: int, narrow: bool, uncached: bool = False) -> LayerWeights:
+        slot = self.slots.take()
+        try:
+            return self.loader.load(index, slot, narrow, uncached)
+        except BaseException:
+            self.slots.give(slot)
+            raise
+
+    def _acquire(self, index: int) -> LayerWeights:
+        future = self._pending.pop(index, None)
+        if future is None and self._executor is not None:
+            self._give_back_pending(keep=(index,))
+            future = self._executor.submit(self._load, index, self._narrow, self._uncached)
+        weights = future.result() if future is not None else self._load(index, self._narrow, self._uncached)
+        try:
+            if weights.narrow and not self._narrow:  # read ahead for a decode pass, needed by a prefill
+                self.loader.widen_narrow(weights)
+            weights.wait_widened()
+        except BaseException:
+            self.slots.give(weights.slot)  # a failed widening fails this pass, not the slot pool
+            raise
+        if weights.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(weights.ready)
+        return weights
+
+    def _give_back_pending(self, keep) -> None:
+        """Give back the slots of layers read ahead that nobody will run next (an out-of-order request, a shallower
+        read-ahead): all pending but those in `keep`."""
+        for index, future in list(self._pending.items()):
+            if index not in keep:
+                del self._pending[index]
+                weights = future.result()
+                try:
+                    weights.wait_widened()  # nothing may still write into a slot given back
+                finally:
+                    self.slots.give(weights.slot)
+
+    def packs_weights(self, rows: int) -> bool:
+        """Whether a pass multiplying each layer by `rows` positions packs its linear weights first."""
+        return (self.may_pack and rows >= PACK_MIN_ROWS and self.device.type == "cpu"
+                and self.dtype == torch.bfloat16 and packing_available())
+
+    def _release(self, index: int) -> None:
+        weights = self._active.pop(index, None)
+        if weights is None:
+            return
+        layer = self.layers[index]
+        drop_packed_weights(layer)
+        for name in weights.tensors:
+            _assign(layer, name, self._meta_params[index][name])
+        if self.device.type == "cuda":  # the layer's kernels may still be queued: the next copy into its slot waits
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self.loader.slot_in_use_until(weights.slot, done)
+        self.slots.give(weights.slot)
+
+    # -- public surface ------------------------------------------------------------------------
+    @property
+    def peak_materialised_layers(self) -> int:
+        return self.slots.peak_in_use
+
+    @property
+    def bytes_read(self) -> int:
+        return self.loader.bytes_read
+
+    def forward(self, *args, **kwargs):
+        self._narrow = self._pack = self._uncached = False
+        self._use_depth(self.prefetch_depth)
+        with torch.inference_mode():
+            return self.model(*args, **kwargs)
+
+    __call__ = forward
+
+    def generate(self, *args, **kwargs):
+        self._narrow = self._pack = self._uncached = False
+        self._use_depth(self.prefetch_depth)
+        with torch.inference_mode():
+            return self.model.generate(*args, **kwargs)
+
+    def close(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        if self._executor is not None:
+            for future in self._pending.values():
+                future.cancel()
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        self._pending.clear()
+        for index in list(self._active):
+            self._release(index)
+        for handle in self._hooks:
+            handle.remove()
+        self.model.register_forward_pre_hook(_refuse_closed)  # not a device error from the meta layers
+        self.loader.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _refuse_closed(module, args):
+    raise RuntimeError("this StreamedModel is closed: its layers are no longer read from disk; open a new one")
+
+
+def _assign(module: torch.nn.Module, dotted: str, tensor: torch.Tensor) -> None:
+    path, _, name = dotted.rpartition(".")
+    owner = module.get_submodule(path) if path else module
+    if name in owner._parameters:
+        if isinstance(tensor, torch.nn.Parameter):
+            owner._parameters[name] = tensor
+        else:
+            owner._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
+    else:
+        owner._buffers[name] = tensor

@@ -1,0 +1,485 @@
+"""The durable progress store: jobs, their rows, runs, passes and locks, in SQLite through sqlite-utils.
+
+A batch of answers is committed in one transaction with synchronous=FULL, so once commit_batch returns
+those answers survive a crash or a power cut, and a resumed job redoes only what was never committed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+import sqlite_utils
+
+from batchrun.errors import BatchrunError
+from batchrun.host import faults
+from batchrun.store import migrations as store_migrations
+from batchrun.store.files import describe_failure, orphaned_log_message
+from batchrun.store.locks import (
+    HEARTBEAT_EVERY_S,
+    HOST,
+    LockHeartbeat,
+    eta_seconds,
+    job_summary,
+    lock_holder_alive,
+    mark_alive,
+    process_identity,
+    run_seconds,
+)
+from batchrun.store.reuse import Reused, fill_duplicates, reuse_answers
+from batchrun.store.rows import (
+    ROW_UPDATE_SQL,
+    RowResult,
+    row_result_from_db,
+    row_update_params,
+)
+
+__all__ = ["JobLocked", "JobNotFound", "RowResult", "Store", "StoreError", "integrity_ok"]
+
+BUSY_TIMEOUT_S = 30.0  # how long a reader (`status`) or a second writer waits for a running job's commit
+JOB_STATES = ("pending", "running", "interrupted", "done", "failed")
+RUN_END_STATES = ("done", "interrupted", "failed")  # what a run says as it ends; one that could not is 'died'
+
+# (database path, job id) pairs whose lock this process holds: tells "our own pid, still running here"
+# apart from "our pid, left behind by an earlier process that had the same pid".
+_HELD_IN_THIS_PROCESS: set[tuple[str, str]] = set()
+
+
+class JobLocked(BatchrunError, RuntimeError):
+    def __init__(self, job_id: str, pid: int, host: str, since: str):
+        self.job_id, self.pid, self.host, self.since = job_id, pid, host, since
+        super().__init__(f"job {job_id} is being run by process {pid} on {host} since {since}; wait for it or stop it")
+
+
+class StoreError(BatchrunError, RuntimeError):
+    """The progress database could not be read or written (disk full, I/O error, not a database)."""
+
+
+class JobNotFound(BatchrunError, LookupError):
+    """A job reference matched no job, or more than one."""
+
+
+def integrity_ok(path: Path | str) -> bool:
+    """PRAGMA integrity_check on a database file, opened read-only; False if missing or not a database."""
+    try:
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return False
+    try:
+        return conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    except sqlite3.DatabaseError:
+        return False
+    finally:
+        conn.close()
+
+
+class Store:
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self._lock_key_prefix = str(self.path.resolve())
+        self._current_run: dict[str, int] = {}  # job id -> run_no this Store opened in acquire()
+        if (orphaned := orphaned_log_message(self.path)) is not None:
+            raise StoreError(orphaned)
+        with self._translate_errors("open the progress database"):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S)
+            try:
+                self.db = sqlite_utils.Database(conn, execute_plugins=False)
+                self.db.enable_wal()
+                # FULL, not NORMAL: in WAL mode NORMAL may lose the last commits on power loss.
+                self.db.execute("PRAGMA synchronous=FULL")
+                if store_migrations.pending_migrations(self.db):
+                    with self._write("upgrade the database schema"):
+                        store_migrations.apply_pending(self.db)
+            except BaseException:
+                conn.close()
+                raise
+
+    def close(self) -> None:
+        # A closed store can commit nothing more: its locks no longer count as held by this process, so a
+        # later acquire here takes them over (the rows stay for other processes to see until then).
+        for job_id in self._current_run:
+            _HELD_IN_THIS_PROCESS.discard(self._lock_key(job_id))
+        self.db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- jobs and rows -------------------------------------------------------------------------
+
+    def ensure_job(
+        self,
+        fingerprint: str,
+        *,
+        spec_path: str,
+        model: str,
+        settings: dict,
+        rows: Sequence[tuple[int, str | int] | tuple[int, str | int, str | None]],
+    ) -> str:
+        """Record a job and its rows (all pending) once; return its id. The same fingerprint -> the same job.
+        A row may carry its key (what its answer depends on: store_reuse.py)."""
+        if len(fingerprint) < 16:
+            raise ValueError(f"job fingerprint {fingerprint!r} is too short: need at least 16 characters")
+        job_id = fingerprint[:16]
+        with self._write("record the job") as conn:
+            existing = conn.execute("select fingerprint from jobs where id = ?", (job_id,)).fetchone()
+            if existing is not None:
+                if existing[0] != fingerprint:
+                    raise StoreError(
+                        f"job id {job_id} in {self.path} already belongs to fingerprint {existing[0]}, "
+                        f"not {fingerprint}"
+                    )
+                return job_id
+            conn.execute(
+                "insert into jobs (id, fingerprint, spec_path, model, settings_json, created_at, state, "
+                "total_rows, passes_done) values (?, ?, ?, ?, ?, ?, 'pending', ?, 0)",
+                (job_id, fingerprint, str(spec_path), model, json.dumps(settings, sort_keys=True), _now(), len(rows)),
+            )
+            conn.executemany(
+                "insert into rows (job_id, idx, id_json, row_key, state) values (?, ?, ?, ?, 'pending')",
+                ((job_id, row[0], json.dumps(row[1]), row[2] if len(row) > 2 else None) for row in rows),
+            )
+        return job_id
+
+    def reuse_answers(self, job_id: str) -> Reused:
+        """Give this job's pending rows the answers (or tokens so far) other jobs have for the same rows."""
+        with self._write("take answers from earlier jobs") as conn:
+            return reuse_answers(conn, job_id)
+
+    def fill_duplicates(self, job_id: str) -> int:
+        """Answer pending rows that repeat a finished row of the same job exactly; returns how many."""
+        with self._write("answer repeated rows") as conn:
+            return fill_duplicates(conn, job_id)
+
+    def pending_indices(self, job_id: str) -> list[int]:
+        with self._translate_errors("read pending rows"):
+            cursor = self.db.execute(
+                "select idx from rows where job_id = ? and state = 'pending' order by idx", (job_id,)
+            )
+            return [idx for (idx,) in cursor]
+
+    def results(self, job_id: str) -> list[RowResult]:
+        """Finished rows (answered or errored) in input order."""
+        with self._translate_errors("read results"):
+            rows = self.db.query(
+                "select * from rows where job_id = ? and state != 'pending' order by idx", (job_id,)
+            )
+            return [row_result_from_db(row) for row in rows]
+
+    # ---- committing progress -------------------------------------------------------------------
+
+    def commit_batch(self, job_id: str, results: Sequence[RowResult], passes: int) -> None:
+        """Save finished rows, drop their partial tokens and count the passes, all in one transaction."""
+        if passes < 0:
+            raise ValueError(f"passes must be >= 0, got {passes}")
+        updates = [row_update_params(job_id, result) for result in results]
+        with self._write(f"save {len(updates)} answers") as conn:
+            updated = conn.executemany(ROW_UPDATE_SQL, updates).rowcount
+            if updated != len(updates):
+                raise ValueError(f"job {job_id} has no rows {self._missing_rows(job_id, results)}")
+            conn.executemany(
+                "delete from partial where job_id = ? and idx = ?", [(job_id, r.idx) for r in results]
+            )
+            mark_alive(conn, job_id, self._current_run.get(job_id), passes)
+
+    def record_errors(self, job_id: str, results: Sequence[RowResult]) -> None:
+        """Save rows that failed before any pass (invalid input, prompt too long)."""
+        for result in results:
+            if not result.failed:
+                raise ValueError(f"row {result.idx} is not an error: use commit_batch for answers")
+        self.commit_batch(job_id, results, passes=0)
+
+    def save_partial(self, job_id: str, partial: Mapping[int, tuple[Sequence[int], float]], passes: int = 1) -> None:
+        """Save the tokens generated so far (and their summed logprob) for in-flight rows, and count the
+        pass(es), in one transaction."""
+        self.commit_pass(job_id, [], partial, passes)
+
+    def commit_pass(self, job_id: str, finished: Sequence[RowResult],
+                    partial: Mapping[int, tuple[Sequence[int], float]], passes: int = 1) -> None:
+        """After one decode pass: rows that finished in it, tokens of the rows still going, the pass count.
+
+        One transaction, so a crash leaves either the state before the pass or the state after it.
+        """
+        now = _now()
+        updates = [row_update_params(job_id, result) for result in finished]
+        upserts = []
+        for idx, (token_ids, logprob) in partial.items():
+            as_ints = [int(token) for token in token_ids]  # numpy / tensor scalars are not JSON
+            upserts.append((job_id, idx, json.dumps(as_ints), len(as_ints), float(logprob), now))
+        with self._write("save generated tokens") as conn:
+            if updates:
+                updated = conn.executemany(ROW_UPDATE_SQL, updates).rowcount
+                if updated != len(updates):
+                    raise ValueError(f"job {job_id} has no rows {self._missing_rows(job_id, finished)}")
+                conn.executemany("delete from partial where job_id = ? and idx = ?",
+                                 [(job_id, r.idx) for r in finished])
+            conn.executemany(
+                "insert into partial (job_id, idx, token_ids_json, token_count, logprob, updated_at) "
+                "values (?, ?, ?, ?, ?, ?) "
+                "on conflict (job_id, idx) do update set token_ids_json = excluded.token_ids_json, "
+                "token_count = excluded.token_count, logprob = excluded.logprob, updated_at = excluded.updated_at",
+                upserts,
+            )
+            mark_alive(conn, job_id, self._current_run.get(job_id), passes, now)
+
+    def partial_tokens(self, job_id: str) -> dict[int, tuple[list[int], float]]:
+        """idx -> (tokens generated so far, their summed logprob) for rows interrupted mid-generation."""
+        with self._translate_errors("read generated tokens"):
+            cursor = self.db.execute("select idx, token_ids_json, logprob from partial where job_id = ?", (job_id,))
+            return {idx: (json.loads(token_ids), logprob or 0.0) for idx, token_ids, logprob in cursor}
+
+    def heartbeat_while_running(self, job_id: str, every_s: float = HEARTBEAT_EVERY_S) -> LockHeartbeat:
+        """A context in which a thread refreshes this process's lock on the job every `every_s` seconds."""
+        return LockHeartbeat(self.path, job_id, self._require_current_run(job_id), every_s)
+
+    # ---- locks and runs ------------------------------------------------------------------------
+
+    def acquire(self, job_id: str) -> None:
+        """Lock the job for this process, take over a dead holder's lock, mark the job running, open a run."""
+        now = _now()
+        with self._write("lock the job") as conn:
+            self._require_job(conn, job_id)
+            lock = self._lock_row(job_id)
+            if lock is not None and self._holder_alive(job_id, lock):
+                raise JobLocked(job_id, lock["pid"], lock["host"], lock["acquired_at"])
+            # Runs still marked running belong to a dead holder: they died at their last sign of life.
+            conn.execute(
+                "update runs set end_state = 'died', ended_at = coalesce(last_active_at, started_at) "
+                "where job_id = ? and end_state = 'running'",
+                (job_id,),
+            )
+            (run_no,) = conn.execute(
+                "select coalesce(max(run_no), 0) + 1 from runs where job_id = ?", (job_id,)
+            ).fetchone()
+            conn.execute(
+                "insert into runs (job_id, run_no, pid, host, started_at, last_active_at, end_state, passes) "
+                "values (?, ?, ?, ?, ?, ?, 'running', 0)",
+                (job_id, run_no, os.getpid(), HOST, now, now),
+            )
+            conn.execute(
+                "insert or replace into locks (job_id, pid, host, process_identity, run_no, acquired_at, "
+                "heartbeat_at) values (?, ?, ?, ?, ?, ?, ?)",
+                (job_id, os.getpid(), HOST, process_identity(os.getpid()), run_no, now, now),
+            )
+            conn.execute("update jobs set state = 'running' where id = ?", (job_id,))
+        self._current_run[job_id] = run_no
+        _HELD_IN_THIS_PROCESS.add(self._lock_key(job_id))
+
+    def record_run_plan(self, job_id: str, *, batch_size: int, planned_peak_bytes: int,
+                        memory_cgroup: str | None = None, oom_kills_at_start: int | None = None,
+                        planned_passes: int | None = None) -> None:
+        """Note the current run's batch size, planned peak memory, OOM-kill baseline (read after a crash) and
+        planned passes (for status's ETA)."""
+        run_no = self._require_current_run(job_id)
+        with self._write("record the run plan") as conn:
+            conn.execute(
+                "update runs set batch_size = ?, planned_peak_bytes = ?, memory_cgroup = ?, oom_kills_at_start = ?, "
+                "planned_passes = ? where job_id = ? and run_no = ?",
+                (batch_size, planned_peak_bytes, memory_cgroup, oom_kills_at_start, planned_passes, job_id, run_no),
+            )
+
+    def release(self, job_id: str, end_state: str, error: str | None = None) -> None:
+        """Close this process's run with end_state (and, for a failure, why), drop its lock, and set the job state
+        to end_state."""
+        _check_choice("run end state", end_state, RUN_END_STATES)
+        run_no = self._current_run.pop(job_id, None)
+        now = _now()
+        try:
+            with self._write("release the job") as conn:
+                if run_no is not None:
+                    conn.execute(
+                        "update runs set end_state = ?, ended_at = ?, last_active_at = ?, error = ? "
+                        "where job_id = ? and run_no = ?",
+                        (end_state, now, now, error, job_id, run_no),
+                    )
+                conn.execute(
+                    "delete from locks where job_id = ? and pid = ? and host = ?", (job_id, os.getpid(), HOST)
+                )
+                # If another process took the lock over meanwhile, the job's state is its to set.
+                if conn.execute("select 1 from locks where job_id = ?", (job_id,)).fetchone() is None:
+                    conn.execute("update jobs set state = ? where id = ?", (end_state, job_id))
+        finally:
+            _HELD_IN_THIS_PROCESS.discard(self._lock_key(job_id))
+
+    def previous_runs(self, job_id: str) -> list[dict]:
+        """Every run before the current one, oldest first; end_state 'died' for one whose process ended without
+        closing it (SIGKILL, the OOM killer, a power cut), 'interrupted' for one stopped by Ctrl-C or SIGTERM."""
+        current = self._current_run.get(job_id)
+        with self._read():
+            sql = "select * from runs where job_id = ?" + (" and run_no < ?" if current is not None else "")
+            params = (job_id, current) if current is not None else (job_id,)
+            runs = list(self.db.query(sql + " order by run_no", params))
+            lock = self._lock_row(job_id)
+        live_run_no = self._live_run_no(job_id, lock)
+        keys = ("run_no", "pid", "host", "started_at", "ended_at", "end_state", "batch_size",
+                "planned_peak_bytes", "passes", "memory_cgroup", "oom_kills_at_start")
+        found = []
+        for run in runs:
+            if run["end_state"] == "running" and live_run_no != run["run_no"]:
+                run["end_state"] = "died"
+            found.append({key: run[key] for key in keys})
+        return found
+
+    # ---- reading state -------------------------------------------------------------------------
+
+    def status(self, job_id: str) -> dict:
+        """jobs()'s summary plus partial progress, elapsed time, ETA and the live holder's pid."""
+        with self._read() as conn:
+            job = self._require_job(conn, job_id)
+            counts = dict(conn.execute("select state, count(*) from rows where job_id = ? group by state", (job_id,)))
+            partial_rows, partial_token_count = conn.execute(
+                "select count(*), coalesce(sum(token_count), 0) from partial where job_id = ?", (job_id,)
+            ).fetchone()
+            runs = list(self.db.query("select * from runs where job_id = ?", (job_id,)))
+            lock = self._lock_row(job_id)
+        live_run_no = self._live_run_no(job_id, lock)
+        now = datetime.now(timezone.utc)
+        elapsed = sum(run_seconds(run, live=run["run_no"] == live_run_no, now=now) for run in runs)
+        summary = job_summary(job, counts, live=live_run_no is not None)
+        live = next((run for run in runs if run["run_no"] == live_run_no), None)
+        last = max(runs, key=lambda run: run["run_no"], default=None)
+        return {
+            **summary,
+            "partial_rows": partial_rows,
+            "partial_tokens": partial_token_count,
+            "elapsed_seconds": elapsed,
+            "eta_seconds": eta_seconds(summary, elapsed, live, now),
+            "last_error": last.get("error") if last and last["end_state"] == "failed" else None,
+            "running_pid": lock["pid"] if live_run_no is not None else None,
+            "running_host": lock["host"] if live_run_no is not None else None,
+        }
+
+    def jobs(self) -> list[dict]:
+        """One summary per job, newest first."""
+        with self._read() as conn:
+            jobs = list(self.db.query("select * from jobs order by created_at desc, rowid desc"))
+            counts: dict[str, dict[str, int]] = {}
+            for job_id, state, count in conn.execute("select job_id, state, count(*) from rows group by job_id, state"):
+                counts.setdefault(job_id, {})[state] = count
+            locks = {lock["job_id"]: lock for lock in self.db.query("select * from locks")}
+        return [
+            job_summary(job, counts.get(job["id"], {}),
+                         live=self._live_run_no(job["id"], locks.get(job["id"])) is not None)
+            for job in jobs
+        ]
+
+    def find_job(self, ref: str | None) -> str:
+        """A job id from a full id, a unique prefix of the id or fingerprint, or None for the job run last (or
+        created last, if none has run since): the one a user just resumed, not an older one created later."""
+        with self._read():
+            recent = list(self.db.query(
+                "select id, fingerprint, spec_path, created_at, coalesce((select max(started_at) from runs "
+                "where runs.job_id = jobs.id), created_at) as active_at from jobs "
+                "order by max(active_at, created_at) desc, rowid desc"
+            ))
+        if ref is None:
+            if not recent:
+                raise JobNotFound(f"no jobs recorded in {self.path} yet")
+            return recent[0]["id"]
+        wanted = ref.strip().lower()
+        matches = [job for job in recent if job["fingerprint"].lower().startswith(wanted)
+                   or job["id"].lower().startswith(wanted)]
+        if len(matches) == 1:
+            return matches[0]["id"]
+        if not matches:
+            known = ", ".join(_describe_job(job) for job in recent[:10]) or "none"
+            raise JobNotFound(f'no job matches "{ref}" in {self.path}; recent jobs: {known}')
+        listed = ", ".join(_describe_job(job) for job in matches[:10])
+        raise JobNotFound(f'job reference "{ref}" is ambiguous; it matches {len(matches)} jobs: {listed}')
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    @contextmanager
+    def _translate_errors(self, action: str) -> Iterator[None]:
+        try:
+            yield
+        except (sqlite3.DatabaseError, OSError) as exc:
+            raise StoreError(describe_failure(self.path, action, exc)) from exc
+
+    @contextmanager
+    def _write(self, action: str) -> Iterator[sqlite3.Connection]:
+        """One write transaction. IMMEDIATE takes the write lock up front, so two processes checking and
+        taking a job lock at once are serialised instead of both reading "free"."""
+        conn = self.db.conn
+        with self._translate_errors(action):
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                faults.reached("commit")
+                conn.execute("COMMIT")
+            except BaseException:
+                _rollback_quietly(conn)
+                raise
+
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """A read transaction: several queries see one snapshot even while a job commits (WAL)."""
+        conn = self.db.conn
+        with self._translate_errors("read the progress database"):
+            conn.execute("BEGIN")
+            try:
+                yield conn
+            finally:
+                _rollback_quietly(conn)
+
+    def _require_job(self, conn: sqlite3.Connection, job_id: str) -> dict:
+        cursor = conn.execute("select * from jobs where id = ?", (job_id,))
+        row = cursor.fetchone()
+        if row is None:
+            raise JobNotFound(f"no job {job_id} in {self.path}")
+        return dict(zip([column[0] for column in cursor.description], row))
+
+    def _require_current_run(self, job_id: str) -> int:
+        run_no = self._current_run.get(job_id)
+        if run_no is None:
+            raise RuntimeError(f"job {job_id} is not acquired by this store: call acquire() first")
+        return run_no
+
+    def _lock_row(self, job_id: str) -> dict | None:
+        rows = list(self.db.query("select * from locks where job_id = ?", (job_id,)))
+        return rows[0] if rows else None
+
+    def _lock_key(self, job_id: str) -> tuple[str, str]:
+        return (self._lock_key_prefix, job_id)
+
+    def _holder_alive(self, job_id: str, lock: dict) -> bool:
+        return lock_holder_alive(lock, held_by_this_process=self._lock_key(job_id) in _HELD_IN_THIS_PROCESS)
+
+    def _live_run_no(self, job_id: str, lock: dict | None) -> int | None:
+        """The run_no of the run a live lock holder is executing, None if nobody holds the job."""
+        if lock is None or not self._holder_alive(job_id, lock):
+            return None
+        return lock["run_no"]
+
+    def _missing_rows(self, job_id: str, results: Sequence[RowResult]) -> list[int]:
+        known = {idx for (idx,) in self.db.conn.execute("select idx from rows where job_id = ?", (job_id,))}
+        return sorted({r.idx for r in results} - known)
+
+
+def _describe_job(job: dict) -> str:
+    return f"{job['id']} ({job['spec_path']}, created {job['created_at']})"
+
+
+def _rollback_quietly(conn: sqlite3.Connection) -> None:
+    # After an I/O error SQLite may already have rolled back; a failing ROLLBACK must not hide the cause.
+    if conn.in_transaction:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+
+
+def _check_choice(what: str, value: str, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{what} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
