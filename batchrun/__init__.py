@@ -1,7 +1,10 @@
 """batchrun: run large language models over big batches of documents overnight.
 
-The public API is imported lazily, so `import batchrun` stays cheap and spec parsing and planning
-work without torch.
+    >>> import batchrun
+    >>> answers = batchrun.submit("jobs/review-sentiment.jsonl")  # a pyarrow Table, one row per spec row
+
+The public API (docs/python-api.md) is imported lazily, so `import batchrun` stays cheap: spec parsing and
+planning work without torch, which loads when a model runs.
 """
 from __future__ import annotations
 
@@ -12,20 +15,13 @@ from batchrun.host import native_env  # noqa: E402 - before torch loads anywhere
 native_env.apply()
 
 _EXPORTS = {
-    "StreamedModel": "batchrun.runtime.stream",
-    "ResidentModel": "batchrun.runtime.resident",
-    "default_device": "batchrun.runtime",
-    "default_dtype": "batchrun.runtime",
-    "resolve_checkpoint": "batchrun.checkpoint",
-    "tensor_index": "batchrun.checkpoint",
-    "checkpoint_sizes": "batchrun.checkpoint",
-    "default_model": "batchrun.checkpoint",
-    "read_spec": "batchrun.spec",
-    "make_plan": "batchrun.plan",
-    "plan_report": "batchrun.job",
+    # Run or plan a spec: a path, a list of dicts or a pyarrow Table (docs/python-api.md).
+    "submit": "batchrun.api",
+    "plan_job": "batchrun.api",  # not `plan`: importing the batchrun.plan subpackage would take that name
     "JobOptions": "batchrun.job",
-    "submit": "batchrun.job",
-    "Store": "batchrun.store",
+    # A model to call yourself: decoder layers streamed from the checkpoint's safetensors.
+    "StreamedModel": "batchrun.runtime",
+    "default_model": "batchrun.checkpoint",
     # What a script may catch: `except batchrun.BatchrunError as error` catches every failure the CLI prints as
     # one `Error:` line; each class is also here by name.
     "BatchrunError": "batchrun.errors",
@@ -56,3 +52,8 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(module_name), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    """The lazy names too, for tab completion in a notebook."""
+    return sorted(set(globals()) | set(__all__))

@@ -14,12 +14,7 @@ from batchrun.errors import user_errors
 from batchrun.host import Stopped, default_db_path, stop_signals_unwind
 from batchrun.job import JobOptions, plan_report, resolve_model
 from batchrun.output import check_output_writable, output_format, write_results
-from batchrun.plan import (
-    format_comparison,
-    format_duration,
-    format_plan_table,
-    parse_streaming,
-)
+from batchrun.plan import format_comparison, format_duration, format_plan_table, parse_streaming
 from batchrun.spec import kind
 from batchrun.store import JobNotFound, Store
 
@@ -104,7 +99,8 @@ def job_options(fn):
         click.option("--prefetch-depth", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Layers read ahead of the one computing (each holds a layer in memory)."),
         click.option("--micro-batch", type=click.IntRange(min=1),
-                     help="Sequences per forward call within a pass (default: planned from memory)."),
+                     help="Sequences per prefill or choice-scoring forward call within a pass (default: planned from "
+                          "memory); decode calls keep the plan's size."),
         click.option("--bandwidth", "bandwidth_gbps", type=click.FloatRange(min=0, min_open=True),
                      help="Declare the disk read bandwidth in GB/s instead of measuring it."),
         click.option("--trust-remote-code", is_flag=True, help="Allow a checkpoint's own Python code."),

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 
 class BatchrunError(Exception):
-    """A failure the user can act on; the message says what failed, where, and what to do."""
+    """A failure the user can act on; the message says what failed, where, and what to do.
+
+    >>> import batchrun
+    >>> try:
+    ...     batchrun.submit([{"id": "a", "prompt": 5}])
+    ... except batchrun.BatchrunError as error:  # here a SpecError, naming the row
+    ...     print(type(error).__name__, str(error).endswith(":line 1: prompt must be a string, got an integer (5)"))
+    SpecError True
+    """
 
 
 class PlanRefused(BatchrunError, RuntimeError):

@@ -23,6 +23,8 @@ CHOICE_PROBS_TYPE = pa.map_(pa.string(), pa.float64())
 
 
 class OutputExists(BatchrunError, FileExistsError):
+    """The answers file exists and overwriting it was not asked for (--force)."""
+
     def __init__(self, path: Path):
         self.path = Path(path)
         super().__init__(f"{path} exists; pass --force to overwrite")

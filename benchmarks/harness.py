@@ -40,7 +40,7 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 LOCK_FILE = Path(os.environ.get("BATCHRUN_BENCH_LOCK", "/work/notes/bench.lock"))
 CACHE_ENV = "BATCHRUN_BENCH_CACHE"
 CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")
-# The large checkpoint of the issue: a random-weight model of at least 1 GB, streamed under a cap of ~60% of its
+# The large checkpoint: a random-weight model of at least 1 GB, streamed under a cap of ~60% of its
 # size. Streaming it in float32 keeps the non-decoder tensors, two layer slots and their bf16 read buffers resident
 # (~0.7 GB at TinyLlama's layer shape) beside the ~0.35 GB runtime: with a 32k vocabulary (0.5 GB of fp32 embedding
 # and head) that is more than a 1.3 GB checkpoint itself, so the vocabulary is small and the model 2 GB, leaving
@@ -116,8 +116,8 @@ def drop_page_cache() -> None:
 
 
 def cold_read_bandwidth(checkpoint: Path, max_bytes: int = 1 << 30, repeats: int = 3) -> float:
-    """Cold sequential read rate (bytes/s) of the checkpoint's shards, median of `repeats` (this machine's disk
-    swings by +-30% from one read to the next); the figure `batchrun disk` measures and caches. Pass it to
+    """Cold sequential read rate (bytes/s) of the checkpoint's shards, median of `repeats` (a disk's cold
+    rate can swing by +-30% from one read to the next); the figure `batchrun disk` measures and caches. Pass it to
     `batchrun plan --bandwidth` (in GB/s) so predictions use it."""
     from batchrun.measure.compute import measure_read_bandwidth
 
@@ -230,7 +230,7 @@ class RunResult:
     oom_killed: bool = False
     cap_hits: int | None = None
     # Cores other processes kept busy on average during the run (machine busy time minus the child's CPU time):
-    # above ~0.3 on this 2-core machine, timings are not trustworthy.
+    # above ~0.3 on a 2-core machine, timings are not trustworthy.
     foreign_busy_cores: float | None = None
 
     def json_stdout(self) -> dict:

@@ -6,7 +6,7 @@ each streamed run) and measures:
   - the process's peak RSS (its own wait4 ru_maxrss, benchmarks/launcher.py): what an OOM killer sees, nothing excluded;
   - the time of every pass, from the moment the model's forward starts to the moment the pass's results are
     committed (what the executor calls a pass), split into the prefill pass (first of a batch) and decode passes.
-Targets (the issue): peak within 20% and median seconds per pass within 30%.
+Targets: peak within 20% and median seconds per pass within 30%.
 
     .venv/bin/python -m benchmarks.plan_accuracy              # all cases (~10 min on 2 cores)
     .venv/bin/python -m benchmarks.plan_accuracy --cases default-resident-generate,large-streamed-generate
@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from benchmarks import harness
@@ -134,8 +134,9 @@ def _memory_rate_passed(already: bool):
 
     original = prepare.make_plan
     if not already:
-        prepare.make_plan = lambda *args, **kwargs: original(*args, **{
-            "memory_bytes_per_s": measure.memory_read_rate(kwargs["compute_dtype"], kwargs["device"]), **kwargs})
+        prepare.make_plan = lambda sizes, rows, request, rates, **kwargs: original(sizes, rows, request, replace(
+            rates, memory_bytes_per_s=rates.memory_bytes_per_s or measure.memory_read_rate(request.compute_dtype,
+                                                                                           request.device)), **kwargs)
     try:
         yield
     finally:
@@ -316,7 +317,7 @@ def _median_of(passes: list[dict], kind: str) -> float | None:
 def checkpoint_for(model: str) -> Path:
     if model == "large":
         return harness.large_checkpoint()
-    from batchrun.checkpoint.default_model import default_model
+    from batchrun.checkpoint.provision import default_model
 
     return default_model()
 

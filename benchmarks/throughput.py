@@ -100,10 +100,11 @@ def batchrun_auto_dtype(checkpoint: Path) -> str:
 
 def measure_rates(setting: Setting) -> Setting:
     """The setting with the cold read bandwidth (median of 3) and matmul rates at its dtype measured now, each the best
-    of three (one probe alone read 428 GFLOP/s amid 820-880 on an AVX512-BF16 EPYC; a low rate makes the bound lenient, a high one
-    only stricter). The bound's rate is the checkpoint's own layer matmuls with weights from RAM (layer_rate), on the
-    linear kernel batchrun picks, or on packed weights where those are faster (the baselines keep torch's own);
-    batchrun's plan probe, a cache-warm 2k matmul unlike any a pass computes, is recorded beside it."""
+    of three (one probe alone read 428 GFLOP/s amid 820-880 on an AVX512-BF16 EPYC; a low rate makes the bound
+    lenient, a high one only stricter). The bound's rate is the checkpoint's own layer matmuls with weights from RAM
+    (layer_rate), on the linear kernel batchrun picks, or on packed weights where those are faster (the baselines
+    keep torch's own); batchrun's plan probe, a cache-warm 2k matmul unlike any a pass computes, is recorded beside
+    it."""
     from batchrun.runtime import linear_kernels
     from batchrun import measure
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import time
 
-from batchrun import StreamedModel, default_model
+import batchrun
 
 QUESTION = "Name three fruits that are yellow."
 
 
 def main() -> None:
-    checkpoint = default_model()  # SmolLM2-135M-Instruct, converted once into the state directory
-    with StreamedModel(checkpoint, dtype="float32") as sm:
+    checkpoint = batchrun.default_model()  # SmolLM2-135M-Instruct, converted once into the state directory
+    with batchrun.StreamedModel(checkpoint, dtype="float32") as sm:
         messages = [{"role": "user", "content": QUESTION}]
         # Render the template to text first, then tokenize: this works the same on every transformers version.
         text = sm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

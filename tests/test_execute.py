@@ -385,15 +385,18 @@ def test_default_model_answers_equal_reference(tmp_path, default_checkpoint, str
     ("cpu", "BF16", None, "float32"), ("cpu:0", "BF16", None, "float32"),
     ("cpu", "BF16", "avx512_bf16", "bfloat16"), ("cpu:0", "BF16", "amx_bf16", "bfloat16"),
     ("cpu", "F32", "avx512_bf16", "float32"), ("cpu", "F16", "avx512_bf16", "float32"),
-    ("mps", "F32", None, "float16"), ("cuda", "F32", None, "bfloat16"), ("cuda:1", "BF16", None, "bfloat16")])
+    ("mps", "F32", None, "float16"), ("cuda", "F32", "bf16 card", "bfloat16"), ("cuda:1", "BF16", "bf16 card", "bfloat16"),
+    ("cuda", "BF16", None, "float16")])
 def test_the_default_compute_dtype_follows_the_device_and_the_checkpoint(device, storage, cpu_feature, dtype,
                                                                          monkeypatch):
-    """auto: half precision on accelerators; on the CPU a bfloat16 checkpoint's own dtype only where the CPU has
-    bfloat16 units (compute_dtype.py). An explicit --dtype always wins."""
+    """auto: on a CUDA card bfloat16 where it has bfloat16 units, else float16; float16 on MPS; on the CPU a bfloat16
+    checkpoint's own dtype only where the CPU has bfloat16 units (host/compute_dtype.py). The plan and the runtime
+    share the rule. An explicit --dtype always wins."""
     from batchrun.host import compute_dtype
     from batchrun.job.prepare import compute_dtype_for
 
     monkeypatch.setattr(compute_dtype, "cpu_bfloat16_feature", lambda: cpu_feature)
+    monkeypatch.setattr(compute_dtype, "_cuda_has_bfloat16", lambda device: cpu_feature == "bf16 card")
     assert compute_dtype_for(JobOptions(), device, storage) == dtype
     assert compute_dtype_for(JobOptions(dtype="auto"), device, storage) == dtype
     assert compute_dtype_for(JobOptions(dtype="float32"), device, storage) == "float32"
@@ -525,7 +528,7 @@ def test_a_run_loads_the_tokenizer_once_and_plans_for_its_memory(tmp_path, tiny_
 
     monkeypatch.setattr(tokenizer, "load_tokenizer", second_copy)  # what a handle's .tokenizer calls
     readings = iter([1 << 30, (1 << 30) + (300 << 20)])  # resident memory around the tokenizer's load
-    monkeypatch.setattr(prepare.measure, "resident_bytes", lambda: next(readings, None))
+    monkeypatch.setattr(prepare, "resident_bytes", lambda: next(readings, None))
     planned = []
     summary = submit(generation_spec(tmp_path, max_new_tokens=2), output=tmp_path / "o.parquet", db=tmp_path / "j.db",
                      options=JobOptions(model=str(tiny_checkpoint("llama")), streaming=streaming),
@@ -550,7 +553,7 @@ def test_the_default_model_is_also_named_default(tmp_path, default_checkpoint, m
     """`--model default` names it beside another model in `plan`; a directory called "default" still wins."""
     from batchrun.job import prepare
 
-    monkeypatch.setattr("batchrun.checkpoint.default_model.default_model", lambda: default_checkpoint)
+    monkeypatch.setattr(prepare, "default_model", lambda: default_checkpoint)
     monkeypatch.chdir(tmp_path)
     assert prepare.resolve_model("default", JobOptions()) == default_checkpoint
     assert prepare.prepare_model("default", JobOptions()).name == prepare.DEFAULT_MODEL_LABEL
@@ -562,7 +565,10 @@ def test_script_errors_are_exported_and_options_are_checked_like_the_cli_does():
     import batchrun
     from batchrun.errors import SettingRefused
 
-    assert batchrun.SpecError in batchrun.user_errors() and batchrun.PlanRefused in batchrun.user_errors()
+    for name in ("SpecError", "CheckpointError", "DefaultModelError", "PlanRefused", "SettingRefused", "OutputRefused",
+                 "OutputExists", "OutputError", "OutputFormatUnknown", "JobLocked", "JobNotFound", "StoreError"):
+        assert issubclass(getattr(batchrun, name), batchrun.BatchrunError), name
+    assert batchrun.user_errors() == (batchrun.BatchrunError,)
     for bad in (dict(dtype="float8"), dict(streaming="sometimes"), dict(batch_size=0), dict(memory_gb=-1.0)):
         with pytest.raises(SettingRefused):
             JobOptions(**bad)
@@ -738,7 +744,8 @@ def test_a_model_that_does_not_attend_in_place_as_planned_decodes_with_the_prefi
                                                       for i, p in enumerate(prompts)])
     opened, plans = [], []
     monkeypatch.setattr(execute, "open_model", lambda *a, **k: opened.append(open_model(*a, **k)) or opened[-1])
-    monkeypatch.setattr(prefix_attention, "supported", lambda model: False)
+    monkeypatch.setattr(prefix_attention, "reads_prefix_in_place", lambda model: False)
+    monkeypatch.setattr(execute, "reads_prefix_in_place", lambda model: False)
     summary, rows = run(spec, tmp_path, path, "prefixed", on_plan=plans.append, streaming=streaming, micro_batch=2)
     assert plans[0].decode_in_place and plans[0].shared_prefix_tokens > 0
     assert any("does not attend through transformers' sdpa" in note for note in summary.notes)

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from batchrun.runtime import linear_kernels
 
 from batchrun import measure
+from batchrun.measure import cache, compute
 from batchrun.runtime.resident import open_model
 from tests.tiny_models import TINY_ARCHS
 
@@ -147,9 +148,9 @@ def test_subclasses_of_linear_keep_their_own_forward():
 def _timed_by_kernel(seconds_by_kernel, monkeypatch):
     """Replace timing with fixed seconds per kernel, so which one is faster is known."""
     def fake_rounds(works, wait):
-        return {name: [seconds_by_kernel[name]] * measure.COMPUTE_REPEATS for name in works}
+        return {name: [seconds_by_kernel[name]] * compute.COMPUTE_REPEATS for name in works}
 
-    monkeypatch.setattr(measure, "_interleaved_seconds", fake_rounds)
+    monkeypatch.setattr(compute, "_interleaved_seconds", fake_rounds)
 
 
 def test_kernels_are_timed_in_turn_round_by_round(monkeypatch):
@@ -162,10 +163,10 @@ def test_kernels_are_timed_in_turn_round_by_round(monkeypatch):
             clock[0] += seconds
         return run
 
-    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
-    rounds = measure._interleaved_seconds({"plain": work("plain", 2.0), "packed": work("packed", 1.0)}, lambda: None)
-    assert rounds == {"plain": [2.0] * measure.COMPUTE_REPEATS, "packed": [1.0] * measure.COMPUTE_REPEATS}
-    assert calls == ["plain", "packed"] * (1 + measure.COMPUTE_REPEATS)  # one untimed round first
+    monkeypatch.setattr(compute.time, "perf_counter", lambda: clock[0])
+    rounds = compute._interleaved_seconds({"plain": work("plain", 2.0), "packed": work("packed", 1.0)}, lambda: None)
+    assert rounds == {"plain": [2.0] * compute.COMPUTE_REPEATS, "packed": [1.0] * compute.COMPUTE_REPEATS}
+    assert calls == ["plain", "packed"] * (1 + compute.COMPUTE_REPEATS)  # one untimed round first
 
 
 @needs_onednn
@@ -175,7 +176,7 @@ def test_the_kernel_measured_faster_is_cached_and_used(monkeypatch, faster):
     _timed_by_kernel({"aten": 1.0 if faster == "aten" else 2.0, "onednn": 1.0 if faster == "onednn" else 2.0},
                      monkeypatch)
     rate = measure.measure_compute_rate("float32", "cpu")
-    rows, inner, cols = measure.COMPUTE_SHAPE
+    rows, inner, cols = compute.COMPUTE_SHAPE
     assert rate == 2 * rows * inner * cols / 1.0  # the plan assumes the rate of the kernel it gets
     assert measure.linear_kernel("float32", "cpu") == faster
     assert measure.linear_kernel("float32", "cuda:0") == "aten"
@@ -184,7 +185,7 @@ def test_the_kernel_measured_faster_is_cached_and_used(monkeypatch, faster):
 @needs_onednn
 def test_an_entry_cached_before_kernels_were_compared_is_measured_again(monkeypatch):
     monkeypatch.delenv(linear_kernels.KERNEL_ENV, raising=False)
-    measure._store("compute", f"cpu:float32:threads={torch.get_num_threads()}", {"flops_per_s": 1.0})
+    cache.store("compute", f"cpu:float32:threads={torch.get_num_threads()}", {"flops_per_s": 1.0})
     _timed_by_kernel({"aten": 2.0, "onednn": 1.0}, monkeypatch)
     assert measure.linear_kernel("float32", "cpu") == "onednn"
 
@@ -206,20 +207,20 @@ def test_the_environment_overrides_the_measured_choice(monkeypatch):
 @needs_onednn
 def test_the_memory_read_rate_is_timed_on_the_kernel_runs_use_and_again_when_that_changes(monkeypatch):
     used = []
-    monkeypatch.setattr(measure, "_linear_kernels", lambda torch, tokens, weight: {
+    monkeypatch.setattr(compute, "_linear_kernels", lambda torch, tokens, weight: {
         name: (lambda *args, name=name: used.append(name)) for name in linear_kernels.KERNELS})
-    monkeypatch.setattr(measure, "_median_seconds", lambda work, wait: (work(), 1.0)[1])
+    monkeypatch.setattr(compute, "_median_seconds", lambda work, wait: (work(), 1.0)[1])
     key = f"cpu:float32:threads={torch.get_num_threads()}"
-    measure._store("memory", key, {"bytes_per_s": 1.0})  # cached before rates named their kernel
+    cache.store("memory", key, {"bytes_per_s": 1.0})  # cached before rates named their kernel
     monkeypatch.setenv(linear_kernels.KERNEL_ENV, "onednn")
     rate = measure.memory_read_rate("float32", "cpu")
-    assert used == ["onednn"] * measure.DECODE_MATRICES
-    rows, inner, cols = measure.DECODE_SHAPE
-    assert rate == measure.DECODE_MATRICES * cols * inner * 4  # bytes streamed in the (faked) one second
-    assert measure.memory_read_rate("float32", "cpu") == rate and len(used) == measure.DECODE_MATRICES  # cached
+    assert used == ["onednn"] * compute.DECODE_MATRICES
+    rows, inner, cols = compute.DECODE_SHAPE
+    assert rate == compute.DECODE_MATRICES * cols * inner * 4  # bytes streamed in the (faked) one second
+    assert measure.memory_read_rate("float32", "cpu") == rate and len(used) == compute.DECODE_MATRICES  # cached
     monkeypatch.setenv(linear_kernels.KERNEL_ENV, "aten")
     measure.memory_read_rate("float32", "cpu")
-    assert used[measure.DECODE_MATRICES:] == ["aten"] * measure.DECODE_MATRICES
+    assert used[compute.DECODE_MATRICES:] == ["aten"] * compute.DECODE_MATRICES
 
 
 @pytest.mark.parametrize("source", [torch.bfloat16, torch.float16])
@@ -416,14 +417,14 @@ def test_only_routed_bfloat16_linears_pack_and_only_bfloat16_inference_inputs_us
 @needs_packing
 @pytest.mark.parametrize("packed_faster", [True, False])
 def test_long_prefills_pack_only_where_the_packed_kernel_measured_faster(monkeypatch, packed_faster):
-    """A 2-core AMX Xeon ran small prefill calls slower on packed weights (s24): the machine decides."""
+    """A 2-core AMX Xeon runs small prefill calls slower on packed weights: the machine decides."""
     _timed_by_kernel({"aten": 2.0 if packed_faster else 1.0, "packed": 1.0 if packed_faster else 2.0}, monkeypatch)
     # an entry cached before packing was timed is measured again, and so is one whose choice came from medians
     # (noise could flip that choice, and the cache would keep it)
     key = f"cpu:bfloat16:threads={torch.get_num_threads()}"
-    measure._store("compute", key, {"flops_per_s": 1.0})
+    cache.store("compute", key, {"flops_per_s": 1.0})
     assert measure.packs_weights("bfloat16", "cpu") == packed_faster
-    measure._store("compute", key, {"flops_per_s": 1.0, "packed_flops_per_s": 0.5 if packed_faster else 2.0,
+    cache.store("compute", key, {"flops_per_s": 1.0, "packed_flops_per_s": 0.5 if packed_faster else 2.0,
                                     "timed_in_turn": True})  # what the releases that chose by medians cached
     assert measure.packs_weights("bfloat16", "cpu") == packed_faster
     measure.measure_compute_rate("bfloat16", "cpu")
@@ -436,10 +437,10 @@ def test_long_prefills_pack_only_where_the_packed_kernel_measured_faster(monkeyp
 def test_packing_is_decided_by_each_kernels_fastest_round_not_by_a_median_noise_slowed(monkeypatch):
     """Packed truly faster, but a stretch of noise landed on most of its rounds: its median reads slower, its
     fastest round does not. Noise only slows rounds down, so the choice (which the cache keeps) follows the fastest."""
-    packed_rounds = [1.0, 1.0, 1.0] + [1.6] * (measure.COMPUTE_REPEATS - 3)
-    monkeypatch.setattr(measure, "_interleaved_seconds", lambda works, wait: {
-        name: list(packed_rounds) if name == measure.PACKED else [1.2] * measure.COMPUTE_REPEATS for name in works})
+    packed_rounds = [1.0, 1.0, 1.0] + [1.6] * (compute.COMPUTE_REPEATS - 3)
+    monkeypatch.setattr(compute, "_interleaved_seconds", lambda works, wait: {
+        name: list(packed_rounds) if name == compute.PACKED else [1.2] * compute.COMPUTE_REPEATS for name in works})
     measure.measure_compute_rate("bfloat16", "cpu")
-    entry = measure._compute_entry("bfloat16", "cpu")
+    entry = compute._compute_entry("bfloat16", "cpu")
     assert entry["packed_flops_per_s"] < entry["flops_per_s"]  # by medians plain would have won
     assert measure.packs_weights("bfloat16", "cpu")

@@ -10,6 +10,7 @@ import pytest
 from batchrun.measure import layer_call as layer_overhead
 
 from batchrun import measure
+from batchrun.measure import cache, compute, disk, overhead
 from batchrun.host.paths import state_dir
 
 
@@ -35,24 +36,24 @@ def write_file(path, size: int):
 def test_bandwidth_of_a_checkpoint_is_measured_across_its_shards_and_cached_per_filesystem(tmp_path):
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
-    write_file(checkpoint / "model-00001-of-00002.safetensors", measure.MIN_CACHED_SAMPLE_BYTES // 2)
-    write_file(checkpoint / "model-00002-of-00002.safetensors", measure.MIN_CACHED_SAMPLE_BYTES // 2)
+    write_file(checkpoint / "model-00001-of-00002.safetensors", disk.MIN_CACHED_SAMPLE_BYTES // 2)
+    write_file(checkpoint / "model-00002-of-00002.safetensors", disk.MIN_CACHED_SAMPLE_BYTES // 2)
     assert measure.cached_bandwidth(checkpoint) is None
     result = measure.measure_read_bandwidth(checkpoint)
     assert result.basis == "measured" and result.bytes_per_s > 0
     assert "64.0 MiB" in result.how and f"2 files from {checkpoint}" in result.how
     assert result.how.startswith("sequential reads after posix_fadvise(DONTNEED)")
     entry = cached_measurements()["bandwidth"][str(os.stat(checkpoint).st_dev)]
-    assert entry["bytes_per_s"] == result.bytes_per_s and entry["bytes_read"] == measure.MIN_CACHED_SAMPLE_BYTES
+    assert entry["bytes_per_s"] == result.bytes_per_s and entry["bytes_read"] == disk.MIN_CACHED_SAMPLE_BYTES
     cached = measure.cached_bandwidth(checkpoint / "model-00002-of-00002.safetensors")  # same filesystem
     assert cached.bytes_per_s == result.bytes_per_s and cached.basis == "measured"
 
 
 def test_read_stops_at_max_bytes_even_inside_a_chunk(tmp_path):
-    file = write_file(tmp_path / "big.safetensors", 4 * measure.READ_CHUNK_BYTES)
-    result = measure.measure_read_bandwidth(file, max_bytes=2 * measure.READ_CHUNK_BYTES)
+    file = write_file(tmp_path / "big.safetensors", 4 * disk.READ_CHUNK_BYTES)
+    result = measure.measure_read_bandwidth(file, max_bytes=2 * disk.READ_CHUNK_BYTES)
     assert "32.0 MiB" in result.how
-    result = measure.measure_read_bandwidth(file, max_bytes=measure.READ_CHUNK_BYTES + (1 << 20))
+    result = measure.measure_read_bandwidth(file, max_bytes=disk.READ_CHUNK_BYTES + (1 << 20))
     assert "17.0 MiB" in result.how
 
 
@@ -75,20 +76,20 @@ def test_every_file_is_dropped_from_the_page_cache_before_the_clock_starts_and_e
                                                                                                  monkeypatch):
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
-    write_file(checkpoint / "a.safetensors", 2 * measure.READ_CHUNK_BYTES)
-    write_file(checkpoint / "b.safetensors", measure.READ_CHUNK_BYTES)
+    write_file(checkpoint / "a.safetensors", 2 * disk.READ_CHUNK_BYTES)
+    write_file(checkpoint / "b.safetensors", disk.READ_CHUNK_BYTES)
     events = []
     real_fadvise, real_preadv = os.posix_fadvise, os.preadv
-    monkeypatch.setattr(measure.os, "posix_fadvise",
+    monkeypatch.setattr(disk.os, "posix_fadvise",
                         lambda fd, offset, length, advice: events.append(("drop", fd, offset, length))
                         or real_fadvise(fd, offset, length, advice))
-    monkeypatch.setattr(measure.os, "preadv",
+    monkeypatch.setattr(disk.os, "preadv",
                         lambda fd, buffers, offset: events.append(("read", fd, offset)) or real_preadv(fd, buffers,
                                                                                                        offset))
     measure.measure_read_bandwidth(checkpoint)
     first_read = next(i for i, e in enumerate(events) if e[0] == "read")
     assert [e[2:] for e in events[:first_read]] == [(0, 0), (0, 0)]  # both whole files, before any read
-    chunk = measure.READ_CHUNK_BYTES
+    chunk = disk.READ_CHUNK_BYTES
     reads_and_drops = [e[0] if e[0] == "read" else (e[2], e[3]) for e in events[first_read:]]
     # a: two chunks, each dropped once read, then its end; b: one chunk, dropped, then its end
     assert reads_and_drops == ["read", (0, chunk), "read", (chunk, chunk), "read",
@@ -106,16 +107,16 @@ def test_compute_rate_is_measured_once_and_then_read_from_the_cache(monkeypatch)
     def must_not_measure(*args):
         raise AssertionError("measured again despite a cached rate")
 
-    monkeypatch.setattr(measure, "measure_compute_rate", must_not_measure)
+    monkeypatch.setattr(compute, "measure_compute_rate", must_not_measure)
     assert measure.compute_rate("float32", "cpu") == rate
 
 
 def test_runtime_overhead_is_measured_in_a_subprocess_and_cached(monkeypatch):
-    overhead = measure.runtime_overhead_bytes()
-    assert 100 << 20 < overhead < 8 << 30  # torch + transformers imported: hundreds of MiB
-    assert cached_measurements()["runtime_overhead"][sys.executable]["bytes"] == overhead
-    monkeypatch.setattr(measure.subprocess, "run", lambda *a, **k: pytest.fail("probe ran again"))
-    assert measure.runtime_overhead_bytes() == overhead
+    measured = measure.runtime_overhead_bytes()
+    assert 100 << 20 < measured < 8 << 30  # torch + transformers imported: hundreds of MiB
+    assert cached_measurements()["runtime_overhead"][sys.executable]["bytes"] == measured
+    monkeypatch.setattr(overhead.subprocess, "run", lambda *a, **k: pytest.fail("probe ran again"))
+    assert measure.runtime_overhead_bytes() == measured
 
 
 def test_memory_read_rate_is_measured_once_and_then_read_from_the_cache(monkeypatch):
@@ -125,7 +126,7 @@ def test_memory_read_rate_is_measured_once_and_then_read_from_the_cache(monkeypa
     assert 1e8 < rate < 1e13  # bytes/s of weights a decode-shaped matmul streams from RAM
     key = f"cpu:float32:threads={torch.get_num_threads()}"
     assert cached_measurements()["memory"][key]["bytes_per_s"] == rate
-    monkeypatch.setattr(measure, "measure_memory_read_rate", lambda *a: pytest.fail("measured again"))
+    monkeypatch.setattr(compute, "measure_memory_read_rate", lambda *a: pytest.fail("measured again"))
     assert measure.memory_read_rate("float32", "cpu") == rate
 
 
@@ -169,22 +170,22 @@ def test_the_layer_probe_times_on_one_thread_and_gives_the_others_back(monkeypat
 
 
 def test_a_runtime_overhead_measured_by_an_older_probe_is_measured_again(monkeypatch):
-    measure._store("runtime_overhead", sys.executable, {"bytes": 123, "probe": "an older probe"})
-    monkeypatch.setattr(measure.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": "456789\n"})())
+    cache.store("runtime_overhead", sys.executable, {"bytes": 123, "probe": "an older probe"})
+    monkeypatch.setattr(overhead.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": "456789\n"})())
     assert measure.runtime_overhead_bytes() == 456789
     assert cached_measurements()["runtime_overhead"][sys.executable]["bytes"] == 456789
 
 
 def test_runtime_overhead_falls_back_to_the_labelled_constant_when_the_probe_fails(monkeypatch):
-    monkeypatch.setattr(measure, "_RUNTIME_PROBE", "raise SystemExit(3)")
-    assert measure.runtime_overhead_bytes() == measure.RUNTIME_OVERHEAD_FALLBACK_BYTES
-    assert "runtime_overhead" not in measure._load()  # a failure is not cached: the next call tries again
+    monkeypatch.setattr(overhead, "_RUNTIME_PROBE", "raise SystemExit(3)")
+    assert measure.runtime_overhead_bytes() == overhead.RUNTIME_OVERHEAD_FALLBACK_BYTES
+    assert "runtime_overhead" not in cache.load()  # a failure is not cached: the next call tries again
 
 
 def test_damaged_measurement_file_is_replaced_by_the_next_measurement(tmp_path):
     (state_dir() / measure.MEASUREMENTS_FILE).write_text("{not json")
     assert measure.cached_bandwidth(tmp_path) is None
-    measure._store("compute", "cpu:float32:threads=1", {"flops_per_s": 1.0})
+    cache.store("compute", "cpu:float32:threads=1", {"flops_per_s": 1.0})
     assert cached_measurements()["compute"]["cpu:float32:threads=1"]["flops_per_s"] == 1.0
 
 
@@ -202,12 +203,12 @@ def test_a_rate_measured_on_another_processor_or_torch_is_measured_again(monkeyp
     import torch
 
     key = f"cpu:float32:threads={torch.get_num_threads()}"
-    measure._store("compute", key, {"flops_per_s": 1.0, "linear_kernel": "aten"})
+    cache.store("compute", key, {"flops_per_s": 1.0, "linear_kernel": "aten"})
     assert measure.compute_rate("float32", "cpu") == 1.0
-    monkeypatch.setattr(measure, "measure_compute_rate", lambda *a: 2.0)
+    monkeypatch.setattr(compute, "measure_compute_rate", lambda *a: 2.0)
     _measured_elsewhere("compute", key, cpu="AMD EPYC 7B13")
     assert measure.compute_rate("float32", "cpu") == 2.0
-    measure._store("compute", key, {"flops_per_s": 1.0, "linear_kernel": "aten"})
+    cache.store("compute", key, {"flops_per_s": 1.0, "linear_kernel": "aten"})
     _measured_elsewhere("compute", key, torch="1.13.0")
     assert measure.compute_rate("float32", "cpu") == 2.0
 
@@ -218,12 +219,12 @@ def test_a_rate_cached_before_measurements_carried_their_machine_is_measured_aga
     key = f"cpu:float32:threads={torch.get_num_threads()}"
     measurements = {"memory": {key: {"bytes_per_s": 1.0, "linear_kernel": measure.linear_kernel("float32")}}}
     (state_dir() / measure.MEASUREMENTS_FILE).write_text(json.dumps(measurements))
-    monkeypatch.setattr(measure, "measure_memory_read_rate", lambda *a: 3.0)
+    monkeypatch.setattr(compute, "measure_memory_read_rate", lambda *a: 3.0)
     assert measure.memory_read_rate("float32", "cpu") == 3.0
 
 
 def test_a_bandwidth_measured_on_another_mount_or_machine_is_not_used(tmp_path):
-    write_file(tmp_path / "model.safetensors", measure.MIN_CACHED_SAMPLE_BYTES)
+    write_file(tmp_path / "model.safetensors", disk.MIN_CACHED_SAMPLE_BYTES)
     measured = measure.measure_read_bandwidth(tmp_path)
     assert measure.cached_bandwidth(tmp_path).bytes_per_s == measured.bytes_per_s
     key = str(os.stat(tmp_path).st_dev)
@@ -236,7 +237,7 @@ def test_a_bandwidth_measured_on_another_mount_or_machine_is_not_used(tmp_path):
 
 def test_the_runtime_overhead_is_measured_again_when_a_native_cache_setting_changes(monkeypatch):
     answers = iter(["456789\n", "567890\n"])
-    monkeypatch.setattr(measure.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": next(answers)})())
+    monkeypatch.setattr(overhead.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": next(answers)})())
     assert measure.runtime_overhead_bytes() == 456789
     assert measure.runtime_overhead_bytes() == 456789  # cached
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
@@ -244,9 +245,9 @@ def test_the_runtime_overhead_is_measured_again_when_a_native_cache_setting_chan
 
 
 def test_an_accelerators_rates_are_kept_apart_by_its_name(monkeypatch):
-    monkeypatch.setattr(measure, "_accelerator_name", lambda device: f"H200 at {device}")
-    assert measure._identity("compute", "cuda:1:bfloat16:threads=2")["accelerator"] == "H200 at cuda:1"
-    assert "accelerator" not in measure._identity("memory", "cpu:float32:threads=2")
+    monkeypatch.setattr(cache, "_accelerator_name", lambda device: f"H200 at {device}")
+    assert cache.identity("compute", "cuda:1:bfloat16:threads=2")["accelerator"] == "H200 at cuda:1"
+    assert "accelerator" not in cache.identity("memory", "cpu:float32:threads=2")
 
 
 # --- decode rates of the checkpoint's own layer matrices --------------------------------------------------------
@@ -259,7 +260,7 @@ def test_a_checkpoints_layer_matrices_are_timed_by_row_count_once(tiny_checkpoin
     assert sizes.layer_matrices and all(len(shape) == 2 for shape in sizes.layer_matrices)
     assert (sizes.hidden_size, sizes.intermediate_size) in sizes.layer_matrices  # down_proj's [out, in]
     rates = measure.decode_rates(sizes.layer_matrices, sizes.num_layers, "float32")
-    assert sorted(rates) == list(measure.DECODE_ROWS) and all(rate > 0 for rate in rates.values())
+    assert sorted(rates) == list(compute.DECODE_ROWS) and all(rate > 0 for rate in rates.values())
     from batchrun.measure import layer_rates
 
     monkeypatch.setattr(layer_rates, "weight_read_rates", lambda *a, **k: pytest.fail("measured again"))

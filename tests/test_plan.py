@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -13,19 +14,19 @@ from hypothesis import strategies as st
 from batchrun.plan.batching import (MICRO_BATCH_COST_TOKENS, micro_batches, pack_in_order, prefill_call_count,
                                prefill_groups, shared_prefix_tokens, windows_allow_sharing, without_prefix)
 from batchrun.checkpoint.resolve import sizes_from_config
-from batchrun.plan.timing import batch_prefill_flops, job_timeline, pass_memory_bytes, weight_rate_at
+from batchrun.plan.timing import PassPricing, batch_prefill_flops, job_timeline, pass_memory_bytes, weight_rate_at
 from batchrun.plan.planner import (
     HEAP_RETAINED_ACTIVATION_COPIES, HOST_FRESH_PAGE_SLOWDOWN, PREFILL_CALL_BYTES, MEMORY_HEADROOM_SHARE, Bandwidth,
-    RowCost,
+    PlanRequest, Rates, RowCost,
     activation_bytes_for_sequence,
     compare_modes, format_duration, kv_bytes_for_sequence, KV_COPIES_PER_DECODE, lower_bound_passes, make_plan,
     pack_batches,
-    host_streaming_bytes, parse_streaming, passes_for, streamed_weights, decode_pass_bytes, batch_bytes,
+    host_streaming_bytes, parse_streaming, passes_for, streamed_weights, decode_pass_bytes,
 )
 from batchrun.plan.formatting import format_bytes, format_comparison, format_plan_table
 from batchrun.plan import memory as plan_memory
 from batchrun.plan.refill import refill_schedule
-from batchrun.plan.memory import (IN_PLACE_SCORE_COPIES, batch_bytes, decode_call_bytes_per_sequence,
+from batchrun.plan.memory import (IN_PLACE_SCORE_COPIES, Calls, batch_bytes, decode_call_bytes_per_sequence,
                                   largest_turn_bytes)
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -38,11 +39,22 @@ TINY = sizes_from_config({"model_type": "llama", "hidden_size": 64, "intermediat
 MEASURED = Bandwidth(1.0e9, "measured", "sequential reads after posix_fadvise(DONTNEED) of 1 GiB")
 
 
+DEFAULTS = dict(model="m", device="cpu", compute_dtype="bfloat16", memory_budget_bytes=24 * GiB, streaming="auto",
+                bandwidth=MEASURED, compute_flops_per_s=4e11, disk_free_bytes=None, checkpoint_is_local=True,
+                runtime_overhead_bytes=600 << 20)
+
+
+def records(**overrides):
+    """(PlanRequest, Rates, the job's own keywords) from one set of keywords over DEFAULTS."""
+    options = DEFAULTS | overrides
+    picked = [{f.name: options.pop(f.name) for f in fields(record) if f.name in options}
+              for record in (PlanRequest, Rates)]
+    return PlanRequest(**picked[0]), Rates(**picked[1]), options
+
+
 def plan(sizes=LLAMA_70B, rows=(RowCost(300, 8),), **overrides):
-    options = dict(model="m", device="cpu", compute_dtype="bfloat16", memory_budget_bytes=24 * GiB,
-                   streaming="auto", bandwidth=MEASURED, compute_flops_per_s=4e11, disk_free_bytes=None,
-                   checkpoint_is_local=True, runtime_overhead_bytes=600 << 20)
-    return make_plan(sizes, list(rows), **(options | overrides))
+    request, rates, job = records(**overrides)
+    return make_plan(sizes, list(rows), request, rates, **job)
 
 
 # --- policy words -----------------------------------------------------------------------------------------------
@@ -152,8 +164,8 @@ def test_decode_passes_read_one_layer_further_ahead_where_the_prefills_memory_ho
     assert roomy.decode_prefetch_depth == 2 and roomy.prefetch_depth == 1
     assert re.search(r"^read ahead +1 layer \(2 in decode passes", format_plan_table(roomy.to_json()), re.M)
     slot = LLAMA_70B.largest_layer_params * 2
-    decode_bytes = decode_pass_bytes(LLAMA_70B, 2, "cuda", rows, range(len(rows)), 0,
-                                     roomy.decode_micro_batch_size, roomy.batch_size)
+    decode_bytes = decode_pass_bytes(LLAMA_70B, 2, "cuda", rows, range(len(rows)),
+                                     Calls(None, roomy.batch_size, roomy.decode_micro_batch_size))
     assert roomy.peak_memory_bytes >= roomy.weights_bytes + (1 * GiB) + decode_bytes + slot
     assert roomy.peak_memory_bytes <= int(40 * GiB * 0.9)
     assert plan(rows=rows, device="cuda", streaming="always", memory_budget_bytes=40 * GiB,
@@ -724,10 +736,11 @@ def test_a_refilled_pass_holds_every_live_row_but_prefills_only_the_rows_it_admi
     counted = batch_bytes(LLAMA_70B, 2, "cpu", rows, union, 1)
     prefilled = batch_bytes(LLAMA_70B, 2, "cpu", rows, union, 1, prefilling=admitted)
     assert counted - prefilled == 4 * PREFILL_CALL_BYTES  # one call a row at 1 sequence a micro-batch: 5 against 1
-    turn = largest_turn_bytes(LLAMA_70B, 2, "cpu", rows, rows, union, 1, None, 0, prefilling=admitted)
+    calls = Calls(micro_sequences=1, max_sequences=len(union), decode_group=None, shared=0)
+    turn = largest_turn_bytes(LLAMA_70B, 2, "cpu", rows, rows, union, calls, prefilling=admitted)
     decode_turn = len(union) * decode_call_bytes_per_sequence(LLAMA_70B, 2, "cpu", 1008)
     assert turn == max(activation_bytes_for_sequence(LLAMA_70B, 2, "cpu", 100, 1), decode_turn)
-    assert largest_turn_bytes(LLAMA_70B, 2, "cpu", rows, rows, union, 1, None, 0) == max(
+    assert largest_turn_bytes(LLAMA_70B, 2, "cpu", rows, rows, union, calls) == max(
         activation_bytes_for_sequence(LLAMA_70B, 2, "cpu", 1000, 1), decode_turn)
 
 
@@ -739,10 +752,9 @@ def test_decode_micro_batches_that_cannot_merge_are_priced_a_call_each():
     schedule = refill_schedule(rows, [0, 1, 2, 3], 2, 10**9)
     assert [(p.admitted, p.decoding) for p in schedule[:4]] == [((0, 1), ()), ((), (0, 1)), ((2,), (1,)),
                                                                 ((), (1, 2))]
-    options = dict(io_seconds=None, compute_flops_per_s=4e11, compute_bytes=2, memory_bytes_per_s=1e10,
-                   schedule=schedule, layer_call_seconds=1e-4)
-    merged = job_timeline(LLAMA_70B, rows, [], **options).compute_seconds
-    unmerged = job_timeline(LLAMA_70B, rows, [], **options, decode_merges=False).compute_seconds
+    pricing = PassPricing(LLAMA_70B, 2, "cpu", flops_per_s=4e11, memory_bytes_per_s=1e10, layer_call_seconds=1e-4)
+    merged = job_timeline(pricing, rows, [], None, schedule=schedule).compute_seconds
+    unmerged = job_timeline(pricing, rows, [], None, schedule=schedule, decode_merges=False).compute_seconds
     assert unmerged[:3] == merged[:3]  # one micro-batch alive until row 2 joins
     weights = pass_memory_bytes(LLAMA_70B, 2, 2, 604, True)[0]
     assert unmerged[3] - merged[3] == pytest.approx(weights / 1e10 + LLAMA_70B.num_layers * 1e-4)
@@ -812,9 +824,8 @@ def test_plan_json_is_serialisable_and_omits_row_indices():
 
 
 def test_plan_table_and_comparison_show_mode_memory_eta_and_blockers():
-    candidates = compare_modes(LLAMA_70B, MIXED, model="m", device="cpu", compute_dtype="bfloat16",
-                               memory_budget_bytes=24 * GiB, bandwidth=MEASURED, compute_flops_per_s=4e11,
-                               disk_free_bytes=None, checkpoint_is_local=True, runtime_overhead_bytes=0)
+    request, rates, job = records(runtime_overhead_bytes=0)
+    candidates = compare_modes(LLAMA_70B, MIXED, request, rates, **job)
     assert [(c.mode, c.prefetch) for c in candidates] == [("resident", True), ("streamed", True),
                                                            ("streamed", False)]
     table = format_plan_table(candidates[1].to_json())

@@ -1,4 +1,5 @@
-"""Micro-batched passes and the shared prefix give the same numbers as one plain forward per sequence."""
+"""Micro-batched passes and the shared prefix give the same numbers as plain transformers, one forward per
+sequence (tests/reference.py: an in-memory AutoModelForCausalLM, independent of batchrun's handles)."""
 from __future__ import annotations
 
 import json
@@ -11,20 +12,9 @@ from batchrun.plan.batching import MIN_SHARED_PREFIX
 from batchrun.runtime.prefill import PrefixSharedLayer, SharedPrefix, decode, drop_finished, merge_for_decode, prefill
 from batchrun.runtime.resident import ResidentModel
 from batchrun.runtime.stream import StreamedModel
+from tests.reference import assert_matches_reference, sequences
 
 ARCHS_WITHOUT_WINDOWS = ["llama", "qwen2", "gpt_neox", "phi3", "mixtral", "gpt2"]
-
-
-def sequences(vocab: int, shared: int = 24, count: int = 5) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(7)
-    head = torch.randint(3, vocab, (shared,), generator=generator).tolist()
-    return [head + torch.randint(3, vocab, (4 + 3 * i,), generator=generator).tolist() for i in range(count)]
-
-
-def plain_logprobs(handle, seq: list[int], keep: int) -> torch.Tensor:
-    with torch.inference_mode():
-        logits = handle.model(input_ids=torch.tensor([seq])).logits[0, -keep:]
-    return torch.log_softmax(logits.float(), -1)
 
 
 def open_handle(kind: str, path):
@@ -37,7 +27,8 @@ def open_handle(kind: str, path):
 @pytest.mark.parametrize("kind", ["streamed", "resident"])
 @pytest.mark.parametrize("micro_batch,share", [(None, True), (2, True), (1, False), (2, False)])
 def test_prefill_equals_plain_forward(tiny_checkpoint, arch, kind, micro_batch, share):
-    handle = open_handle(kind, tiny_checkpoint(arch))
+    checkpoint = tiny_checkpoint(arch)
+    handle = open_handle(kind, checkpoint)
     try:
         seqs = sequences(handle.model.config.vocab_size)
         passes_before = handle.passes
@@ -45,13 +36,12 @@ def test_prefill_equals_plain_forward(tiny_checkpoint, arch, kind, micro_batch, 
                               share_prefix=share)
         assert handle.passes == passes_before + 1  # however many micro-batches, one pass
         for seq, lp in zip(seqs, got):
-            assert (lp - plain_logprobs(handle, seq, 3)).abs().max().item() <= 1e-4
+            assert_matches_reference(lp, checkpoint, seq, keep=3)
         # decoding continues from the caches the prefill left
         next_tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
         stepped = decode(handle, states, next_tokens)
         for i, seq in enumerate(seqs):
-            expected = plain_logprobs(handle, seq + [next_tokens[i]], 1)[-1]
-            assert (stepped[i] - expected).abs().max().item() <= 1e-4
+            assert_matches_reference(stepped[i], checkpoint, seq + [next_tokens[i]])
     finally:
         handle.close()
 
@@ -60,7 +50,8 @@ def test_prefill_equals_plain_forward(tiny_checkpoint, arch, kind, micro_batch, 
 def test_a_cpu_prefill_with_no_micro_batch_planned_cuts_short_and_long_prompts_apart(tiny_checkpoint, kind):
     """Every sequence fits at once (no micro-batch planned), yet short prompts are not padded to long ones: two
     forward calls (batching.prefill_groups), the same numbers as one plain forward per sequence."""
-    handle = open_handle(kind, tiny_checkpoint("llama"))
+    checkpoint = tiny_checkpoint("llama")
+    handle = open_handle(kind, checkpoint)
     calls = []
     hook = handle.model.register_forward_pre_hook(lambda module, args: calls.append(1))
     try:
@@ -70,7 +61,7 @@ def test_a_cpu_prefill_with_no_micro_batch_planned_cuts_short_and_long_prompts_a
         got, _ = prefill(handle, seqs, pad_id=0, keep=1, micro_batch=None, use_cache=False)
         assert len(calls) == 2
         for seq, lp in zip(seqs, got):
-            assert (lp - plain_logprobs(handle, seq, 1)).abs().max().item() <= 1e-4
+            assert_matches_reference(lp, checkpoint, seq)
     finally:
         hook.remove()
         handle.close()
@@ -81,7 +72,8 @@ def test_a_cpu_prefill_with_no_micro_batch_planned_cuts_short_and_long_prompts_a
 @pytest.mark.parametrize("group", [None, 3])
 def test_decoding_in_merged_micro_batches_equals_plain_forward(tiny_checkpoint, arch, share, group):
     """Micro-batches of different padded widths merge for decoding; the padding they gain is never attended."""
-    with StreamedModel(tiny_checkpoint(arch), device="cpu", dtype=torch.float32) as handle:
+    checkpoint = tiny_checkpoint(arch)
+    with StreamedModel(checkpoint, device="cpu", dtype=torch.float32) as handle:
         seqs = sequences(handle.model.config.vocab_size, count=5)
         got, states = prefill(handle, seqs, pad_id=0, keep=1, micro_batch=1, use_cache=True, share_prefix=share)
         merged = merge_for_decode(states, group)
@@ -95,8 +87,7 @@ def test_decoding_in_merged_micro_batches_equals_plain_forward(tiny_checkpoint, 
             stepped = decode(handle, merged, tokens)
             for i in tokens:
                 seqs[i] = seqs[i] + [tokens[i]]
-                expected = plain_logprobs(handle, seqs[i], 1)[-1]
-                assert (stepped[i] - expected).abs().max().item() <= 1e-4
+                assert_matches_reference(stepped[i], checkpoint, seqs[i])
             tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}
 
 
@@ -146,13 +137,14 @@ def test_shared_prefix_kv_is_held_once(tiny_checkpoint):
 def test_a_pass_no_decode_follows_keeps_no_keys_and_values_of_its_own(tiny_checkpoint, arch, kind):
     """Choice scoring (use_cache=False) with a shared prefix: each layer's own keys and values go when the layer is
     done, so a batch holds no KV cache beyond the prefix's, and the log-probs are still the plain model's."""
-    handle = open_handle(kind, tiny_checkpoint(arch))
+    checkpoint = tiny_checkpoint(arch)
+    handle = open_handle(kind, checkpoint)
     try:
         shared = MIN_SHARED_PREFIX + 8
         seqs = sequences(handle.model.config.vocab_size, shared=shared, count=5)
         got, states = prefill(handle, seqs, 0, keep=3, micro_batch=2, use_cache=False, share_prefix=True)
         for seq, lp in zip(seqs, got):
-            assert (lp - plain_logprobs(handle, seq, 3)).abs().max().item() <= 1e-4
+            assert_matches_reference(lp, checkpoint, seq, keep=3)
         layers = [layer for state in states for layer in state.cache.layers]
         assert len(layers) == len(states) * handle.model.config.num_hidden_layers
         assert all(layer.keys is None and layer.values is None for layer in layers)
@@ -170,21 +162,23 @@ def widened_gemma3(tiny_checkpoint, tmp_path, window: int):
 
 
 def test_sliding_window_models_do_not_share_prefixes_rows_reach_past_the_window(tiny_checkpoint):
-    with StreamedModel(tiny_checkpoint("gemma3"), device="cpu", dtype=torch.float32) as handle:
+    checkpoint = tiny_checkpoint("gemma3")
+    with StreamedModel(checkpoint, device="cpu", dtype=torch.float32) as handle:
         window = handle.model.config.sliding_window
         assert SharedPrefix.usable(handle.model, window) and not SharedPrefix.usable(handle.model, window + 1)
         seqs = sequences(handle.model.config.vocab_size)  # 28-40 tokens against a window of 8
         got, states = prefill(handle, seqs, 0, keep=1, micro_batch=2, use_cache=True, share_prefix=True)
         assert not any(isinstance(layer, PrefixSharedLayer) for state in states for layer in state.cache.layers)
         for seq, lp in zip(seqs, got):
-            assert (lp - plain_logprobs(handle, seq, 1)).abs().max().item() <= 1e-4
+            assert_matches_reference(lp, checkpoint, seq)
 
 
 @pytest.mark.parametrize("kind", ["streamed", "resident"])
 def test_sliding_window_models_share_a_prefix_when_every_row_fits_the_window(tiny_checkpoint, tmp_path, kind):
     """Rows of 28-40 tokens decoding 3 more fit a window of 43: the windowed layers attend like full ones, so the
     prefix is computed once, and prefill and decode steps give plain transformers' numbers (one sequence each)."""
-    handle = open_handle(kind, widened_gemma3(tiny_checkpoint, tmp_path, window=43))
+    checkpoint = widened_gemma3(tiny_checkpoint, tmp_path, window=43)
+    handle = open_handle(kind, checkpoint)
     try:
         seqs = sequences(handle.model.config.vocab_size)
         got, states = prefill(handle, seqs, 0, keep=1, micro_batch=2, use_cache=True, share_prefix=True,
@@ -194,12 +188,12 @@ def test_sliding_window_models_share_a_prefix_when_every_row_fits_the_window(tin
         assert len(states) == 1
         tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
         for seq, lp in zip(seqs, got):
-            assert (lp - plain_logprobs(handle, seq, 1)).abs().max().item() <= 1e-4
+            assert_matches_reference(lp, checkpoint, seq)
         for after in (1, 0):
             stepped = decode(handle, states, tokens, tokens_after=after)
             for i in tokens:
                 seqs[i] = seqs[i] + [tokens[i]]
-                assert (stepped[i] - plain_logprobs(handle, seqs[i], 1)[-1]).abs().max().item() <= 1e-4
+                assert_matches_reference(stepped[i], checkpoint, seqs[i])
             tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}
         # one decode step more than announced would reach past the window: such a pass does not share
         _, states = prefill(handle, seqs[:2], 0, keep=1, micro_batch=None, use_cache=True, share_prefix=True,
@@ -226,7 +220,8 @@ def test_a_failing_micro_batch_fails_the_pass_and_releases_layers(tiny_checkpoin
 def test_decode_steps_write_into_the_room_kept_for_them(tiny_checkpoint, share):
     """After the first decode step moves a layer's keys into a buffer with room for the steps announced, later steps
     append in place (no copy of the cache per step), and the log-probs stay those of plain transformers."""
-    with StreamedModel(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32) as handle:
+    checkpoint = tiny_checkpoint("llama")
+    with StreamedModel(checkpoint, device="cpu", dtype=torch.float32) as handle:
         seqs = sequences(handle.model.config.vocab_size, shared=MIN_SHARED_PREFIX + 4, count=3)
         got, states = prefill(handle, seqs, 0, keep=1, micro_batch=None, use_cache=True, share_prefix=share)
         tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
@@ -236,7 +231,7 @@ def test_decode_steps_write_into_the_room_kept_for_them(tiny_checkpoint, share):
             addresses.append(states[0].cache.layers[0].keys.data_ptr())
             for i in tokens:
                 seqs[i] = seqs[i] + [tokens[i]]
-                assert (stepped[i] - plain_logprobs(handle, seqs[i], 1)[-1]).abs().max().item() <= 1e-4
+                assert_matches_reference(stepped[i], checkpoint, seqs[i])
             tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}
         assert addresses[0] == addresses[1] == addresses[2]
         layer = states[0].cache.layers[0]
@@ -250,7 +245,8 @@ def test_decode_steps_write_into_the_room_kept_for_them(tiny_checkpoint, share):
 def test_sliding_window_layers_hold_only_their_window_after_a_prefill(tiny_checkpoint, kind):
     """transformers keeps a window as a view of the whole prompt's keys: the plan counts the window, so the prompt's
     keys and values must not outlive the prefill. Decoding from the trimmed cache still equals plain transformers."""
-    with open_handle(kind, tiny_checkpoint("gemma3")) as handle:
+    checkpoint = tiny_checkpoint("gemma3")
+    with open_handle(kind, checkpoint) as handle:
         window = handle.model.config.sliding_window
         seqs = sequences(handle.model.config.vocab_size, shared=4 * window, count=3)
         got, states = prefill(handle, seqs, 0, keep=1, micro_batch=2, use_cache=True, share_prefix=False)
@@ -262,7 +258,7 @@ def test_sliding_window_layers_hold_only_their_window_after_a_prefill(tiny_check
             stepped = decode(handle, states, tokens)
             for i in tokens:
                 seqs[i] = seqs[i] + [tokens[i]]
-                assert (stepped[i] - plain_logprobs(handle, seqs[i], 1)[-1]).abs().max().item() <= 1e-4
+                assert_matches_reference(stepped[i], checkpoint, seqs[i])
             tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}
 
 
@@ -313,8 +309,8 @@ def test_decode_passes_read_a_layer_further_ahead_and_free_that_slot_before_the_
     """The plan may give decode passes one more layer slot (the memory the prefill's activations held): decode
     passes then keep three layers materialised, and the next prefill has its two again, the third slot's buffers
     freed before its activations need the memory. Answers are unchanged."""
-    with StreamedModel(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32,
-                       decode_prefetch_depth=2) as handle:
+    checkpoint = tiny_checkpoint("llama")
+    with StreamedModel(checkpoint, device="cpu", dtype=torch.float32, decode_prefetch_depth=2) as handle:
         slots_seen: list[tuple[str, int]] = []
         phase = ["prefill"]
         handle.layers[0].register_forward_pre_hook(
@@ -329,13 +325,13 @@ def test_decode_passes_read_a_layer_further_ahead_and_free_that_slot_before_the_
             stepped = decode(handle, states, tokens)
             for i in tokens:
                 seqs[i] = seqs[i] + [tokens[i]]
-                assert (stepped[i] - plain_logprobs(handle, seqs[i], 1)[-1]).abs().max().item() <= 1e-4
+                assert_matches_reference(stepped[i], checkpoint, seqs[i])
             tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}
         assert len(buffered_slots()) == 3
         phase[0] = "prefill"
         again, _ = prefill(handle, seqs, pad_id=0, keep=1, micro_batch=2, use_cache=False)
         assert len(buffered_slots()) == 2 and handle.slots.count == 2
         for i, seq in enumerate(seqs):
-            assert (again[i][-1] - plain_logprobs(handle, seq, 1)[-1]).abs().max().item() <= 1e-4
+            assert_matches_reference(again[i][-1], checkpoint, seq)
     assert {count for step, count in slots_seen if step == "decode"} == {3}
     assert {count for step, count in slots_seen if step == "prefill"} == {2}

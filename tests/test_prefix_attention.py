@@ -15,7 +15,7 @@ from batchrun.runtime import prefix_attention
 from batchrun.plan.batching import MIN_SHARED_PREFIX
 from batchrun.runtime.prefill import cache_argument, decode, merge_for_decode, output_cache, prefill
 from batchrun.runtime.stream import StreamedModel
-from tests.test_prefill import plain_logprobs, sequences
+from tests.reference import assert_matches_reference, sequences
 from tests.tiny_models import TINY_ARCHS
 
 
@@ -72,21 +72,22 @@ def test_decoding_after_a_shared_prefix_reads_the_prefix_in_place(tiny_checkpoin
     grouped = prefix_attention.attend_grouped
     prefills = []
     monkeypatch.setattr(prefix_attention, "attend_grouped", lambda *a: prefills.append(a[0].shape) or grouped(*a))
-    with StreamedModel(tiny_checkpoint(arch), device="cpu", dtype=torch.float32) as handle:
+    checkpoint = tiny_checkpoint(arch)
+    with StreamedModel(checkpoint, device="cpu", dtype=torch.float32) as handle:
         layers = handle.model.config.num_hidden_layers
         seqs = sequences(handle.model.config.vocab_size, shared=MIN_SHARED_PREFIX + 4, count=4)
         got, states = prefill(handle, seqs, 0, keep=1, micro_batch=2, use_cache=True, share_prefix=True)
         assert not taken  # the prefill attends to the concatenation: many query tokens...
         assert len(prefills) == 2 * layers  # ...each micro-batch's through grouped SDPA, at every layer
         for i, lp in enumerate(got):
-            assert (lp[-1] - plain_logprobs(handle, seqs[i], 1)[-1]).abs().max().item() <= 1e-4
+            assert_matches_reference(lp[-1], checkpoint, seqs[i])
         states = merge_for_decode(states, None)
         tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
         for step in range(2):
             stepped = decode(handle, states, tokens)
             for i in tokens:
                 seqs[i] = seqs[i] + [tokens[i]]
-                assert (stepped[i] - plain_logprobs(handle, seqs[i], 1)[-1]).abs().max().item() <= 1e-4
+                assert_matches_reference(stepped[i], checkpoint, seqs[i])
             tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}
         assert len(taken) == 2 * layers
 

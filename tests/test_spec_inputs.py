@@ -29,7 +29,7 @@ def choices_from_command_line(monkeypatch, value: str):
     def capture(spec, models, options):
         raise _Captured(options.choices)
 
-    monkeypatch.setattr("batchrun.job.prepare.plan_report", capture)
+    monkeypatch.setattr("batchrun.cli.plan_report", capture)
     result = CliRunner().invoke(cli, ["plan", "never-read.jsonl", "--choices", value])
     if isinstance(result.exception, _Captured):
         return result.exception.args[0]

@@ -3,12 +3,19 @@ something."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests import tiny_models
 from tests.tiny_models import (
     COMPLETE_MARKER,
     GEMMA3_SLIDING_WINDOW,
@@ -16,7 +23,10 @@ from tests.tiny_models import (
     build_large_llama,
     build_sharded_checkpoint,
     build_tiny_checkpoint,
+    tiny_checkpoint_dir,
 )
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 PROMPT = "The customer report was good, but the invoice price was not. Summary: 2024 ☃"
 
@@ -84,13 +94,103 @@ def test_checkpoint_is_reused_and_deterministic(tiny_checkpoint, tmp_path):
     assert build_tiny_checkpoint("qwen2", cached.parent) == cached
     assert (cached / "model.safetensors").stat().st_mtime_ns == stamp  # not rebuilt
 
-    rebuilt = build_tiny_checkpoint("qwen2", tmp_path)
+    rebuilt = build_tiny_checkpoint("qwen2", tmp_path)  # a cold cache builds
+    assert rebuilt.name == cached.name
     assert (rebuilt / "model.safetensors").read_bytes() == (cached / "model.safetensors").read_bytes()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging dir left behind
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []  # no staging dir left behind
+
+
+@pytest.fixture
+def fresh_cache_key():
+    """cache_key is computed once per process: the tests that change its inputs recompute it, before and after."""
+    tiny_models.cache_key.cache_clear()
+    yield
+    tiny_models.cache_key.cache_clear()
+
+
+def test_the_cache_entry_is_named_by_the_library_versions_and_the_builder_source(tiny_checkpoint, fresh_cache_key):
+    import transformers
+
+    import batchrun
+
+    cached = tiny_checkpoint("gpt2")
+    assert cached.name.startswith(f"gpt2-transformers{transformers.__version__}-batchrun{batchrun.__version__}-")
+    assert cached == tiny_checkpoint_dir("gpt2", cached.parent)
+    names = {cached.name}
+    real_versions, real_source = tiny_models.library_versions(), tiny_models.builder_source()
+    edited = real_source.replace("hidden_size=64", "hidden_size=32")
+    assert edited != real_source
+    for changed, versions, source in (("transformers", real_versions | {"transformers": "4.0.0"}, real_source),
+                                      ("batchrun", real_versions | {"batchrun": "0.2.0"}, real_source),
+                                      ("torch", real_versions | {"torch": "0.0.1+cpu"}, real_source),
+                                      ("tokenizers", real_versions | {"tokenizers": "0.0.1"}, real_source),
+                                      ("builder", real_versions, edited)):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(tiny_models, "library_versions", lambda versions=versions: versions)
+            patch.setattr(tiny_models, "builder_source", lambda source=source: source)
+            tiny_models.cache_key.cache_clear()
+            name = tiny_checkpoint_dir("gpt2", cached.parent).name
+        assert name not in names, f"a changed {changed} reuses {name}"
+        assert "+" not in name and "/" not in name
+        names.add(name)
+    tiny_models.cache_key.cache_clear()
+    assert tiny_checkpoint_dir("gpt2", cached.parent) == cached  # and nothing else decides the name
+
+
+def test_a_changed_builder_builds_anew_beside_the_old_entry(tiny_checkpoint, tmp_path, monkeypatch, fresh_cache_key):
+    old = Path(shutil.copytree(tiny_checkpoint("gpt2"), tmp_path / tiny_checkpoint("gpt2").name))
+    stamp = (old / "model.safetensors").stat().st_mtime_ns
+    monkeypatch.setattr(tiny_models, "builder_source", lambda: "a builder edited since\n")
+    tiny_models.cache_key.cache_clear()
+    new = build_tiny_checkpoint("gpt2", tmp_path)
+    assert new != old and new.parent == old.parent
+    assert (new / COMPLETE_MARKER).exists() and json.loads((new / "config.json").read_text())["model_type"] == "gpt2"
+    assert (old / "model.safetensors").stat().st_mtime_ns == stamp  # the old entry is neither reused nor touched
+
+
+BUILDER = """
+import os, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from tests.tiny_models import build_tiny_checkpoint
+shared = Path(sys.argv[2])
+(shared / f"ready-{os.getpid()}").touch()
+while not (shared / "go").exists():  # the imports take seconds: all processes start building together after them
+    time.sleep(0.01)
+print(build_tiny_checkpoint("llama", shared / "cache"))
+"""
+
+
+@pytest.mark.slow
+def test_processes_building_one_entry_of_a_cold_cache_at_once_all_get_one_complete_copy(tmp_path, tiny_checkpoint):
+    """A leftover incomplete directory (an interrupted build) sits where the entry goes: it is replaced, and every
+    process returns the same complete checkpoint, with no staging directory left."""
+    stale = tiny_checkpoint_dir("llama", tmp_path / "cache")
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    builders = [subprocess.Popen([sys.executable, "-c", BUILDER, str(REPO_ROOT), str(tmp_path)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(tmp_path.glob("ready-*"))) < len(builders) and time.monotonic() < deadline:
+            assert all(builder.poll() is None for builder in builders), "a builder exited before building"
+            time.sleep(0.05)
+        (tmp_path / "go").touch()
+        outputs = [builder.communicate(timeout=300) for builder in builders]
+    finally:
+        for builder in builders:
+            builder.kill()
+    assert all(builder.returncode == 0 for builder in builders), [err for _, err in outputs]
+    assert {out.strip() for out, _ in outputs} == {str(stale)}
+    assert (stale / COMPLETE_MARKER).exists() and json.loads((stale / "config.json").read_text())["vocab_size"] > 0
+    assert [p.name for p in (tmp_path / "cache").iterdir() if ".tmp-" in p.name] == []
+    # the weights every builder writes: those of the session's cache entry
+    assert (stale / "model.safetensors").read_bytes() == (tiny_checkpoint("llama") / "model.safetensors").read_bytes()
 
 
 def test_incomplete_directory_is_rebuilt_not_trusted(tmp_path):
-    stale = tmp_path / "llama"
+    stale = tiny_checkpoint_dir("llama", tmp_path)
     stale.mkdir()
     (stale / "config.json").write_text("{}")  # e.g. left by an interrupted older build
     checkpoint = build_tiny_checkpoint("llama", tmp_path)

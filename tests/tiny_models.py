@@ -1,13 +1,20 @@
 """Tiny random-weight checkpoints for the architecture matrix, plus sharded and large variants.
 
 Everything is built locally (no hub access), deterministically, and cached on disk: a checkpoint
-directory is only ever renamed into place once complete, so parallel test workers can share a cache.
+directory is only ever renamed into place once complete, and builders of one directory take turns under a file
+lock, so parallel test processes can share a cache. A cached tiny checkpoint's directory name carries the library
+versions and this file's hash (cache_key), so a changed builder or library builds anew instead of reusing weights
+it would no longer write.
 """
 from __future__ import annotations
 
+import fcntl
+import functools
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -141,50 +148,90 @@ def _build_model(arch: str, tokenizer):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
+def library_versions() -> dict[str, str]:
+    """The versions whose change can change what the builders write: transformers (configs, save_pretrained),
+    tokenizers (the BPE training), torch (the random initialisation) and batchrun."""
+    import tokenizers
+    import torch
+    import transformers
+
+    import batchrun
+
+    return {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+            "torch": torch.__version__, "batchrun": batchrun.__version__}
+
+
+def builder_source() -> str:
+    """This file's text: the configs, the tokenizer's training text and the builders all live here."""
+    return Path(__file__).read_text(encoding="utf-8")
+
+
+@functools.cache
+def cache_key() -> str:
+    """'transformers<v>-batchrun<v>-<hash>': names the cache entries built by this code under these libraries. The
+    hash covers this file's text and every version in library_versions."""
+    versions = library_versions()
+    digest = hashlib.sha256(json.dumps([versions, builder_source()], sort_keys=True).encode()).hexdigest()[:12]
+    readable = f"transformers{versions['transformers']}-batchrun{versions['batchrun']}-{digest}"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", readable)  # a local version ("2.5+cpu") stays one path component
+
+
 def _build_once(target: Path, write: Callable[[Path], None]) -> Path:
-    """Run `write(tmp_dir)` and rename tmp_dir to `target`, unless a complete `target` already exists."""
+    """Run `write(tmp_dir)` and rename tmp_dir to `target`, unless a complete `target` already exists.
+
+    Readers take a complete `target` without locking: it appears only by a rename, whole. Builders of one target
+    take turns under a lock file beside it, so while one removes an incomplete leftover, no other is renaming its
+    finished copy into that place (which the removal would delete under its readers)."""
     if (target / COMPLETE_MARKER).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
-    try:
-        write(staging)
-        (staging / COMPLETE_MARKER).write_text("ok\n")
-        os.chmod(staging, 0o755)  # mkdtemp creates 0700; a shared test cache must stay readable
+    with open(target.parent / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if (target / COMPLETE_MARKER).exists():  # another process built it while this one waited
+            return target
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
         try:
+            write(staging)
+            (staging / COMPLETE_MARKER).write_text("ok\n")
+            os.chmod(staging, 0o755)  # mkdtemp creates 0700; a shared test cache must stay readable
+            if target.exists():
+                shutil.rmtree(target)  # something incomplete (an interrupted build) that no builder owns
             os.rename(staging, target)
-        except OSError:
-            if (target / COMPLETE_MARKER).exists():  # another worker finished first; its copy is identical
-                shutil.rmtree(staging)
-                return target
-            shutil.rmtree(target)  # something incomplete that no builder owns any more
-            os.rename(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return target
 
 
+def tiny_checkpoint_dir(arch: str, root: Path) -> Path:
+    """Where build_tiny_checkpoint keeps `arch` under `root`: root/'<arch>-<cache_key()>'."""
+    return Path(root) / f"{arch}-{cache_key()}"
+
+
 def build_tiny_checkpoint(arch: str, root: Path) -> Path:
-    """root/arch: a tiny float32 random checkpoint of `arch` with tokenizer and chat template. Built once."""
+    """root/'<arch>-<cache_key()>': a tiny float32 random checkpoint of `arch` with tokenizer and chat template.
+    Built once per builder source and library versions."""
+    if arch not in TINY_ARCHS:  # before a lock file or directory is named after it
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
 
     def write(directory: Path) -> None:
         tokenizer = build_tokenizer()
         _build_model(arch, tokenizer).save_pretrained(directory)
         tokenizer.save_pretrained(directory)
 
-    return _build_once(Path(root) / arch, write)
+    return _build_once(tiny_checkpoint_dir(arch, root), write)
 
 
 def build_sharded_checkpoint(arch: str, root: Path, max_shard_size: str = "200KB") -> Path:
-    """root/'<arch>-sharded': the same weights as build_tiny_checkpoint(arch), split into several shards."""
+    """root/'<arch>-sharded-<cache_key()>': the same weights as build_tiny_checkpoint(arch), split into several
+    shards."""
 
     def write(directory: Path) -> None:
         tokenizer = build_tokenizer()
         _build_model(arch, tokenizer).save_pretrained(directory, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(directory)
 
-    return _build_once(Path(root) / f"{arch}-sharded", write)
+    return _build_once(Path(root) / f"{arch}-sharded-{cache_key()}", write)
 
 
 # Layer shape of TinyLlama-1.1B: 22 such layers plus a 32000-token vocabulary make a 2.2 GB bf16 checkpoint.

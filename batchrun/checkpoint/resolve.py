@@ -1,7 +1,7 @@
 """Where a model lives and what it holds: resolve a local directory or a Hugging Face repository id, then read
 its config, safetensors headers and sizes without loading a weight.
 
-This module is the public face; the reading is done in checkpoint_files.py and the sizing in sizes.py.
+This module is the public face; the reading is done in checkpoint/files.py and the sizing in checkpoint/sizes.py.
 No torch here: planning a 70B model must not cost a torch import.
 """
 from __future__ import annotations
@@ -10,27 +10,10 @@ import os
 import re
 from pathlib import Path
 
-from batchrun.checkpoint.files import (
-    CONFIG_NAME,
-    DTYPE_BITS,
-    INDEX_NAME,
-    SINGLE_SHARD_NAME,
-    CheckpointError,
-    TensorInfo,
-    decoder_layer_prefix,
-    load_config,
-    read_header,
-    read_tensor_infos,
-    read_weight_map,
-    refuse_without_safetensors,
-    storage_dtype,
-    tensor_index,
-)
-from batchrun.checkpoint.sizes import (
-    CheckpointSizes,
-    checkpoint_sizes,
-    sizes_from_config,
-)
+from batchrun.checkpoint.files import (CONFIG_NAME, DTYPE_BITS, INDEX_NAME, SINGLE_SHARD_NAME, CheckpointError,
+                                       TensorInfo, decoder_layer_prefix, load_config, read_header, read_tensor_infos,
+                                       read_weight_map, refuse_without_safetensors, storage_dtype, tensor_index)
+from batchrun.checkpoint.sizes import CheckpointSizes, checkpoint_sizes, sizes_from_config
 
 __all__ = [
     "CONFIG_NAME", "DTYPE_BITS", "CheckpointError", "CheckpointSizes", "TensorInfo", "checkpoint_sizes",

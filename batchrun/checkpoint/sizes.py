@@ -7,16 +7,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from batchrun.checkpoint.files import (
-    CONFIG_NAME,
-    DTYPE_BITS,
-    CheckpointError,
-    TensorInfo,
-    decoder_layer_prefix,
-    load_config,
-    read_tensor_infos,
-    storage_dtype,
-)
+from batchrun.checkpoint.files import (CONFIG_NAME, DTYPE_BITS, CheckpointError, TensorInfo, decoder_layer_prefix,
+                                       load_config, read_tensor_infos, storage_dtype)
 
 # Alternative spellings of the same config field across architectures (generic names, not a per-family table).
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")

@@ -105,7 +105,7 @@ def _c_integer(text: str | None) -> int | None:
 def keep_freed_pages_below(limit_bytes: int | None):
     """While the process holds at most `limit_bytes`, a layer turn's freed pages stay in the heap for the next turn.
 
-    The executor passes the plan's peak less the largest turn's activations (plan_memory.largest_turn_bytes): a turn
+    The executor passes the plan's peak less the largest turn's activations (plan.memory.largest_turn_bytes): a turn
     that finds none of its pages free still ends under the plan's peak. glibc's own trim of the heap's top on free()
     is off meanwhile: it would hand back the same pages. The trims cost what faulting the pages in again costs: on
     the benchmark's classification pass (3 GB Llama, bfloat16, AMX, 2 cores) 5.3 million page faults and 9.8 s of

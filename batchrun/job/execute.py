@@ -15,43 +15,15 @@ from tqdm import tqdm
 from transformers.utils import logging as transformers_logging
 
 from batchrun.errors import OutputRefused, PlanRefused
-from batchrun.host import (
-    batch_cap_after_oom,
-    default_db_path,
-    faults,
-    keep_freed_pages_below,
-    killed_by_oom,
-    memory_cgroup_dir,
-    oom_kill_count,
-    stops_deferred,
-)
-from batchrun.job.prepare import (
-    JobOptions,
-    PreparedJob,
-    nothing_runs,
-    one_row_per_key,
-    plan_rows,
-    prepare_job,
-    row_costs,
-)
-from batchrun.output import (
-    OutputError,
-    OutputExists,
-    check_output_writable,
-    default_output_path,
-    output_format,
-    write_results,
-)
+from batchrun.host import (batch_cap_after_oom, default_db_path, faults, keep_freed_pages_below, killed_by_oom,
+                           memory_cgroup_dir, oom_kill_count, stops_deferred)
+from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_row_per_key, plan_rows, prepare_job,
+                                  row_costs)
+from batchrun.output import (OutputError, OutputExists, check_output_writable, default_output_path, output_format,
+                             write_results)
 from batchrun.plan import Candidate, RowCost, without_prefix
-from batchrun.runtime import (
-    Answer,
-    GreedyPool,
-    eos_token_ids,
-    generation_answer,
-    open_model,
-    reads_prefix_in_place,
-    score_choices,
-)
+from batchrun.runtime import (Answer, GreedyPool, PoolPlan, eos_token_ids, generation_answer, open_model,
+                              reads_prefix_in_place, score_choices)
 from batchrun.spec import EncodedRow, uses_chat_template
 from batchrun.store import JobNotFound, RowResult, Store, StoreError
 
@@ -86,10 +58,8 @@ class RunSummary:
 
 
 def to_row_result(answer: Answer, row_id) -> RowResult:
-    return RowResult(idx=answer.idx, id=row_id, answer=answer.answer, choice_probs=answer.choice_probs,
-                     score=answer.score, logprob=answer.logprob, prompt_tokens=answer.prompt_tokens,
-                     output_tokens=answer.output_tokens, finish_reason=answer.finish_reason, error=None,
-                     token_ids=answer.token_ids)
+    """A computed answer as the store keeps it: the same fields, with the row's id."""
+    return RowResult(id=row_id, error=None, **vars(answer))
 
 
 def error_result(idx: int, row_id, message: str, prompt_tokens: int | None = None) -> RowResult:
@@ -99,18 +69,20 @@ def error_result(idx: int, row_id, message: str, prompt_tokens: int | None = Non
 
 def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: str | Path | None = None,
            db: str | Path | None = None, force: bool = False, quiet: bool = True,
-           on_plan: Callable[[Candidate], None] | None = None) -> RunSummary:
-    """Plan, run (resuming whatever the same job already finished), and write the Parquet output."""
+           on_plan: Callable[[Candidate], None] | None = None, write_output: bool = True) -> RunSummary:
+    """Plan, run (resuming whatever the same job already finished), and write the Parquet output.
+    `write_output=False` writes no file: the answers stay in the database (batchrun.submit returns them)."""
     options = options or JobOptions()
     spec_path = Path(spec_path)
-    output_path = Path(output) if output else default_output_path(spec_path)
+    output_path = (Path(output) if output else default_output_path(spec_path)) if write_output else None
     db_path = Path(db) if db else default_db_path()
-    check_output_writable(output_path, spec_path, db_path)  # before any work, not after the night's run
-    output_fmt = output_format(output_path)
+    if output_path is not None:
+        check_output_writable(output_path, spec_path, db_path)  # before any work, not after the night's run
+        output_fmt = output_format(output_path)
     prepared = prepare_job(spec_path, options)
     store = Store(db_path)
     try:
-        if output_path.exists() and not force:
+        if output_path is not None and output_path.exists() and not force:
             _refuse_existing_output(store, prepared.fingerprint, output_path)
         job_id = store.ensure_job(prepared.fingerprint, spec_path=str(spec_path.resolve()), model=prepared.model.name,
                                   settings=options.answer_settings(),
@@ -121,7 +93,8 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
             with store.heartbeat_while_running(job_id):
                 summary = _run(prepared, store, job_id, quiet=quiet, on_plan=on_plan)
             state = "done"  # every answer is committed; a failed write below loses none of them
-            summary.output = str(_write_output(store, job_id, output_path, output_fmt, force))
+            if output_path is not None:
+                summary.output = str(_write_output(store, job_id, output_path, output_fmt, force))
             return summary
         except KeyboardInterrupt:
             if state != "done":  # stopped while writing the output: every answer is in, the job is done
@@ -214,23 +187,13 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
     if reuse_note:
         log.warning(reuse_note)
     if rows:
-        prefixes = {i: len(partial[i][0]) for i in partial}
-        options = _after_previous_run(prepared.options, store.previous_runs(job_id), summary.notes)
-        plan = plan_rows(prepared.model, rows, options, prepared.device, prefixes)
-        cgroup = memory_cgroup_dir()
-        store.record_run_plan(job_id, batch_size=plan.batch_size, planned_peak_bytes=plan.peak_memory_bytes,
-                              memory_cgroup=str(cgroup) if cgroup else None,
-                              oom_kills_at_start=oom_kill_count(cgroup), planned_passes=plan.passes)
-        for note in summary.notes:
-            log.warning(note)
-        if on_plan is not None:
-            on_plan(plan)
-        faults.reached("planned")
-        if not plan.fits:
-            raise PlanRefused("the plan refuses this job: " + " ".join(plan.blockers))
-        summary.mode, summary.batch_size = plan.mode, plan.batch_size
+        plan = _plan_run(prepared, store, job_id, rows, partial, summary, on_plan)
         batches = [[rows[i] for i in batch] for batch in plan.batches]
-        _run_batches(prepared, store, job_id, plan, batches, partial, status, quiet, summary)
+        finished_before = status["rows_done"] + status["rows_errored"]
+        # rows answered before, and those this run computes (a row repeating another is answered after the run)
+        bar = tqdm(total=finished_before + sum(len(batch) for batch in batches), initial=finished_before,
+                   unit="row", disable=quiet, desc=f"batchrun {job_id[:8]} ({plan.mode})", dynamic_ncols=True)
+        _run_batches(prepared, _Commits(store, job_id, bar, summary.pass_seconds), plan, batches, partial, summary)
         repeats_filled += store.fill_duplicates(job_id)
         if summary.empty_answers:
             note = (f"{summary.empty_answers} answer(s) are empty: the row stopped (EOS or a stop string) before "
@@ -249,6 +212,28 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
         summary.notes.append(f"{repeats} row(s) repeat another row of this job exactly (same tokens and settings): "
                              f"computed once, {repeats_filled} answered from it")
     return summary
+
+
+def _plan_run(prepared: PreparedJob, store: Store, job_id: str, rows: list[EncodedRow], partial: dict,
+              summary: RunSummary, on_plan: Callable[[Candidate], None] | None) -> Candidate:
+    """Plan this run's rows (resumed rows prefill what an earlier run generated), record the plan with the run, and
+    refuse a plan that does not fit."""
+    prefixes = {i: len(partial[i][0]) for i in partial}
+    options = _after_previous_run(prepared.options, store.previous_runs(job_id), summary.notes)
+    plan = plan_rows(prepared.model, rows, options, prepared.device, prefixes)
+    cgroup = memory_cgroup_dir()
+    store.record_run_plan(job_id, batch_size=plan.batch_size, planned_peak_bytes=plan.peak_memory_bytes,
+                          memory_cgroup=str(cgroup) if cgroup else None,
+                          oom_kills_at_start=oom_kill_count(cgroup), planned_passes=plan.passes)
+    for note in summary.notes:
+        log.warning(note)
+    if on_plan is not None:
+        on_plan(plan)
+    faults.reached("planned")
+    if not plan.fits:
+        raise PlanRefused("the plan refuses this job: " + " ".join(plan.blockers))
+    summary.mode, summary.batch_size = plan.mode, plan.batch_size
+    return plan
 
 
 def _reuse_note(reused) -> str | None:
@@ -280,14 +265,26 @@ def _after_previous_run(options: JobOptions, previous: list[dict], notes: list[s
     return replace(options, batch_size=smaller)
 
 
-def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candidate,
-                 batches: list[list[EncodedRow]], partial: dict, status: dict, quiet: bool,
-                 summary: RunSummary) -> None:
-    finished_before = status["rows_done"] + status["rows_errored"]
-    # rows answered before, and those this run computes (a row repeating another is answered after the run)
-    bar = tqdm(total=finished_before + sum(len(batch) for batch in batches), initial=finished_before, unit="row",
-               disable=quiet,
-               desc=f"batchrun {job_id[:8]} ({plan.mode})", dynamic_ncols=True)
+@dataclass
+class _Commits:
+    """Where a run's passes go: the job's rows in the store, the progress bar, each pass's seconds."""
+    store: Store
+    job_id: str
+    bar: tqdm
+    pass_seconds: list[float]
+
+    def pass_committed(self, rows: int, started: float) -> None:
+        """A pass that began at `started` (time.monotonic) is committed with `rows` answers."""
+        faults.reached("committed")
+        self.pass_seconds.append(time.monotonic() - started)
+        self.bar.update(rows)
+        _show_rate(self.bar, self.pass_seconds)
+
+
+def _run_batches(prepared: PreparedJob, commits: _Commits, plan: Candidate, batches: list[list[EncodedRow]],
+                 partial: dict, summary: RunSummary) -> None:
+    """Open the model the plan chose, run the choice batches (a pass each) and then the generation rows (one
+    refilled queue), committing every pass."""
     transformers_logging.disable_progress_bar()  # ours is the progress bar that matters
     model = open_model(prepared.model.checkpoint, mode=plan.mode, device=prepared.device,
                        dtype=prepared.compute_dtype, prefetching=prepared.options.prefetch,
@@ -296,72 +293,70 @@ def _run_batches(prepared: PreparedJob, store: Store, job_id: str, plan: Candida
                        linear_kernel=plan.linear_kernel, pack_weights=plan.packs_weights)
     tokenizer = prepared.model.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    eos = eos_token_ids(model.config, getattr(model.model, "generation_config", None), tokenizer)
-    pass_times = summary.pass_seconds
     micro_batch = prepared.options.micro_batch or plan.micro_batch_size
-    decode_micro_batch = plan.decode_micro_batch_size
-    if plan.decode_in_place and not reads_prefix_in_place(model.model):
-        # The plan sized decode calls that read keys and values where they lie; this model's attention copies them
-        # per query head. The prefill's settings are within the plan for decode passes too: its micro-batches and
-        # its read-ahead.
-        decode_micro_batch = micro_batch
-        if plan.mode == "streamed":
-            model.decode_prefetch_depth = model.prefetch_depth
-        note = ("the model does not attend through transformers' sdpa as the plan expected: decode passes use the "
-                "prefill's micro-batches and read-ahead")
-        summary.notes.append(note)
-        log.warning(note)
     # A --micro-batch of the user's own makes calls the plan did not size: trim after every turn then.
     keep_below = None if prepared.options.micro_batch else plan.peak_memory_bytes - plan.turn_bytes
     try:
         with keep_freed_pages_below(keep_below):
             for batch in batches:
-                if not batch[0].is_choice:
-                    continue
-                ids = {r.request.index: r.request.id for r in batch}
-                tick = time.monotonic()
-                answers = score_choices(model, batch, pad_id, micro_batch=micro_batch)
-                faults.reached("pass")
-                store.commit_batch(job_id, [to_row_result(a, ids[a.idx]) for a in answers], passes=1)
-                faults.reached("committed")
-                pass_times.append(time.monotonic() - tick)
-                bar.update(len(answers))
-                _show_rate(bar, pass_times)
+                if batch[0].is_choice:
+                    started = time.monotonic()
+                    answers = score_choices(model, batch, pad_id, micro_batch=micro_batch)
+                    faults.reached("pass")
+                    ids = {r.request.index: r.request.id for r in batch}
+                    commits.store.commit_batch(commits.job_id, [to_row_result(a, ids[a.idx]) for a in answers],
+                                               passes=1)
+                    commits.pass_committed(len(answers), started)
             generation = [row for batch in batches if not batch[0].is_choice for row in batch]
             if generation:
+                pool_plan = PoolPlan((plan.batch_size, plan.batch_tokens), micro_batch,
+                                     _decode_micro_batch(model, plan, micro_batch, summary), plan.shared_prefix_tokens,
+                                     plan.windows_as_full)
+                eos = eos_token_ids(model.config, getattr(model.model, "generation_config", None), tokenizer)
                 pool = GreedyPool(model, generation, generation_costs(generation, partial, plan.shared_prefix_tokens),
-                                  (plan.batch_size, plan.batch_tokens), tokenizer, eos, pad_id,
+                                  pool_plan, tokenizer, eos, pad_id,
                                   prefixes={r.request.index: partial[r.request.index] for r in generation
-                                            if r.request.index in partial},
-                                  micro_batch=micro_batch, decode_micro_batch=decode_micro_batch,
-                                  shared_prefix=plan.shared_prefix_tokens)
-                summary.empty_answers += _run_generation(pool, store, job_id, bar, pass_times)
+                                            if r.request.index in partial})
+                summary.empty_answers += _run_generation(pool, commits)
     finally:
-        bar.close()
-        summary.passes_now = len(pass_times)
+        commits.bar.close()
+        summary.passes_now = len(commits.pass_seconds)
         summary.bytes_read = model.bytes_read
         model.close()
 
 
-def _run_generation(pool: GreedyPool, store, job_id: str, bar, pass_times: list[float]) -> int:
+def _decode_micro_batch(model, plan: Candidate, micro_batch: int | None, summary: RunSummary) -> int | None:
+    """The plan's decode calls, unless the plan sized them to read keys and values where they lie and this model's
+    attention copies them per query head: the prefill's settings are within the plan for decode passes too, its
+    micro-batches and its read-ahead."""
+    if not plan.decode_in_place or reads_prefix_in_place(model.model):
+        return plan.decode_micro_batch_size
+    if plan.mode == "streamed":
+        model.decode_prefetch_depth = model.prefetch_depth
+    note = ("the model does not attend through transformers' sdpa as the plan expected: decode passes use the "
+            "prefill's micro-batches and read-ahead")
+    summary.notes.append(note)
+    log.warning(note)
+    return micro_batch
+
+
+def _run_generation(pool: GreedyPool, commits: _Commits) -> int:
     """Run the job's generation rows to their end, committing each pass; return how many of the answers stopped
     before any text."""
     ids = {seq.row.request.index: seq.row.request.id for seq in pool.sequences}
+    store, job_id = commits.store, commits.job_id
     empty = 0
     if pool.already_finished:
         store.commit_batch(job_id, [to_row_result(generation_answer(s), ids[s.row.request.index])
                                     for s in pool.already_finished], passes=0)
-        bar.update(len(pool.already_finished))
+        commits.bar.update(len(pool.already_finished))
     while not pool.done:
-        tick = time.monotonic()
+        started = time.monotonic()
         finished = pool.step()
         faults.reached("pass")
         results = [to_row_result(generation_answer(s), ids[s.row.request.index]) for s in finished]
         store.commit_pass(job_id, results, pool.partial(), passes=1)
-        faults.reached("committed")
-        pass_times.append(time.monotonic() - tick)
-        bar.update(len(finished))
-        _show_rate(bar, pass_times)
+        commits.pass_committed(len(finished), started)
         empty += sum(1 for r in results if r.answer == "" and r.finish_reason == "stop")
     return empty
 

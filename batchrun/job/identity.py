@@ -29,7 +29,7 @@ def model_identity_parts(checkpoint: Path) -> list[bytes]:
 def row_keys(model_identity: Sequence[bytes], compute_dtype: str,
              rows: Sequence[EncodedRow]) -> dict[int, str | None]:
     """Row index -> what its answer depends on, the row's share of the fingerprint without its id and place: the
-    same key in another job of the database is the same answer (store_reuse.py). None for a row that cannot run."""
+    same key in another job of the database is the same answer (store/reuse.py). None for a row that cannot run."""
     model = hashlib.sha256()
     for part in model_identity:
         model.update(part)

@@ -15,6 +15,18 @@ ANSWER_SETTINGS = ("template", "id_column", "choices", "system", "max_new_tokens
 
 @dataclass
 class JobOptions:
+    """A job's options besides its spec, as `batchrun submit` and `batchrun plan` take them (docs/cli.md): `model`
+    (a checkpoint directory or hub id; None: the default model), the settings rows fall back on (`choices`,
+    `system`, `max_new_tokens`, `stop`), corpus mode (`template`, `id_column`) and resources (`device`, `dtype`,
+    `batch_size`, `memory_gb`, `streaming`, ...). Refuses a value the CLI would refuse, with SettingRefused.
+
+    >>> import batchrun
+    >>> options = batchrun.JobOptions(max_new_tokens=4, stop=("\\n",))
+    >>> answers = batchrun.submit([{"id": "q1", "prompt": "Name a fruit."}], options=options)
+    >>> answers["output_tokens"][0].as_py() <= 4
+    True
+    """
+
     model: str | None = None
     template: str | None = None
     id_column: str | None = None

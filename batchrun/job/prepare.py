@@ -11,47 +11,15 @@ from pathlib import Path
 from typing import Sequence
 
 from batchrun import measure
-from batchrun.checkpoint import (
-    CheckpointError,
-    CheckpointSizes,
-    checkpoint_sizes,
-    default_model,
-    load_config,
-    load_tokenizer,
-    resolve_checkpoint,
-)
-from batchrun.host import (
-    auto_compute_dtype,
-    available_memory_bytes,
-    cpu_auto_reason,
-    disk_free_bytes,
-    resident_bytes,
-)
-from batchrun.job.identity import (
-    fingerprint,
-    model_identity_parts,
-    one_row_per_key,
-    row_keys,
-)
+from batchrun.checkpoint import (CheckpointError, CheckpointSizes, checkpoint_sizes, default_model, load_config,
+                                 load_tokenizer, resolve_checkpoint)
+from batchrun.host import auto_compute_dtype, available_memory_bytes, cpu_auto_reason, disk_free_bytes, resident_bytes
+from batchrun.job.identity import fingerprint, model_identity_parts, one_row_per_key, row_keys
 from batchrun.job.options import JobOptions
-from batchrun.plan import (
-    Bandwidth,
-    Candidate,
-    RowCost,
-    make_plan,
-    parse_streaming,
-    shared_prefix_tokens,
-    windows_allow_sharing,
-)
-from batchrun.spec import (
-    EncodedRow,
-    JobSpec,
-    encode_requests,
-    kept_positions,
-    read_spec,
-    shortest_first_pass_sequence,
-    uses_chat_template,
-)
+from batchrun.plan import (Bandwidth, Candidate, PlanRequest, Rates, RowCost, make_plan, parse_streaming,
+                           shared_prefix_tokens, windows_allow_sharing)
+from batchrun.spec import (EncodedRow, JobSpec, encode_requests, kept_positions, read_spec,
+                           shortest_first_pass_sequence, uses_chat_template)
 
 DEFAULT_MODEL_LABEL = "default (SmolLM2-135M-Instruct)"  # shown, stored and written for jobs run without --model
 ASSUMED_BANDWIDTH = 1.0e9  # bytes/s: the low end of cold sequential reads measured on this kind of machine
@@ -80,7 +48,7 @@ class PreparedJob:
     fingerprint: str
     device: str
     compute_dtype: str
-    row_keys: dict[int, str | None]  # row index -> what its answer depends on (store_reuse.py)
+    row_keys: dict[int, str | None]  # row index -> what its answer depends on (store/reuse.py)
 
 
 def names_default_model(model: str | None) -> bool:
@@ -123,10 +91,7 @@ def _decode_attention(checkpoint: Path, options: JobOptions) -> tuple[bool, bool
     transformers cannot read: planning reads config.json alone and must not fail on this."""
     from transformers import AutoConfig
 
-    from batchrun.runtime import (  # torch, loaded by now
-        attends_through_sdpa,
-        sdpa_groups_one_token_queries,
-    )
+    from batchrun.runtime import attends_through_sdpa, sdpa_groups_one_token_queries  # torch, loaded by now
 
     groups = sdpa_groups_one_token_queries()
     if load_config(checkpoint, options.trust_remote_code).get("auto_map"):
@@ -179,7 +144,7 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
               generated: dict[int, int] | None = None) -> Candidate:
     """Plan `rows` (runnable ones); `generated`: row index -> tokens a previous run already generated."""
     costs = row_costs(rows, generated)
-    # The kept positions and shortest sequence of the first pass (score.py), so plan and run share the same prefix.
+    # The kept positions and shortest sequence of the first pass (runtime/score.py), so plan and run share the same prefix.
     shortest = min((shortest_first_pass_sequence(row) for row in rows), default=0)
     prompts = [row.prompt_ids for row in rows]
     sizes = prepared.sizes
@@ -190,23 +155,16 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
                                                           shortest_sequence=shortest)
     compute_dtype = compute_dtype_for(options, device, sizes.storage_dtype)
     budget = int(options.memory_gb * 1e9) if options.memory_gb else available_memory_bytes(device)
-    plan = make_plan(
-        prepared.sizes, costs, model=prepared.name, device=device, compute_dtype=compute_dtype,
-        memory_budget_bytes=budget, streaming=parse_streaming(options.streaming), prefetch=options.prefetch,
-        prefetch_depth=options.prefetch_depth,
-        bandwidth=bandwidth_for(prepared.checkpoint, options),
-        compute_flops_per_s=measure.compute_rate(compute_dtype, device),
-        memory_bytes_per_s=measure.memory_read_rate(compute_dtype, device),
-        disk_free_bytes=disk_free_bytes(prepared.checkpoint), checkpoint_is_local=True,
-        runtime_overhead_bytes=measure.runtime_overhead_bytes() + prepared.tokenizer_bytes,
-        batch_size=options.batch_size,
-        context_length=prepared.context_length, shared_prefix_tokens=shared,
-        decode_rates=_decode_rates(sizes, compute_dtype, device, costs),
-        # A decode step against the shared prefix reads it in place (prefix_attention); one without, where sdpa
-        # groups a one-token query on the key heads.
-        decode_in_place=prepared.attends_through_sdpa and (shared > 0 or prepared.sdpa_groups_decode_queries),
-        packs_weights=measure.packs_weights(compute_dtype, device),
-        layer_call_seconds=measure.layer_call_seconds(device), compute_threads=measure.compute_threads())
+    request = PlanRequest(model=prepared.name, device=device, compute_dtype=compute_dtype,
+                          memory_budget_bytes=budget, streaming=parse_streaming(options.streaming),
+                          prefetch=options.prefetch, prefetch_depth=options.prefetch_depth,
+                          batch_size=options.batch_size, context_length=prepared.context_length,
+                          checkpoint_is_local=True)
+    # A decode step against the shared prefix reads it in place (prefix_attention); one without, where sdpa groups
+    # a one-token query on the key heads.
+    in_place = prepared.attends_through_sdpa and (shared > 0 or prepared.sdpa_groups_decode_queries)
+    plan = make_plan(sizes, costs, request, machine_rates(prepared, options, compute_dtype, device, costs),
+                     shared_prefix_tokens=shared, decode_in_place=in_place)
     caveats = plan.caveats + _glued_choices_caveat(prepared.tokenizer, rows, options.raw)
     if common:
         window = min([window for window in sizes.sliding_windows if window] + [sizes.unplaced_window or math.inf])
@@ -217,6 +175,20 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
               if device.split(":")[0] == "cpu" and options.dtype in (None, "auto") else None)
     return replace(plan, linear_kernel=measure.linear_kernel(compute_dtype, device), caveats=caveats,
                    compute_dtype_reason=reason)
+
+
+def machine_rates(prepared: PreparedModel, options: JobOptions, compute_dtype: str, device: str,
+                  costs: Sequence[RowCost]) -> Rates:
+    """What the plan learns from this machine (batchrun.measure), for this checkpoint computed in compute_dtype."""
+    return Rates(
+        bandwidth=bandwidth_for(prepared.checkpoint, options),
+        compute_flops_per_s=measure.compute_rate(compute_dtype, device),
+        memory_bytes_per_s=measure.memory_read_rate(compute_dtype, device),
+        disk_free_bytes=disk_free_bytes(prepared.checkpoint),
+        runtime_overhead_bytes=measure.runtime_overhead_bytes() + prepared.tokenizer_bytes,
+        decode_rates=_decode_rates(prepared.sizes, compute_dtype, device, costs),
+        packs_weights=measure.packs_weights(compute_dtype, device),
+        layer_call_seconds=measure.layer_call_seconds(device), compute_threads=measure.compute_threads())
 
 
 def _decode_rates(sizes: CheckpointSizes, compute_dtype: str, device: str, costs) -> dict[int, float] | None:

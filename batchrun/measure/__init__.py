@@ -3,16 +3,8 @@ and the runtime's own memory, each measured once and cached with the identity of
 import; measuring imports it.
 """
 from batchrun.measure.cache import MEASUREMENTS_FILE
-from batchrun.measure.compute import (
-                                      compute_rate,
-                                      compute_threads,
-                                      decode_rates,
-                                      linear_kernel,
-                                      measure_compute_rate,
-                                      measure_memory_read_rate,
-                                      memory_read_rate,
-                                      packs_weights,
-)
+from batchrun.measure.compute import (compute_rate, compute_threads, decode_rates, linear_kernel, measure_compute_rate,
+                                      measure_memory_read_rate, memory_read_rate, packs_weights)
 from batchrun.measure.disk import cached_bandwidth, measure_read_bandwidth
 from batchrun.measure.layer_call import layer_call_seconds
 from batchrun.measure.overhead import runtime_overhead_bytes

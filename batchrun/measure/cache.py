@@ -8,13 +8,7 @@ import json
 import os
 from datetime import datetime, timezone
 
-from batchrun.host import (
-    NATIVE_DEFAULTS,
-    disk_identity,
-    kernels_identity,
-    package_version,
-    state_dir,
-)
+from batchrun.host import NATIVE_DEFAULTS, disk_identity, kernels_identity, package_version, state_dir
 
 MEASUREMENTS_FILE = "measurements.json"
 

@@ -103,9 +103,9 @@ def _interleaved_seconds(works: dict, wait) -> dict[str, list[float]]:
 def faster_at_best(candidate: list[float], incumbent: list[float]) -> bool:
     """Whether `candidate` is the faster kernel, judged by each one's fastest round. Noise on a shared machine only
     ever slows a round down, so the fastest of the interleaved rounds is a kernel's own speed with the least noise
-    in it; medians keep some. On the s33 machine (packed ~4% faster), 30 measurements in one process: by medians
-    plain won once, by fastest rounds never; 1 of ~45 fresh processes one afternoon (s38, by medians, 927 against
-    932 GFLOP/s) left packing off, and its classification pass spent 18.4 s in linears against 16.5-17.3 s packed."""
+    in it; medians keep some. On an AVX512-BF16 EPYC where packing is ~4% faster, 30 measurements in one process: by
+    medians plain won once, by fastest rounds never; judged by medians, 1 of ~45 fresh processes (927 against 932
+    GFLOP/s) left packing off, and its classification pass spent 18.4 s in linears against 16.5-17.3 s packed."""
     return min(candidate) < min(incumbent)
 
 
@@ -147,7 +147,7 @@ def packs_weights(dtype: str, device: str = "cpu") -> bool:
     """Whether long prefills multiply packed weights (linear_kernels.pack_weights): only on a CPU computing in
     bfloat16, where the packed kernel ran COMPUTE_SHAPE faster than the plain one in its fastest round
     (faster_at_best; measured now if it never was).
-    Its 256 rows are a small prefill call: on a 2-core AMX Xeon (s24) such calls ran slower packed."""
+    Its 256 rows are a small prefill call: on a 2-core AMX Xeon such calls run slower packed."""
     if device.split(":")[0] != "cpu" or dtype != "bfloat16":
         return False
     entry = _compute_entry(dtype, device)

@@ -99,7 +99,7 @@ def _decode_step(model, device: str):
 
 def layer_call_seconds(device: str = "cpu") -> float:
     """Seconds one forward call through a decoder layer costs besides its matmuls and memory traffic
-    (layer_overhead.py): what a small model's decode step mostly is. Cached per device, thread count and
+    (measure/layer_call.py): what a small model's decode step mostly is. Cached per device, thread count and
     transformers release (the cost is its modules' Python)."""
     import torch
 

@@ -15,7 +15,7 @@ import statistics
 import time
 from typing import Sequence
 
-# Layers' worth of matrices cycled per sweep: beyond the CPU caches (this machine's L3 is 480 MiB), or the whole
+# Layers' worth of matrices cycled per sweep: beyond the CPU caches (an AMX Xeon's L3 is 480 MiB), or the whole
 # decoder of a model smaller than that, which is the working set its decode passes meet.
 CYCLED_BYTES = 512 << 20
 

@@ -1,23 +1,13 @@
 """The plan: pure arithmetic over the checkpoint's sizes and the rows' token counts (memory, batching, passes,
 time, formatting). No torch.
 """
-from batchrun.plan.batching import (
-           RowCost,
-           prefill_groups,
-           shared_prefix_tokens,
-           windows_allow_sharing,
-           without_prefix,
-)
-from batchrun.plan.formatting import (
-           format_bytes,
-           format_comparison,
-           format_duration,
-           format_plan_table,
-)
+from batchrun.plan.batching import RowCost, prefill_groups, shared_prefix_tokens, windows_allow_sharing, without_prefix
+from batchrun.plan.formatting import format_bytes, format_comparison, format_duration, format_plan_table
 from batchrun.plan.memory import ATTENTION_CHUNK_BYTES
-from batchrun.plan.planner import Bandwidth, Candidate, make_plan, parse_streaming
+from batchrun.plan.planner import Candidate, make_plan, parse_streaming
+from batchrun.plan.records import Bandwidth, PlanRequest, Rates
 from batchrun.plan.refill import admit, shares_prefix
 
-__all__ = ["ATTENTION_CHUNK_BYTES", "Bandwidth", "Candidate", "RowCost", "admit", "format_bytes", "format_comparison",
-           "format_duration", "format_plan_table", "make_plan", "parse_streaming", "prefill_groups",
-           "shared_prefix_tokens", "shares_prefix", "windows_allow_sharing", "without_prefix"]
+__all__ = ["ATTENTION_CHUNK_BYTES", "Bandwidth", "Candidate", "PlanRequest", "Rates", "RowCost", "admit",
+           "format_bytes", "format_comparison", "format_duration", "format_plan_table", "make_plan", "parse_streaming",
+           "prefill_groups", "shared_prefix_tokens", "shares_prefix", "windows_allow_sharing", "without_prefix"]

@@ -5,15 +5,11 @@ The coefficients below are first estimates, kept at the top so measurement can c
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from batchrun.checkpoint import CheckpointSizes, kv_bytes_for_sequence
-from batchrun.plan.batching import (
-    RowCost,
-    batch_shape,
-    prefill_call_count,
-    prefill_calls,
-)
+from batchrun.plan.batching import RowCost, batch_shape, prefill_call_count, prefill_calls
 
 # Activations of one sequence at prefill, the peak of a batch (checked against RSS in benchmarks/plan_accuracy.py):
 HIDDEN_STATE_COPIES = 4  # residual stream, normed input, attention output, MLP output live together
@@ -26,15 +22,14 @@ LOGIT_BYTES = 4  # logits are upcast to float32
 # (3 GB Llama under a 1.55 GB cap, 32 sequences of ~100 own tokens): peak RSS 1.33 GB with micro-batches of 5,
 # 1.365 GB with 9, 1.40 GB with 11: 120 KB per extra token where the live activations are 100 KB; a whole batch in
 # one forward call keeps more (SmolLM2, 16 sequences streamed: 974 MB measured, 855 MB predicted at a quarter). Half
-# a copy, on the safe side of both. (Before the trim, with every block of 128 KiB or more unmapped when freed, one
-# whole copy was measured.)
+# a copy, on the safe side of both.
 HEAP_RETAINED_ACTIVATION_COPIES = 0.5
 HEAP_RETAINS_ON = frozenset({"cpu"})  # accelerator allocators hold freed blocks for reuse: no growth beyond the peak
 
-# Micro-batches (passes.py): when a pass's activations do not fit all at once, its sequences enter each layer in
+# Micro-batches (runtime/turns.py): when a pass's activations do not fit all at once, its sequences enter each layer in
 # turns, so only one micro-batch's activations are live while every sequence's KV cache and hidden state wait.
 HELD_HIDDEN_COPIES = 2  # a waiting micro-batch holds its hidden states and the residual they add to
-# Each of a prefill's forward calls is held suspended between its turns (passes.run_interleaved), keeping its saved
+# Each of a prefill's forward calls is held suspended between its turns (runtime.turns.run_interleaved), keeping its saved
 # stack and Python frames until the pass ends: ~40 KiB a call measured (200 suspended calls of a tiny Llama); its
 # activations are counted apart. The OpenMP team and matmul scratch are the one calling thread's, in the runtime.
 PREFILL_CALL_BYTES = 256 << 10
@@ -46,6 +41,16 @@ IN_PLACE_SCORE_COPIES = 5
 # A half-precision prefill of prefix-sharing micro-batches on a CPU attends a chunk of query rows at a time
 # (prefix_attention.attend_in_chunks): its scores take at most this much beside the call's activations.
 ATTENTION_CHUNK_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class Calls:
+    """How the plan cuts a job's passes into forward calls, which sizes a call's turn and a decode pass's memory."""
+    micro_sequences: int | None  # sequences per prefill call; None: the whole batch in one
+    max_sequences: int  # most sequences in a batch
+    decode_group: int | None = None  # sequences per decode call; None: the whole batch in one
+    shared: int = 0  # prompt tokens every row starts with, held once (a batch of one holds them as its own)
+    in_place: bool = False  # decode steps read keys and values where they lie (decode_call_bytes_per_sequence)
 
 
 def attention_scratch_bytes(device: str, compute_bytes: int, shared: int) -> int:
@@ -91,25 +96,25 @@ def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: S
 
 
 def largest_turn_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
-                       own_rows: Sequence[RowCost], batch: Sequence[int], micro_sequences: int | None,
-                       decode_group: int | None, shared: int, decode_in_place: bool = False,
+                       own_rows: Sequence[RowCost], batch: Sequence[int], calls: Calls,
                        prefilling: Sequence[int] | None = None) -> int:
     """The most activation memory one forward call's turn at a layer takes in a batch's passes: its largest prefill
     call (cut as the executor cuts them), the shared prefix's call, or a decode call. A turn that finds no freed
     pages to reuse takes this much more memory (host.heap.keep_freed_pages_below). `prefilling`: as batch_bytes."""
     sequences = batch_shape(rows, batch)[0]
+    shared = calls.shared
     sharing = bool(shared) and sequences > 1
     costs = own_rows if sharing else rows
     positions = batch_shape(costs, batch)[3]
     prefilled = batch if prefilling is None else prefilling
     turns = [len(call) * activation_bytes_for_sequence(sizes, compute_bytes, device, max(call), positions)
-             for call in (prefill_calls(costs, prefilled, micro_sequences, device) if prefilled else ())]
+             for call in (prefill_calls(costs, prefilled, calls.micro_sequences, device) if prefilled else ())]
     if sharing:
         turns.append(activation_bytes_for_sequence(sizes, compute_bytes, device, shared, 0))
     if any(rows[i].passes() > 1 for i in batch):
         context = (shared if sharing else 0) + max(costs[i].sequence_length() for i in batch)
-        turns.append(min(decode_group or sequences, sequences)
-                     * decode_call_bytes_per_sequence(sizes, compute_bytes, device, context, decode_in_place))
+        turns.append(min(calls.decode_group or sequences, sequences)
+                     * decode_call_bytes_per_sequence(sizes, compute_bytes, device, context, calls.in_place))
     return max(turns)
 
 
@@ -136,30 +141,30 @@ def decode_kv_bytes(sizes: CheckpointSizes, compute_bytes: int, own_rows: Sequen
 
 
 def decode_group_size(sizes: CheckpointSizes, compute_bytes: int, device: str, own_rows: Sequence[RowCost],
-                      planned: Sequence[int], shared: int, micro_sequences: int | None, max_sequences: int,
-                      free_bytes: int, in_place: bool = False) -> int | None:
-    """Sequences per forward call in a decode pass: as many as fit beside the batch's whole KV cache.
+                      planned: Sequence[int], calls: Calls, free_bytes: int) -> int | None:
+    """Sequences per forward call in a decode pass: as many as fit beside the batch's whole KV cache (`calls`'s own
+    decode_group is not read).
 
     A decode forward reads the layer's weights from memory however few sequences it carries, so decode micro-batches
     are made as large as memory allows. The prefill's activations and held hidden states are gone by then."""
-    if micro_sequences is None or not planned:
+    if calls.micro_sequences is None or not planned:
         return None
-    kv_cache, longest_own = decode_kv_bytes(sizes, compute_bytes, own_rows, planned, max_sequences)
-    per_sequence = decode_call_bytes_per_sequence(sizes, compute_bytes, device, shared + longest_own, in_place)
-    return int(min(max_sequences, max(micro_sequences, (free_bytes - kv_cache) // per_sequence)))
+    kv_cache, longest_own = decode_kv_bytes(sizes, compute_bytes, own_rows, planned, calls.max_sequences)
+    per_sequence = decode_call_bytes_per_sequence(sizes, compute_bytes, device, calls.shared + longest_own,
+                                                  calls.in_place)
+    return int(min(calls.max_sequences, max(calls.micro_sequences, (free_bytes - kv_cache) // per_sequence)))
 
 
 def decode_pass_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, own_rows: Sequence[RowCost],
-                      planned: Sequence[int], shared: int, decode_group: int | None, max_sequences: int,
-                      in_place: bool = False) -> int:
+                      planned: Sequence[int], calls: Calls) -> int:
     """What a batch holds during its decode passes (beside the weights and the shared prefix): its whole KV cache and
     one decode call. 0 when no planned row decodes (choice rows and one-token answers finish in their prefill)."""
     if not planned or not any(own_rows[i].passes() > 1 for i in planned):
         return 0
-    kv_cache, longest_own = decode_kv_bytes(sizes, compute_bytes, own_rows, planned, max_sequences)
-    group = min(decode_group or max_sequences, max_sequences)
-    return kv_cache + group * decode_call_bytes_per_sequence(sizes, compute_bytes, device, shared + longest_own,
-                                                             in_place)
+    kv_cache, longest_own = decode_kv_bytes(sizes, compute_bytes, own_rows, planned, calls.max_sequences)
+    group = min(calls.decode_group or calls.max_sequences, calls.max_sequences)
+    return kv_cache + group * decode_call_bytes_per_sequence(sizes, compute_bytes, device, calls.shared + longest_own,
+                                                             calls.in_place)
 
 
 def scores_materialised(device: str) -> bool:

@@ -8,23 +8,12 @@ from __future__ import annotations
 import math
 import os
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Mapping, Sequence
 
-from batchrun.checkpoint import (
-    CheckpointSizes,
-    kv_bytes_for_sequence,
-    kv_bytes_per_token_per_layer,
-)
-from batchrun.plan.batching import (
-    RowCost,
-    batch_shape,
-    inside_windows,
-    lower_bound_passes,
-    pack_batches,
-    passes_for,
-    without_prefix,
-)
+from batchrun.checkpoint import CheckpointSizes, kv_bytes_for_sequence, kv_bytes_per_token_per_layer
+from batchrun.plan.batching import (RowCost, batch_shape, inside_windows, lower_bound_passes, pack_batches, passes_for,
+                                    without_prefix)
 from batchrun.plan.formatting import format_bytes, format_duration, format_rate
 from batchrun.plan.memory import (  # noqa: F401 (re-exported)
     ATTENTION_SCORE_BYTES,
@@ -32,6 +21,7 @@ from batchrun.plan.memory import (  # noqa: F401 (re-exported)
     HELD_HIDDEN_COPIES,
     LOGIT_BYTES,
     PREFILL_CALL_BYTES,
+    Calls,
     activation_bytes_for_sequence,
     attention_scratch_bytes,
     batch_bytes,
@@ -42,31 +32,22 @@ from batchrun.plan.memory import (  # noqa: F401 (re-exported)
     linear_activation_bytes_per_token,
     scores_materialised,
 )
-from batchrun.plan.rates import (  # noqa: F401 (re-exported)
-    HOST_FRESH_PAGE_SLOWDOWN,
-    decode_cores_share,
-    effective_rates,
-    streaming_traffic,
-)
-from batchrun.plan.refill import refill_schedule, shares_prefix
+from batchrun.plan.rates import HOST_FRESH_PAGE_SLOWDOWN, decode_cores_share, effective_rates, streaming_traffic  # noqa: F401 (re-exported)
+from batchrun.plan.records import Bandwidth, PlanRequest, Rates
+from batchrun.plan.refill import ScheduledPass, refill_schedule, shares_prefix
 from batchrun.plan.timing import (  # noqa: F401 (re-exported)
     KV_COPIES_PER_DECODE,
+    PassPricing,
     Timeline,
     host_streaming_bytes,
     job_timeline,
     pass_bound,
 )
-from batchrun.plan.weights import (  # noqa: F401 (re-exported)
-    COMPUTE_BYTES,
-    layer_slot_bytes,
-    on_host,
-    resident_weights,
-    streamed_weights,
-)
+from batchrun.plan.weights import COMPUTE_BYTES, Weights, layer_slot_bytes, on_host, resident_weights, streamed_weights  # noqa: F401 (re-exported)
 
 __all__ = [
-    "Bandwidth", "Candidate", "RowCost", "compare_modes", "format_duration", "lower_bound_passes", "make_plan",
-    "pack_batches", "parse_streaming", "passes_for",
+    "Bandwidth", "Candidate", "PlanRequest", "Rates", "RowCost", "compare_modes", "format_duration",
+    "lower_bound_passes", "make_plan", "pack_batches", "parse_streaming", "passes_for",
 ]
 
 STREAMING_ENV = "BATCHRUN_STREAMING"
@@ -101,13 +82,6 @@ def parse_streaming(value: str | None, env: Mapping[str, str] = os.environ) -> s
     return STREAMING_WORDS[word]
 
 
-@dataclass(frozen=True)
-class Bandwidth:
-    bytes_per_s: float | None
-    basis: str  # "measured" | "declared" | "assumed"
-    how: str
-
-
 @dataclass
 class Candidate:
     """One way to run a job: its memory, batches, passes and time, and what (if anything) stops it."""
@@ -126,7 +100,7 @@ class Candidate:
     weights_bytes: int
     runtime_overhead_bytes: int
     peak_memory_bytes: int
-    turn_bytes: int  # the most one forward call's turn at a layer allocates (plan_memory.largest_turn_bytes)
+    turn_bytes: int  # the most one forward call's turn at a layer allocates (plan.memory.largest_turn_bytes)
     batch_size: int  # most sequences in a batch
     micro_batch_size: int | None  # sequences per forward call within a pass; None: the whole batch at once
     batch_tokens: int  # padded-token budget used for packing
@@ -153,14 +127,17 @@ class Candidate:
     shared_prefix_tokens: int = 0  # prompt tokens every row starts with: computed once per choice batch, once for the
     # generation rows
     decode_micro_batch_size: int | None = None  # sequences per forward call in decode passes; None: all at once
+    # Every generation row, answered in full, fits inside the model's smallest sliding window (or it has none):
+    # windowed layers cache as full ones, so the decode micro-batches of rows admitted in different passes merge.
+    windows_as_full: bool = True
     prefetch_depth: int = 0  # layers a prefill reads ahead of the one computing; 0: none (resident, no prefetch)
     decode_prefetch_depth: int = 0  # the same in decode passes (one more where memory allows)
-    # decode calls were sized reading keys and values where they lie (plan_memory.decode_call_bytes_per_sequence)
+    # decode calls were sized reading keys and values where they lie (plan.memory.decode_call_bytes_per_sequence)
     decode_in_place: bool = False
     pass_seconds: list[float | None] = field(default_factory=list)  # every pass in run order
     linear_kernel: str = "aten"  # what computes the nn.Linear layers (measure.linear_kernel; a CPU choice)
     packs_weights: bool = False  # long streamed prefills multiply packed weights (measure.packs_weights)
-    compute_dtype_reason: str | None = None  # why --dtype auto chose compute_dtype (compute_dtype.py; the CPU)
+    compute_dtype_reason: str | None = None  # why --dtype auto chose compute_dtype (host/compute_dtype.py; the CPU)
 
     @property
     def fits(self) -> bool:
@@ -178,7 +155,7 @@ class Candidate:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Memory, as named steps (what the weights hold: plan_weights.py)
+# Memory, as named steps (what the weights hold: plan/weights.py)
 
 
 def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
@@ -249,202 +226,367 @@ def _calls_bytes(sequences: int, micro_sequences: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The plan
+# The plan, as named steps: the rows it can run, the memory fixed by the mode, the batches, the schedule, what a
+# pass holds at its peak, the time, the disk, the candidate
 
 
-def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], *, model: str, device: str, compute_dtype: str,
-              memory_budget_bytes: int, streaming: str, prefetch: bool = True, prefetch_depth: int = 1,
-              bandwidth: Bandwidth,
-              compute_flops_per_s: float | None, disk_free_bytes: int | None, checkpoint_is_local: bool,
-              runtime_overhead_bytes: int, batch_size: int | None = None,
-              context_length: int | None = None, memory_bytes_per_s: float | None = None,
-              shared_prefix_tokens: int = 0, decode_rates: Mapping[int, float] | None = None,
-              decode_in_place: bool = False, packs_weights: bool = False,
-              layer_call_seconds: float = 0.0, compute_threads: int = 1) -> Candidate:
-    """How to run `rows` through the model within a memory budget, and how long it will take.
+@dataclass(frozen=True)
+class _Job:
+    """What every step of a plan reads, and the notes (caveats, blockers) the steps add in order."""
+    sizes: CheckpointSizes
+    rows: Sequence[RowCost]
+    own_rows: list[RowCost]  # the rows without the shared prefix
+    request: PlanRequest
+    rates: Rates
+    policy: str  # the streaming policy (parse_streaming)
+    compute_bytes: int
+    shared: int  # prompt tokens every row starts with
+    decode_in_place: bool
+    caveats: list[str]
+    blockers: list[str]
 
-    memory_bytes_per_s: how fast a decode-shaped matmul streams weights from RAM (measure.memory_read_rate); without
-    it a pass is timed by its FLOPs alone, which undercounts decode passes several times over on a CPU.
-    decode_rates: {rows: weight bytes/s} of the checkpoint's own layer matrices (measure.decode_rates), which price
-    each decode pass's weights at its row count instead of the memory rate.
+    @property
+    def device(self) -> str:
+        return self.request.device
+
+
+@dataclass(frozen=True)
+class _Fixed:
+    """The memory a run holds whatever its batches: the weights its mode keeps and the runtime."""
+    mode: str  # "resident" | "streamed"
+    reason: str
+    weights: Weights
+    bytes: int  # weights + runtime
+    largest_row_bytes: int  # the sizing row that needs the most, alone
+
+
+@dataclass(frozen=True)
+class _Batching:
+    """The batches, packed by the rule the executor uses, and the limits they were packed under."""
+    planned: list[int]  # rows within the context
+    prefix_bytes: int  # the shared prefix, held once per batch
+    free_bytes: int  # what a batch's sequences may hold beside the weights, the runtime and the prefix
+    max_sequences: int
+    max_tokens: int
+    micro_sequences: int | None
+    batches: list[list[int]]
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """Choice rows run as their batches, one pass each; generation rows as one refilled queue (refill.py)."""
+    choice_batches: list[list[int]]
+    passes: list[ScheduledPass]
+    prefix: int  # prompt tokens the scheduled passes share (0 where a pass holds one row)
+    decode_merges: bool  # decode micro-batches merge (job_timeline)
+    windows_as_full: bool  # the generation rows fit inside the smallest sliding window (Candidate.windows_as_full)
+    held_together: list[tuple[list[int], list[int]]]  # (rows held, rows prefilled) of each pass that admits
+
+
+@dataclass(frozen=True)
+class _Peak:
+    """What the passes hold at most beside the fixed memory, and the decode calls and read-ahead sized in it."""
+    batch_bytes: int
+    calls: Calls
+    read_ahead: int  # layers a prefill reads ahead
+    decode_depth: int  # layers a decode pass reads ahead
+    turn_bytes: int
+
+
+@dataclass(frozen=True)
+class _Time:
+    """How long the job takes: loading what stays resident, reading the layers a pass, every pass, the ETA."""
+    load_seconds: float | None
+    io_seconds: float | None
+    timeline: Timeline
+    eta: float | None
+    first_answer: float | None
+
+
+def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], request: PlanRequest, rates: Rates, *,
+              shared_prefix_tokens: int = 0, decode_in_place: bool = False) -> Candidate:
+    """How to run `rows` through the model within request's memory budget, and how long it will take at `rates`.
+
     shared_prefix_tokens: prompt tokens all rows start with (batching.shared_prefix_tokens). A batch computes them
     once and keeps their KV once, so its sequences are sized, packed and timed by their own tokens.
     decode_in_place: the model's decode steps read each layer's keys and values where they lie, not copied once per
-    query head (prepare.plan_rows asks transformers): a decode call then holds far less, so more share it.
-    packs_weights: a streamed run's long prefills multiply packed weights (measure.packs_weights), one layer more.
-    layer_call_seconds: the fixed cost of one forward call through a decoder layer (measure.layer_call_seconds),
-    paid per layer by every call of a pass besides its roofline.
-    compute_threads: the threads the rates were measured with; a host streaming with prefetch decodes on one fewer
-    (decode_cores_share)."""
-    if compute_dtype not in COMPUTE_BYTES:
-        raise ValueError(f"compute_dtype must be one of {sorted(COMPUTE_BYTES)}, got {compute_dtype!r}")
-    if batch_size is not None and batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    policy = parse_streaming(streaming)
-    compute_bytes = COMPUTE_BYTES[compute_dtype]
-    budget = memory_budget_bytes
-    blockers: list[str] = []
+    query head (prepare.plan_rows asks transformers): a decode call then holds far less, so more share it."""
+    job = _start(sizes, rows, request, rates, shared_prefix_tokens, decode_in_place)
+    # Rows: those longer than the context fail on their own (prompts are never truncated) and are not planned.
+    planned, sizing_rows = _plannable_rows(rows, request.context_length or sizes.max_position_embeddings,
+                                           job.caveats, job.blockers)
+    fixed = _fixed_memory(job, sizing_rows)
+    batching = _batches(job, fixed, planned, sizing_rows)
+    schedule = _schedule(job, batching)
+    peak = _peak(job, fixed, batching, schedule)
+    time = _time(job, fixed.mode, batching, schedule, peak)
+    _check_disk(job)
+    return _candidate(job, fixed, batching, schedule, peak, time)
+
+
+def compare_modes(sizes: CheckpointSizes, rows: Sequence[RowCost], request: PlanRequest, rates: Rates,
+                  **job) -> list[Candidate]:
+    """The candidates a user chooses between: resident, streamed with prefetch, streamed without."""
+    return [make_plan(sizes, rows, replace(request, streaming="never"), rates, **job),
+            make_plan(sizes, rows, replace(request, streaming="always", prefetch=True), rates, **job),
+            make_plan(sizes, rows, replace(request, streaming="always", prefetch=False), rates, **job)]
+
+
+def _start(sizes: CheckpointSizes, rows: Sequence[RowCost], request: PlanRequest, rates: Rates,
+           shared: int, decode_in_place: bool) -> _Job:
+    """The request checked, and the notes every plan starts with (what the checkpoint's sizes assume)."""
+    if request.compute_dtype not in COMPUTE_BYTES:
+        raise ValueError(f"compute_dtype must be one of {sorted(COMPUTE_BYTES)}, got {request.compute_dtype!r}")
+    if request.batch_size is not None and request.batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {request.batch_size}")
+    policy = parse_streaming(request.streaming)
     caveats = list(sizes.assumptions)
     if sizes.estimated:
         caveats.append("sizes estimated from config.json, not read from the safetensors headers")
+    return _Job(sizes, rows, [without_prefix(row, shared) for row in rows], request, rates, policy,
+                COMPUTE_BYTES[request.compute_dtype], shared, decode_in_place, caveats, [])
 
-    # Rows: those longer than the context fail on their own (prompts are never truncated) and are not planned.
-    planned, sizing_rows = _plannable_rows(rows, context_length or sizes.max_position_embeddings, caveats, blockers)
 
-    # Memory: the weights the mode keeps and the runtime, with at least the largest row beside them.
-    row_bytes = [batch_bytes(sizes, compute_bytes, device, sizing_rows, [i]) for i in range(len(sizing_rows))]
+def _fixed_memory(job: _Job, sizing_rows: Sequence[RowCost]) -> _Fixed:
+    """The mode and the memory it fixes: the weights it keeps and the runtime, with at least the largest row beside
+    them."""
+    sizes, request, overhead = job.sizes, job.request, job.rates.runtime_overhead_bytes
+    budget = request.memory_budget_bytes
+    row_bytes = [batch_bytes(sizes, job.compute_bytes, job.device, sizing_rows, [i]) for i in range(len(sizing_rows))]
     largest_row = max(range(len(sizing_rows)), key=row_bytes.__getitem__)
     largest_row_bytes = row_bytes[largest_row]
-    resident = resident_weights(sizes, compute_dtype)
-    resident_need = resident.bytes + runtime_overhead_bytes + largest_row_bytes
-    resident_sum = (f"{resident.what} + runtime {format_bytes(runtime_overhead_bytes)} + largest row "
+    resident = resident_weights(sizes, request.compute_dtype)
+    resident_need = resident.bytes + overhead + largest_row_bytes
+    resident_sum = (f"{resident.what} + runtime {format_bytes(overhead)} + largest row "
                     f"{format_bytes(largest_row_bytes)} = {format_bytes(resident_need)}")
-    mode, reason = _choose_mode(policy, resident_need <= budget, resident_sum, budget)
+    mode, reason = _choose_mode(job.policy, resident_need <= budget, resident_sum, budget)
     weights = (resident if mode == "resident"
-               else streamed_weights(sizes, compute_dtype, prefetch, device, prefetch_depth, packs_weights))
-    fixed_bytes = weights.bytes + runtime_overhead_bytes
-    if mode == "streamed" and sizes.quantization:
-        blockers.append(f"the checkpoint is quantized ({sizes.quantization}): streaming reads unquantized safetensors "
-                        "only (packed weights need their scales); run it resident (--streaming never) if it fits, or "
-                        "use an unquantized checkpoint")
-    if mode == "resident" and resident_need > budget:
-        blockers.append(f"resident run does not fit: {resident_sum}, over the {format_bytes(budget)} budget; "
-                        "allow streaming (auto or always)")
-    elif fixed_bytes > budget:
-        blockers.append(f"does not fit even one layer: {weights.what} + runtime {format_bytes(runtime_overhead_bytes)}"
-                        f" = {format_bytes(fixed_bytes)}, over the {format_bytes(budget)} budget")
-    elif fixed_bytes + largest_row_bytes > budget:
-        blockers.append(f"does not fit even one sequence: the largest row ({sizing_rows[largest_row].tokens():,} "
-                        f"tokens) needs {format_bytes(largest_row_bytes)} of KV cache and activations beside "
-                        f"{format_bytes(fixed_bytes)} of weights and runtime; budget {format_bytes(budget)}")
+               else streamed_weights(sizes, request.compute_dtype, request.prefetch, job.device,
+                                     request.prefetch_depth, job.rates.packs_weights))
+    fixed = _Fixed(mode, reason, weights, weights.bytes + overhead, largest_row_bytes)
+    _fit_blockers(job, fixed, resident_need, resident_sum, sizing_rows[largest_row].tokens())
+    return fixed
 
-    # Batches: the largest that fit beside the weights, packed by the rule the executor uses. A shared prefix is
-    # held once per batch (its KV, its activations while it computes); each sequence is sized by its own tokens.
-    shared = shared_prefix_tokens
-    own_rows = [without_prefix(row, shared) for row in rows]
-    prefix_bytes = (kv_bytes_for_sequence(sizes, compute_bytes, shared)
-                    + activation_bytes_for_sequence(sizes, compute_bytes, device, shared, 0)
-                    + PREFILL_CALL_BYTES  # the prefix's forward call is held too
-                    + attention_scratch_bytes(device, compute_bytes, shared)) if shared else 0
-    sizing_budget = int(budget * (1 - MEMORY_HEADROOM_SHARE))
-    batch_free_bytes = sizing_budget - fixed_bytes - prefix_bytes  # what a batch's sequences may hold
+
+def _fit_blockers(job: _Job, fixed: _Fixed, resident_need: int, resident_sum: str, largest_row_tokens: int) -> None:
+    """What stops the mode before any batch: a quantized checkpoint streamed, or memory short of one sequence."""
+    budget, overhead = job.request.memory_budget_bytes, job.rates.runtime_overhead_bytes
+    if fixed.mode == "streamed" and job.sizes.quantization:
+        job.blockers.append(f"the checkpoint is quantized ({job.sizes.quantization}): streaming reads unquantized "
+                            "safetensors only (packed weights need their scales); run it resident (--streaming "
+                            "never) if it fits, or use an unquantized checkpoint")
+    if fixed.mode == "resident" and resident_need > budget:
+        job.blockers.append(f"resident run does not fit: {resident_sum}, over the {format_bytes(budget)} budget; "
+                            "allow streaming (auto or always)")
+    elif fixed.bytes > budget:
+        job.blockers.append(f"does not fit even one layer: {fixed.weights.what} + runtime {format_bytes(overhead)}"
+                            f" = {format_bytes(fixed.bytes)}, over the {format_bytes(budget)} budget")
+    elif fixed.bytes + fixed.largest_row_bytes > budget:
+        job.blockers.append(f"does not fit even one sequence: the largest row ({largest_row_tokens:,} "
+                            f"tokens) needs {format_bytes(fixed.largest_row_bytes)} of KV cache and activations "
+                            f"beside {format_bytes(fixed.bytes)} of weights and runtime; budget {format_bytes(budget)}")
+
+
+def _prefix_bytes(job: _Job) -> int:
+    """A shared prefix is held once per batch: its KV, its activations while it computes, its forward call."""
+    shared, compute_bytes = job.shared, job.compute_bytes
+    if not shared:
+        return 0
+    return (kv_bytes_for_sequence(job.sizes, compute_bytes, shared)
+            + activation_bytes_for_sequence(job.sizes, compute_bytes, job.device, shared, 0)
+            + PREFILL_CALL_BYTES  # the prefix's forward call is held too
+            + attention_scratch_bytes(job.device, compute_bytes, shared))
+
+
+def _batches(job: _Job, fixed: _Fixed, planned: list[int], sizing_rows: Sequence[RowCost]) -> _Batching:
+    """The largest batches that fit beside the weights, packed by the rule the executor uses; each sequence is sized
+    by its own tokens (a shared prefix is held once per batch)."""
+    prefix_bytes = _prefix_bytes(job)
+    sizing_budget = int(job.request.memory_budget_bytes * (1 - MEMORY_HEADROOM_SHARE))
+    free_bytes = sizing_budget - fixed.bytes - prefix_bytes  # what a batch's sequences may hold
     max_sequences, max_tokens, micro_sequences = batch_limits(
-        sizes, compute_bytes, device, [without_prefix(row, shared) for row in sizing_rows], batch_free_bytes,
-        batch_size)
+        job.sizes, job.compute_bytes, job.device, [without_prefix(row, job.shared) for row in sizing_rows],
+        free_bytes, job.request.batch_size)
+    own_rows = job.own_rows
     packed = pack_batches([own_rows[i] for i in planned], max_sequences, max_tokens) if planned else []
     batches = [[planned[i] for i in batch] for batch in packed]
     oversize = sum(1 for batch in batches if _padded_tokens(own_rows, batch) > max_tokens)
     if oversize:
-        caveats.append(f"{oversize} row(s) larger than the {max_tokens:,}-token batch budget run in a batch of "
-                       f"their own (the budget less {MEMORY_HEADROOM_SHARE:.0%} headroom leaves "
-                       f"{format_bytes(max(batch_free_bytes, 0))} for sequences beside the weights and runtime; a "
-                       "larger --memory batches more rows a pass)")
-    # Generation rows run as one queue whose passes refill the places of finished rows (refill.py); choice rows as
-    # their batches, one pass each. A pass holds its decoding rows and the rows it admits at once: sized as one batch.
-    # Only passes that admit rows need sizing: between admissions rows only leave, and the decode passes' own needs
-    # (the whole batch's cache at its longest) are counted below.
-    choice_batches = [batch for batch in batches if rows[batch[0]].is_choice]
-    generation = [i for batch in batches if not rows[batch[0]].is_choice for i in batch]
-    schedule_prefix = shared if shares_prefix(len(generation), max_sequences) else 0
+        job.caveats.append(f"{oversize} row(s) larger than the {max_tokens:,}-token batch budget run in a batch of "
+                           f"their own (the budget less {MEMORY_HEADROOM_SHARE:.0%} headroom leaves "
+                           f"{format_bytes(max(free_bytes, 0))} for sequences beside the weights and runtime; a "
+                           "larger --memory batches more rows a pass)")
+    return _Batching(planned, prefix_bytes, free_bytes, max_sequences, max_tokens, micro_sequences, batches)
+
+
+def _schedule(job: _Job, batching: _Batching) -> _Schedule:
+    """Generation rows run as one queue whose passes refill the places of finished rows (refill.py); choice rows as
+    their batches, one pass each. A pass holds its decoding rows and the rows it admits at once: sized as one batch.
+    Only passes that admit rows need sizing: between admissions rows only leave, and the decode passes' own needs
+    (the whole batch's cache at its longest) are counted apart (_peak)."""
+    rows, max_sequences = job.rows, batching.max_sequences
+    choice_batches = [batch for batch in batching.batches if rows[batch[0]].is_choice]
+    generation = [i for batch in batching.batches if not rows[batch[0]].is_choice for i in batch]
+    prefix = job.shared if shares_prefix(len(generation), max_sequences) else 0
     # Every row, answered in full, inside the smallest window: windowed layers cache as full ones and decode
     # micro-batches merge, as a shared prefix's do (score.GreedyPool.refills)
-    decode_merges = bool(schedule_prefix) or inside_windows(
-        sizes.sliding_windows, sizes.unplaced_window, max((rows[i].sequence_length() for i in generation), default=0))
-    schedule = refill_schedule(own_rows, generation, max_sequences, max_tokens, refill_while_live=decode_merges)
+    windows_as_full = inside_windows(job.sizes.sliding_windows, job.sizes.unplaced_window,
+                                     max((rows[i].sequence_length() for i in generation), default=0))
+    decode_merges = bool(prefix) or windows_as_full
+    passes = refill_schedule(job.own_rows, generation, max_sequences, batching.max_tokens,
+                             refill_while_live=decode_merges)
     # (rows held, rows prefilled) of each pass that admits: its prefill calls are the admitted rows' alone
-    held_together = [([*p.decoding, *p.admitted], p.admitted) for p in schedule if p.admitted]
-    peak_batch_bytes = max([_batch_peak_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
-                                              prefix_bytes) for b in choice_batches]
-                           + [_batch_peak_bytes(sizes, compute_bytes, device, rows, own_rows, held, micro_sequences,
-                                                prefix_bytes, shares=bool(schedule_prefix), prefilling=admitted)
-                              for held, admitted in held_together],
-                           default=largest_row_bytes)
-    passes = len(choice_batches) + len(schedule)
+    held_together = [([*p.decoding, *p.admitted], p.admitted) for p in passes if p.admitted]
+    return _Schedule(choice_batches, passes, prefix, decode_merges, windows_as_full, held_together)
 
-    # Time: load what stays resident once, then each pass takes the slower of reading the layers and computing.
-    bytes_per_s = bandwidth.bytes_per_s
-    if mode == "streamed" and bytes_per_s is None:
-        blockers.append("read bandwidth unknown: measure it (`batchrun disk`) or declare it (--bandwidth)")
-    if bandwidth.basis == "assumed" and bytes_per_s is not None:
-        caveats.append(f"ETA uses an assumed read bandwidth of {format_rate(bytes_per_s)} ({bandwidth.how})")
-    load_bytes = sizes.checkpoint_bytes if mode == "resident" else sizes.non_decoder_bytes
-    load_seconds = load_bytes / bytes_per_s if bytes_per_s else None
-    io_seconds = 0.0 if mode == "resident" else (
-        sizes.decoder_bytes / bytes_per_s / IO_EFFICIENCY[prefetch] if bytes_per_s else None)
-    if compute_flops_per_s is None:
-        caveats.append("compute rate unknown: " + ("pass times count reads only" if mode == "streamed"
-                                                   else "no ETA for a resident run"))
-    decode_micro = decode_group_size(sizes, compute_bytes, device, own_rows, planned, shared, micro_sequences,
-                                     max_sequences, batch_free_bytes, decode_in_place)
-    # A decode pass computes little per layer, so it is read-bound; with the planned depth the reader idles whenever a
-    # layer's compute outlasts the next layer's read (they share the cores). Where the memory the prefill's
-    # activations held fits another layer slot beside the KV cache, decode passes read one layer further ahead.
-    # Measured on 2 cores (3 GB bf16 Llama under a 1.55 GB cap, 32 sequences, 12 new tokens, page cache dropped):
-    # median decode pass 2.27 s reading one layer ahead, 2.03 s reading two (3 runs each); as planned, 1.98 -> 1.88 s
-    # (3 alternating pairs, each pair faster reading two), peak RSS 1.05 -> 1.17 GB.
-    read_ahead = prefetch_depth if mode == "streamed" and prefetch else 0
+
+def _peak(job: _Job, fixed: _Fixed, batching: _Batching, schedule: _Schedule) -> _Peak:
+    """The most the passes hold beside the fixed memory: the largest batch or admitting pass, or a decode pass that
+    reads one layer further ahead.
+
+    A decode pass computes little per layer, so it is read-bound; with the planned depth the reader idles whenever a
+    layer's compute outlasts the next layer's read (they share the cores). Where the memory the prefill's activations
+    held fits another layer slot beside the KV cache, decode passes read one layer further ahead. Measured on 2 cores
+    (3 GB bf16 Llama under a 1.55 GB cap, 32 sequences, 12 new tokens, page cache dropped): median decode pass 2.27 s
+    reading one layer ahead, 2.03 s reading two (3 runs each); as planned, 1.98 -> 1.88 s (3 alternating pairs, each
+    pair faster reading two), peak RSS 1.05 -> 1.17 GB."""
+    peak_batch_bytes = _largest_batch_bytes(job, batching, schedule, default=fixed.largest_row_bytes)
+    calls = _decode_calls(job, batching)
+    request = job.request
+    read_ahead = request.prefetch_depth if fixed.mode == "streamed" and request.prefetch else 0
     decode_depth = read_ahead
-    decode_bytes = decode_pass_bytes(sizes, compute_bytes, device, own_rows, planned, shared, decode_micro,
-                                     max_sequences, decode_in_place)
-    slot_bytes = layer_slot_bytes(sizes, compute_dtype)
-    if read_ahead and decode_bytes and decode_bytes + slot_bytes <= batch_free_bytes:
+    decode_bytes = decode_pass_bytes(job.sizes, job.compute_bytes, job.device, job.own_rows, batching.planned, calls)
+    slot_bytes = layer_slot_bytes(job.sizes, request.compute_dtype)
+    if read_ahead and decode_bytes and decode_bytes + slot_bytes <= batching.free_bytes:
         decode_depth += 1
-        peak_batch_bytes = max(peak_batch_bytes, prefix_bytes + decode_bytes + slot_bytes)
-    turn_bytes = max([largest_turn_bytes(sizes, compute_bytes, device, rows, own_rows, b, micro_sequences,
-                                         decode_micro, shared, decode_in_place) for b in choice_batches]
-                     + [largest_turn_bytes(sizes, compute_bytes, device, rows, own_rows, held, micro_sequences,
-                                           decode_micro, shared, decode_in_place, prefilling=admitted)
-                        for held, admitted in held_together], default=0)
-    flops_rate, memory_rate = effective_rates(device, compute_flops_per_s, memory_bytes_per_s)
-    weight_rates = ({count: effective_rates(device, None, rate)[1] for count, rate in decode_rates.items()}
-                    if decode_rates and memory_rate else None)
-    host_traffic = streaming_traffic(sizes, compute_bytes, device, mode)
-    timeline = job_timeline(sizes, rows, choice_batches, io_seconds, flops_rate, compute_bytes, memory_rate,
-                            shared, (micro_sequences, decode_micro), host_traffic, device, weight_rates,
-                            schedule, schedule_prefix, layer_call_seconds,
-                            decode_cores_share(sizes, compute_bytes, device, mode, prefetch, compute_threads),
-                            decode_merges=decode_merges)
+        peak_batch_bytes = max(peak_batch_bytes, batching.prefix_bytes + decode_bytes + slot_bytes)
+    return _Peak(peak_batch_bytes, calls, read_ahead, decode_depth, _turn_bytes(job, schedule, calls))
+
+
+def _largest_batch_bytes(job: _Job, batching: _Batching, schedule: _Schedule, default: int) -> int:
+    """The most a choice batch or a pass that admits rows holds (its sequences, the shared prefix once)."""
+    micro, prefix_bytes = batching.micro_sequences, batching.prefix_bytes
+    return max([_batch_peak_bytes(job, b, micro, prefix_bytes) for b in schedule.choice_batches]
+               + [_batch_peak_bytes(job, held, micro, prefix_bytes, shares=bool(schedule.prefix), prefilling=admitted)
+                  for held, admitted in schedule.held_together],
+               default=default)
+
+
+def _decode_calls(job: _Job, batching: _Batching) -> Calls:
+    """How passes are cut into calls: the prefill's micro-batches, and decode calls as large as memory allows."""
+    calls = Calls(batching.micro_sequences, batching.max_sequences, None, job.shared, job.decode_in_place)
+    decode_group = decode_group_size(job.sizes, job.compute_bytes, job.device, job.own_rows, batching.planned, calls,
+                                     batching.free_bytes)
+    return replace(calls, decode_group=decode_group)
+
+
+def _turn_bytes(job: _Job, schedule: _Schedule, calls: Calls) -> int:
+    """The most one forward call's turn at a layer takes in any pass (plan.memory.largest_turn_bytes)."""
+    def turn(batch: Sequence[int], prefilling: Sequence[int] | None = None) -> int:
+        return largest_turn_bytes(job.sizes, job.compute_bytes, job.device, job.rows, job.own_rows, batch, calls,
+                                  prefilling=prefilling)
+
+    return max([turn(b) for b in schedule.choice_batches]
+               + [turn(held, admitted) for held, admitted in schedule.held_together], default=0)
+
+
+def _time(job: _Job, mode: str, batching: _Batching, schedule: _Schedule, peak: _Peak) -> _Time:
+    """Load what stays resident once, then each pass takes the slower of reading the layers and computing."""
+    load_seconds, io_seconds = _read_seconds(job, mode)
+    if job.rates.compute_flops_per_s is None:
+        job.caveats.append("compute rate unknown: " + ("pass times count reads only" if mode == "streamed"
+                                                       else "no ETA for a resident run"))
+    timeline = job_timeline(_pricing(job, mode, peak.calls), job.rows, schedule.choice_batches, io_seconds,
+                            shared_prefix=job.shared, schedule=schedule.passes, schedule_prefix=schedule.prefix,
+                            decode_merges=schedule.decode_merges)
+    passes = len(schedule.choice_batches) + len(schedule.passes)
     if mode == "streamed" and timeline.compute_bound_passes:
-        caveats.append(f"{timeline.compute_bound_passes} of {passes} passes are compute-bound (long prefills): "
-                       "faster reads would not speed those up")
-    if sizes.moe and mode == "streamed":
-        caveats.append(f"mixture of experts: every layer is read whole ({sizes.moe['num_experts']} experts) though "
-                       f"only {sizes.moe['experts_per_token']} run per token; compute counts every expert")
+        job.caveats.append(f"{timeline.compute_bound_passes} of {passes} passes are compute-bound (long prefills): "
+                           "faster reads would not speed those up")
+    moe = job.sizes.moe
+    if moe and mode == "streamed":
+        job.caveats.append(f"mixture of experts: every layer is read whole ({moe['num_experts']} experts) though "
+                           f"only {moe['experts_per_token']} run per token; compute counts every expert")
     eta = first_answer = None
     if timeline.known:
         eta = (load_seconds or 0.0) + sum(timeline.pass_seconds)
         first_answer = ((load_seconds or 0.0) + sum(timeline.pass_seconds[:timeline.first_answer_passes])
-                        if batches else None)
+                        if batching.batches else None)
         if load_seconds is None:
-            caveats.append("the time to load the model is not counted (read bandwidth unknown)")
+            job.caveats.append("the time to load the model is not counted (read bandwidth unknown)")
+    return _Time(load_seconds, io_seconds, timeline, eta, first_answer)
 
-    # Disk: the checkpoint is read in place, so only a download needs room.
-    disk_needed = 0 if checkpoint_is_local else sizes.checkpoint_bytes
-    if disk_free_bytes is not None and disk_needed > disk_free_bytes:
-        blockers.append(f"not enough disk: the checkpoint needs {format_bytes(disk_needed)} downloaded but "
-                        f"{format_bytes(disk_free_bytes)} is free")
+
+def _read_seconds(job: _Job, mode: str) -> tuple[float | None, float | None]:
+    """(seconds to load what stays resident, seconds to read the streamed layers once a pass)."""
+    bandwidth = job.rates.bandwidth
+    bytes_per_s = bandwidth.bytes_per_s
+    if mode == "streamed" and bytes_per_s is None:
+        job.blockers.append("read bandwidth unknown: measure it (`batchrun disk`) or declare it (--bandwidth)")
+    if bandwidth.basis == "assumed" and bytes_per_s is not None:
+        job.caveats.append(f"ETA uses an assumed read bandwidth of {format_rate(bytes_per_s)} ({bandwidth.how})")
+    sizes = job.sizes
+    load_bytes = sizes.checkpoint_bytes if mode == "resident" else sizes.non_decoder_bytes
+    load_seconds = load_bytes / bytes_per_s if bytes_per_s else None
+    io_seconds = 0.0 if mode == "resident" else (
+        sizes.decoder_bytes / bytes_per_s / IO_EFFICIENCY[job.request.prefetch] if bytes_per_s else None)
+    return load_seconds, io_seconds
+
+
+def _pricing(job: _Job, mode: str, calls: Calls) -> PassPricing:
+    """The rates a pass achieves on the device (effective_rates), and how the plan cuts it into calls."""
+    sizes, compute_bytes, device, rates = job.sizes, job.compute_bytes, job.device, job.rates
+    flops_rate, memory_rate = effective_rates(device, rates.compute_flops_per_s, rates.memory_bytes_per_s)
+    weight_rates = ({count: effective_rates(device, None, rate)[1] for count, rate in rates.decode_rates.items()}
+                    if rates.decode_rates and memory_rate else None)
+    return PassPricing(
+        sizes, compute_bytes, device, flops_rate, memory_rate, weight_rates, rates.layer_call_seconds,
+        decode_cores_share(sizes, compute_bytes, device, mode, job.request.prefetch, rates.compute_threads),
+        (calls.micro_sequences, calls.decode_group), streaming_traffic(sizes, compute_bytes, device, mode))
+
+
+def _check_disk(job: _Job) -> None:
+    """The checkpoint is read in place, so only a download needs room."""
+    free = job.rates.disk_free_bytes
+    needed = _disk_needed(job)
+    if free is not None and needed > free:
+        job.blockers.append(f"not enough disk: the checkpoint needs {format_bytes(needed)} downloaded but "
+                            f"{format_bytes(free)} is free")
+
+
+def _disk_needed(job: _Job) -> int:
+    return 0 if job.request.checkpoint_is_local else job.sizes.checkpoint_bytes
+
+
+def _candidate(job: _Job, fixed: _Fixed, batching: _Batching, schedule: _Schedule, peak: _Peak,
+               time: _Time) -> Candidate:
+    """The steps' results as the one record the CLI prints and the executor runs by."""
+    sizes, request, rates = job.sizes, job.request, job.rates
+    planned, eta, timeline = batching.planned, time.eta, time.timeline
     return Candidate(
-        model=model, mode=mode, reason=reason, device=device, prefetch=prefetch,
+        model=request.model, mode=fixed.mode, reason=fixed.reason, device=request.device, prefetch=request.prefetch,
         checkpoint_bytes=sizes.checkpoint_bytes, layers=sizes.num_layers,
         largest_layer_bytes=sizes.largest_layer_bytes, non_decoder_bytes=sizes.non_decoder_bytes,
-        kv_bytes_per_token=kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers,
-        compute_dtype=compute_dtype, memory_budget_bytes=budget, weights_bytes=weights.bytes,
-        runtime_overhead_bytes=runtime_overhead_bytes, peak_memory_bytes=fixed_bytes + peak_batch_bytes,
-        turn_bytes=turn_bytes,
-        batch_size=max_sequences, micro_batch_size=micro_sequences, batch_tokens=max_tokens, batches=batches,
-        rows=len(rows), passes=passes,
-        lower_bound_passes=lower_bound_passes([rows[i] for i in planned], max_sequences),
-        read_bandwidth_bytes_per_s=bytes_per_s, bandwidth_basis=bandwidth.basis, bandwidth_how=bandwidth.how,
-        load_seconds=load_seconds, seconds_per_pass=_median(timeline.pass_seconds), io_seconds_per_pass=io_seconds,
-        compute_seconds_per_pass=_median(timeline.compute_seconds), memory_bytes_per_s=memory_bytes_per_s,
-        eta_seconds=eta,
-        first_answer_seconds=first_answer,
+        kv_bytes_per_token=kv_bytes_per_token_per_layer(sizes, job.compute_bytes) * sizes.num_layers,
+        compute_dtype=request.compute_dtype, memory_budget_bytes=request.memory_budget_bytes,
+        weights_bytes=fixed.weights.bytes, runtime_overhead_bytes=rates.runtime_overhead_bytes,
+        peak_memory_bytes=fixed.bytes + peak.batch_bytes, turn_bytes=peak.turn_bytes,
+        batch_size=batching.max_sequences, micro_batch_size=batching.micro_sequences,
+        batch_tokens=batching.max_tokens, batches=batching.batches, rows=len(job.rows),
+        passes=len(schedule.choice_batches) + len(schedule.passes),
+        lower_bound_passes=lower_bound_passes([job.rows[i] for i in planned], batching.max_sequences),
+        read_bandwidth_bytes_per_s=rates.bandwidth.bytes_per_s, bandwidth_basis=rates.bandwidth.basis,
+        bandwidth_how=rates.bandwidth.how, load_seconds=time.load_seconds,
+        seconds_per_pass=_median(timeline.pass_seconds), io_seconds_per_pass=time.io_seconds,
+        compute_seconds_per_pass=_median(timeline.compute_seconds), memory_bytes_per_s=rates.memory_bytes_per_s,
+        eta_seconds=eta, first_answer_seconds=time.first_answer,
         answers_per_hour=len(planned) / eta * 3600 if eta and planned else None,
-        disk_needed_bytes=disk_needed, disk_free_bytes=disk_free_bytes, estimated=sizes.estimated,
-        blockers=blockers, caveats=caveats, shared_prefix_tokens=shared,
-        decode_micro_batch_size=decode_micro, prefetch_depth=read_ahead, decode_in_place=decode_in_place,
-        decode_prefetch_depth=decode_depth, pass_seconds=timeline.pass_seconds,
-        packs_weights=packs_weights and mode == "streamed",
+        disk_needed_bytes=_disk_needed(job), disk_free_bytes=rates.disk_free_bytes, estimated=sizes.estimated,
+        blockers=job.blockers, caveats=job.caveats, shared_prefix_tokens=job.shared,
+        decode_micro_batch_size=peak.calls.decode_group, windows_as_full=schedule.windows_as_full,
+        prefetch_depth=peak.read_ahead,
+        decode_in_place=job.decode_in_place, decode_prefetch_depth=peak.decode_depth,
+        pass_seconds=timeline.pass_seconds, packs_weights=rates.packs_weights and fixed.mode == "streamed",
     )
 
 
@@ -476,22 +618,15 @@ def _choose_mode(policy: str, resident_fits: bool, resident_sum: str, budget: in
     return "streamed", f"auto: resident needs {resident_sum}, over the {format_bytes(budget)} budget"
 
 
-def compare_modes(sizes: CheckpointSizes, rows: Sequence[RowCost], **options) -> list[Candidate]:
-    """The candidates a user chooses between: resident, streamed with prefetch, streamed without."""
-    options = {key: value for key, value in options.items() if key not in ("streaming", "prefetch")}
-    return [make_plan(sizes, rows, streaming="never", **options),
-            make_plan(sizes, rows, streaming="always", prefetch=True, **options),
-            make_plan(sizes, rows, streaming="always", prefetch=False, **options)]
-
-
-def _batch_peak_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
-                      own_rows: Sequence[RowCost], batch: Sequence[int], micro_sequences: int | None,
-                      prefix_bytes: int, shares: bool | None = None, prefilling: Sequence[int] | None = None) -> int:
+def _batch_peak_bytes(job: _Job, batch: Sequence[int], micro_sequences: int | None, prefix_bytes: int,
+                      shares: bool | None = None, prefilling: Sequence[int] | None = None) -> int:
     """A batch of several sequences shares the prefix (own tokens + the prefix once); one sequence has it all.
     `shares`: whether these rows share it whatever their number (a refilled pass, score.GreedyPool).
-    `prefilling`: the rows whose prompts the pass prefills (plan_memory.batch_bytes)."""
+    `prefilling`: the rows whose prompts the pass prefills (plan.memory.batch_bytes)."""
+    sizes, compute_bytes, device, rows = job.sizes, job.compute_bytes, job.device, job.rows
     if prefix_bytes and (batch_shape(rows, batch)[0] > 1 if shares is None else shares):
-        return batch_bytes(sizes, compute_bytes, device, own_rows, batch, micro_sequences, prefilling) + prefix_bytes
+        return (batch_bytes(sizes, compute_bytes, device, job.own_rows, batch, micro_sequences, prefilling)
+                + prefix_bytes)
     return batch_bytes(sizes, compute_bytes, device, rows, batch, micro_sequences, prefilling)
 
 

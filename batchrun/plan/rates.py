@@ -41,7 +41,7 @@ def decode_cores_share(sizes: CheckpointSizes, compute_bytes: int, device: str, 
 
 def streaming_traffic(sizes: CheckpointSizes, compute_bytes: int, device: str, mode: str) -> tuple[int, int]:
     """The host's RAM traffic of streaming the layers once in a prefill and in a decode pass
-    (plan_time.host_streaming_bytes), which a host pass's compute shares; an accelerator computes beside it."""
+    (plan.timing.host_streaming_bytes), which a host pass's compute shares; an accelerator computes beside it."""
     if mode != "streamed" or not on_host(device):
         return 0, 0
     return host_streaming_bytes(sizes, compute_bytes), host_streaming_bytes(sizes, compute_bytes, decode=True)

@@ -6,18 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from batchrun.checkpoint import (
-    CheckpointSizes,
-    attended_positions,
-    kv_bytes_for_sequence,
-)
-from batchrun.plan.batching import (
-    RowCost,
-    batch_shape,
-    prefill_call_count,
-    prefill_groups,
-    without_prefix,
-)
+from batchrun.checkpoint import CheckpointSizes, attended_positions, kv_bytes_for_sequence
+from batchrun.plan.batching import RowCost, batch_shape, prefill_call_count, prefill_groups, without_prefix
 from batchrun.plan.refill import ScheduledPass
 
 # A decode pass streams every weight from RAM once, so below a few dozen sequences it runs at the speed of memory,
@@ -103,40 +93,64 @@ def weight_rate_at(rates: Mapping[int, float], rows: int) -> float:
     return 1 / ((1 - share) / rates[lower] + share / rates[upper])
 
 
-def prefill_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost], batch: Sequence[int],
-                    flops: int, flops_per_s: float | None, memory_bytes_per_s: float | None, shared_prefix: int,
-                    micro_batch: int | None, streaming_bytes: int, device: str, layer_call_seconds: float = 0.0, *,
-                    computes_prefix: bool = False) -> float | None:
+@dataclass(frozen=True)
+class PassPricing:
+    """What prices every pass of a job alike: the model at its compute dtype on the device, the rates a pass achieves
+    there (rates.effective_rates), and how the plan cuts a pass into calls.
+
+    decode_rates: {rows: weight bytes/s} pricing a decode pass's weights at its row count. micro_batches: sequences
+    per (prefill, decode) call, None: one call. streaming_bytes: the host's RAM traffic of streaming the layers in a
+    (prefill, decode) pass. decode_cores_share: the share of the cores a decode pass computes on
+    (rates.decode_cores_share)."""
+    sizes: CheckpointSizes
+    compute_bytes: int
+    device: str
+    flops_per_s: float | None
+    memory_bytes_per_s: float | None = None
+    decode_rates: Mapping[int, float] | None = None
+    layer_call_seconds: float = 0.0
+    decode_cores_share: float = 1.0
+    micro_batches: tuple[int | None, int | None] = (None, None)
+    streaming_bytes: tuple[int, int] = (0, 0)
+
+
+def prefill_seconds(pricing: PassPricing, rows: Sequence[RowCost], batch: Sequence[int], flops: int,
+                    shared_prefix: int, *, computes_prefix: bool = False) -> float | None:
     """The prefill of `batch`'s prompts ( `flops` of it): its micro-batches are cut by length, as the executor cuts
     them, and each reads the layer's weights from memory once. `computes_prefix`: a call of the shared prefix's own
     runs first (its FLOPs are in `flops`)."""
     sequences, _, prefill, _ = batch_shape(rows, batch)
-    weights, kv = pass_memory_bytes(sizes, compute_bytes, sequences, shared_prefix + prefill, False)
-    calls = prefill_call_count(rows, batch, micro_batch, device)
-    compute = pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s, memory_bytes_per_s)
-    return with_layer_calls(compute, sizes, calls + computes_prefix, layer_call_seconds)
+    weights, kv = pass_memory_bytes(pricing.sizes, pricing.compute_bytes, sequences, shared_prefix + prefill, False)
+    calls = prefill_call_count(rows, batch, pricing.micro_batches[0], pricing.device)
+    compute = pass_compute_seconds(flops, (weights * calls, kv + pricing.streaming_bytes[0]), pricing.flops_per_s,
+                                   pricing.memory_bytes_per_s)
+    return with_layer_calls(compute, pricing.sizes, calls + computes_prefix, pricing.layer_call_seconds)
 
 
-def decode_seconds(sizes: CheckpointSizes, compute_bytes: int, live: int, context: int, flops: int,
-                   flops_per_s: float | None, memory_bytes_per_s: float | None, group: int | None,
-                   streaming_bytes: int, decode_rates: Mapping[int, float] | None,
-                   layer_call_seconds: float = 0.0, cores_share: float = 1.0, calls: int | None = None
-                   ) -> float | None:
-    """One decode step of `live` sequences at `context` tokens, in calls of `group` sequences (None: one call), its
-    roofline computed on `cores_share` of the cores the rates were measured on. `calls`: the calls the step makes
-    where its micro-batches cannot merge (job_timeline), instead of the regrouped ones."""
-    weights, kv = pass_memory_bytes(sizes, compute_bytes, live, context, True)
+def decode_seconds(pricing: PassPricing, live: int, context: int, calls: int | None = None, *,
+                   beside_prefill: bool = False) -> float | None:
+    """One decode step of `live` sequences at `context` tokens, in calls of the pricing's decode micro-batch (None:
+    one call), its roofline computed on decode_cores_share of the cores the rates were measured on. `calls`: the
+    calls the step makes where its micro-batches cannot merge (job_timeline), instead of the regrouped ones.
+    `beside_prefill`: the pass prefills too, so it streams the layers as a prefill does and computes on every core."""
+    sizes = pricing.sizes
+    weights, kv = pass_memory_bytes(sizes, pricing.compute_bytes, live, context, True)
+    group = pricing.micro_batches[1]
     calls = calls or (math.ceil(live / group) if group else 1)
+    decode_rates = pricing.decode_rates
     weights_rate = weight_rate_at(decode_rates, math.ceil(live / calls)) if decode_rates else None
-    compute = pass_compute_seconds(flops, (weights * calls, kv + streaming_bytes), flops_per_s, memory_bytes_per_s,
-                                   weights_rate)
+    streamed = 0 if beside_prefill else pricing.streaming_bytes[1]
+    compute = pass_compute_seconds(decode_flops(sizes, live, context), (weights * calls, kv + streamed),
+                                   pricing.flops_per_s, pricing.memory_bytes_per_s, weights_rate)
+    cores_share = 1.0 if beside_prefill else pricing.decode_cores_share
     # fewer threads take longer over the matmuls and memory traffic; a layer call's Python costs what it costs
-    return with_layer_calls(None if compute is None else compute / cores_share, sizes, calls, layer_call_seconds)
+    return with_layer_calls(None if compute is None else compute / cores_share, sizes, calls,
+                            pricing.layer_call_seconds)
 
 
 def with_layer_calls(compute_seconds: float | None, sizes: CheckpointSizes, calls: int,
                      layer_call_seconds: float) -> float | None:
-    """A pass's compute plus the fixed cost of each forward call through each decoder layer (measure.py's
+    """A pass's compute plus the fixed cost of each forward call through each decoder layer (batchrun.measure's
     layer_call_seconds): the Python and small ops a roofline of matmuls and memory traffic leaves out, most of a
     small model's decode step."""
     if compute_seconds is None:
@@ -164,15 +178,9 @@ class Timeline:
         return None not in self.pass_seconds
 
 
-def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Sequence[Sequence[int]],
-                 io_seconds: float | None, compute_flops_per_s: float | None, compute_bytes: int = 4,
-                 memory_bytes_per_s: float | None = None, shared_prefix: int = 0,
-                 micro_batches: tuple[int | None, int | None] = (None, None),
-                 streaming_bytes: tuple[int, int] = (0, 0), device: str = "cpu",
-                 decode_rates: Mapping[int, float] | None = None,
-                 schedule: Sequence[ScheduledPass] = (), schedule_prefix: int = 0,
-                 layer_call_seconds: float = 0.0, decode_cores_share: float = 1.0,
-                 decode_merges: bool = True) -> Timeline:
+def job_timeline(pricing: PassPricing, rows: Sequence[RowCost], batches: Sequence[Sequence[int]],
+                 io_seconds: float | None, *, shared_prefix: int = 0, schedule: Sequence[ScheduledPass] = (),
+                 schedule_prefix: int = 0, decode_merges: bool = True) -> Timeline:
     """Seconds of every pass of the job, in run order: each batch of `batches` (choice rows: one pass each, no
     decoding), then the generation rows' `schedule` (refill.refill_schedule). A batch of several sequences computes
     `shared_prefix` prompt tokens once (prefill.SharedPrefix), one sequence alone its whole prompt; the scheduled
@@ -181,29 +189,19 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
     rows longer than the window, prefill.merge_for_decode), so each admission's prefill micro-batches decode in a
     call of their own for as long as one of their rows lives."""
     own_rows = [without_prefix(row, shared_prefix) for row in rows]
-    computes: list[float | None] = []
-    for batch in batches:
-        shared = shared_prefix if batch_shape(rows, batch)[0] > 1 else 0
-        costs = own_rows if shared else rows  # a shared prefix: the rows' own tokens, the prefix once
-        flops = batch_prefill_flops(sizes, costs, batch, shared)
-        computes.append(prefill_seconds(sizes, compute_bytes, costs, batch, flops,
-                                        compute_flops_per_s, memory_bytes_per_s, shared, micro_batches[0],
-                                        streaming_bytes[0], device, layer_call_seconds, computes_prefix=shared > 0))
+    computes = [_batch_pass_seconds(pricing, rows, own_rows, batch, shared_prefix) for batch in batches]
     first_answer = 1 if batches else 0
     steps: dict[int, int] = {}  # live row -> tokens it has after the pass before
     scheduled_rows = own_rows if schedule_prefix else rows
     unmerged: list[set[int]] = []  # the live rows of each micro-batch that decodes alone (decode_merges False)
     for index, scheduled in enumerate(schedule):
         calls = len(unmerged) if not decode_merges else None
-        compute = _scheduled_pass_seconds(sizes, compute_bytes, scheduled_rows, scheduled, steps, schedule_prefix,
-                                          index == 0, compute_flops_per_s, memory_bytes_per_s, micro_batches,
-                                          streaming_bytes, device, decode_rates, layer_call_seconds,
-                                          decode_cores_share, calls)
-        computes.append(compute)
+        computes.append(_scheduled_pass_seconds(pricing, scheduled_rows, scheduled, steps, schedule_prefix,
+                                                index == 0, calls))
         if not decode_merges and scheduled.admitted:
             lengths = [scheduled_rows[i].prefill_length() for i in scheduled.admitted]
             unmerged += [{scheduled.admitted[j] for j in group}
-                         for group in prefill_groups(lengths, micro_batches[0], device)]
+                         for group in prefill_groups(lengths, pricing.micro_batches[0], pricing.device)]
         steps.update((i, 0) for i in scheduled.admitted)
         steps = {i: n + 1 for i, n in steps.items()}
         finished = [i for i, n in steps.items() if n >= rows[i].passes()]
@@ -217,33 +215,35 @@ def job_timeline(sizes: CheckpointSizes, rows: Sequence[RowCost], batches: Seque
     return Timeline(passes, computes, first_answer, compute_bound)
 
 
-def _scheduled_pass_seconds(sizes: CheckpointSizes, compute_bytes: int, rows: Sequence[RowCost],
-                            scheduled: ScheduledPass, steps: Mapping[int, int], shared_prefix: int,
-                            computes_prefix: bool, flops_per_s: float | None, memory_bytes_per_s: float | None,
-                            micro_batches: tuple[int | None, int | None], streaming_bytes: tuple[int, int],
-                            device: str, decode_rates: Mapping[int, float] | None,
-                            layer_call_seconds: float, decode_cores_share: float,
+def _batch_pass_seconds(pricing: PassPricing, rows: Sequence[RowCost], own_rows: Sequence[RowCost],
+                        batch: Sequence[int], shared_prefix: int) -> float | None:
+    """A batch's one pass (choice rows): its prefill, the shared prefix once where several sequences share it."""
+    shared = shared_prefix if batch_shape(rows, batch)[0] > 1 else 0
+    costs = own_rows if shared else rows  # a shared prefix: the rows' own tokens, the prefix once
+    flops = batch_prefill_flops(pricing.sizes, costs, batch, shared)
+    return prefill_seconds(pricing, costs, batch, flops, shared, computes_prefix=shared > 0)
+
+
+def _scheduled_pass_seconds(pricing: PassPricing, rows: Sequence[RowCost], scheduled: ScheduledPass,
+                            steps: Mapping[int, int], shared_prefix: int, computes_prefix: bool,
                             decode_calls: int | None = None) -> float | None:
     """A pass that prefills the admitted rows' prompts and decodes one token of the others: the two sets of calls
     one after the other, each as a batch would run it (rows: without the prefix where it is shared). A pass that
-    admits nobody is a decode pass on `decode_cores_share` of the cores; one that prefills computes on all."""
+    admits nobody is a decode pass on decode_cores_share of the cores; one that prefills computes on all."""
+    sizes = pricing.sizes
     seconds = []
     if scheduled.admitted:
         batch = scheduled.admitted
         sequences, _, prefill, positions = batch_shape(rows, batch)
         flops = (prefill_flops(sizes, sequences, prefill, positions, shared_prefix)
                  + (shared_prefix_flops(sizes, shared_prefix) if computes_prefix else 0))
-        seconds.append(prefill_seconds(sizes, compute_bytes, rows, batch, flops, flops_per_s, memory_bytes_per_s,
-                                       shared_prefix, micro_batches[0], streaming_bytes[0], device,
-                                       layer_call_seconds, computes_prefix=computes_prefix and shared_prefix > 0))
+        seconds.append(prefill_seconds(pricing, rows, batch, flops, shared_prefix,
+                                       computes_prefix=computes_prefix and shared_prefix > 0))
     if scheduled.decoding:
         live = len(scheduled.decoding)
         context = shared_prefix + max(rows[i].prefill_length() + steps[i] for i in scheduled.decoding)
-        streamed = 0 if scheduled.admitted else streaming_bytes[1]  # a pass that prefills streams as a prefill
-        seconds.append(decode_seconds(sizes, compute_bytes, live, context, decode_flops(sizes, live, context),
-                                      flops_per_s, memory_bytes_per_s, micro_batches[1], streamed, decode_rates,
-                                      layer_call_seconds, 1.0 if scheduled.admitted else decode_cores_share,
-                                      decode_calls))
+        seconds.append(decode_seconds(pricing, live, context, decode_calls,
+                                      beside_prefill=bool(scheduled.admitted)))
     return None if None in seconds else sum(seconds)
 
 

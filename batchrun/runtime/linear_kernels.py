@@ -3,7 +3,7 @@ inner product (`onednn`), the library torch already ships for its mkldnn ops.
 
 Why a choice: on an AMD EPYC (AVX-512, 2 cores) oneDNN ran float32 linears of the shapes a pass computes 20-50%
 faster than aten (1 thread, 32 rows x 2048 -> 5632: 79 against 52 GFLOP/s; 2 threads, 512 rows: 215 against 175).
-Elsewhere (other CPUs, other MKL builds) aten may win, so measure.py times both and the run uses the faster
+Elsewhere (other CPUs, other MKL builds) aten may win, so batchrun.measure times both and the run uses the faster
 (BATCHRUN_LINEAR_KERNEL overrides). The layers stay transformers' own modules: only their matmul changes, and only
 for float32 CPU tensors outside autograd; anything else takes F.linear as before, a strided bfloat16 CPU input made
 contiguous first (dense_if_strided_bfloat16). A weight left at its checkpoint's half precision under float32 inputs
@@ -77,7 +77,7 @@ def dense_if_strided_bfloat16(inputs: torch.Tensor) -> torch.Tensor:
 # 1 MiB tiles 52 ms, 2 MiB 43 ms, 4 MiB 48 ms (2 threads); the same matmuls on weights widened beforehand 50 ms (aten),
 # plus 75 ms for the widening itself, which also wrote and then read the float32 weights through RAM.
 WIDEN_TILE_BYTES = 2 << 20
-_tiles = threading.local()  # one tile per thread: a forward call never yields inside a linear (passes.py's greenlets)
+_tiles = threading.local()  # one tile per thread: a forward call never yields inside a linear (runtime/turns.py's greenlets)
 
 
 def takes_widening(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -194,7 +194,7 @@ def packing_available() -> bool:
 
 def packed_weight_linear(weight: torch.Tensor):
     """inputs -> F.linear(inputs, weight) on a packed copy of `weight`, or None where this CPU packs none: what
-    measure.py times against the plain kernel."""
+    batchrun.measure times against the plain kernel."""
     if not packing_available() or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return None
     packed = torch.ops.mkldnn._reorder_linear_weight(weight)

@@ -1,7 +1,7 @@
 """Forward passes over micro-batches, and a shared prompt prefix computed once per pass.
 
 A pass carries B sequences split into micro-batches (one forward call each, taking turns at every
-layer: see passes.py). When the sequences of a pass start with the same tokens (a system prompt,
+layer: see runtime/turns.py). When the sequences of a pass start with the same tokens (a system prompt,
 instructions, a template head), the prefix is computed once, as an extra micro-batch of one
 sequence that goes first at every layer; before each other micro-batch enters layer i, its cache
 receives the prefix's keys and values for layer i by reference. The suffixes then attend to the prefix

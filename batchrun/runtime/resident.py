@@ -8,12 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchrun.checkpoint import (
-    TokenizerOnDemand,
-    load_config,
-    read_tensor_infos,
-    storage_dtype,
-)
+from batchrun.checkpoint import TokenizerOnDemand, load_config, read_tensor_infos, storage_dtype
 from batchrun.host import glibc, keep_heap_flat, return_freed_memory
 from batchrun.runtime.devices import resolve_dtype
 from batchrun.runtime.linear_kernels import route_linears

@@ -13,15 +13,8 @@ from typing import Sequence
 import torch
 
 from batchrun.plan import RowCost, admit, shares_prefix
-from batchrun.runtime.prefill import (
-    PrefillCalls,
-    SharedPrefix,
-    collect_decoded,
-    decode_calls,
-    drop_finished,
-    merge_for_decode,
-    prefill,
-)
+from batchrun.runtime.prefill import (PrefillCalls, SharedPrefix, collect_decoded, decode_calls, drop_finished,
+                                      merge_for_decode, prefill)
 from batchrun.spec import EncodedRow, choice_sequences, kept_positions
 
 
@@ -96,6 +89,18 @@ class Sequence_:
     text: str | None = None
 
 
+@dataclass(frozen=True)
+class PoolPlan:
+    """What the plan decided for a job's generation rows, as the pool carries it out."""
+    limits: tuple[int, int]  # (most sequences, most padded tokens) one pass holds
+    micro_batch: int | None = None  # sequences per prefill call; None: all at once
+    decode_micro_batch: int | None = None  # sequences per decode call (prefill.merge_for_decode); None: all at once
+    shared_prefix: int = 0  # prompt tokens every row starts with, computed once by the first pass
+    # Every row, answered in full, fits inside the smallest sliding window: windowed layers cache like full ones,
+    # so the micro-batches of rows admitted in different passes merge into one decode call (Candidate.windows_as_full).
+    windows_as_full: bool = True
+
+
 class GreedyPool:
     """Greedy decoding of a job's generation rows, one pass per call to `step()`. Rows wait in a queue; each pass
     decodes the next token of the rows live in it and prefills the prompts of the next queued rows, admitted while
@@ -103,21 +108,17 @@ class GreedyPool:
     early leave are taken in the next pass instead of staying empty until the batch's last row is done.
 
     `costs`: each row's RowCost as the plan sized it (its own tokens where a prefix is shared). A shared prefix of
-    `shared_prefix` tokens (every row starts with it) is computed by the first pass and kept for the later rows.
+    `plan.shared_prefix` tokens (every row starts with it) is computed by the first pass and kept for the later rows.
     Rows may start with tokens already generated before an interruption (`prefixes`): their prefill then covers
     prompt + those tokens, and decoding continues from there.
     """
 
-    def __init__(self, handle, rows: Sequence[EncodedRow], costs: Sequence[RowCost], limits: tuple[int, int],
-                 tokenizer, eos_ids: set[int], pad_id: int,
-                 prefixes: dict[int, tuple[list[int], float]] | None = None, *, micro_batch: int | None = None,
-                 decode_micro_batch: int | None = None, shared_prefix: int = 0):
+    def __init__(self, handle, rows: Sequence[EncodedRow], costs: Sequence[RowCost], plan: PoolPlan, tokenizer,
+                 eos_ids: set[int], pad_id: int, prefixes: dict[int, tuple[list[int], float]] | None = None):
         self.handle, self.tokenizer, self.eos_ids, self.pad_id = handle, tokenizer, eos_ids, pad_id
         self.special_ids = special_token_ids(tokenizer)
-        self.costs, self.limits = costs, limits
-        self.micro_batch = micro_batch
-        # Decoding regroups micro-batches (prefill.merge_for_decode); None: all in one.
-        self.decode_micro_batch = decode_micro_batch
+        self.costs, self.limits = costs, plan.limits
+        self.micro_batch, self.decode_micro_batch = plan.micro_batch, plan.decode_micro_batch
         prefixes = prefixes or {}
         self.sequences = [Sequence_(row) for row in rows]
         for seq in self.sequences:
@@ -132,13 +133,10 @@ class GreedyPool:
         self.queue = deque(i for i, seq in enumerate(self.sequences) if not seq.finish)
         self.live: dict[int, Sequence_] = {}  # admitted, unfinished
         self.states: list = []  # the live rows' micro-batches between passes
-        self.prefix = (SharedPrefix(handle.model, list(rows[self.queue[0]].prompt_ids[:shared_prefix]),
-                                    handle.device) if shared_prefix and shares_prefix(len(self.queue), limits[0])
-                       else None)
-        # Every row, answered in full, inside the smallest sliding window: windowed layers cache like full ones, so
-        # the micro-batches of rows admitted in different passes merge into one decode call.
-        longest = max((len(seq.row.prompt_ids) + seq.row.request.max_new_tokens for seq in self.sequences), default=0)
-        self.windows_as_full = SharedPrefix.usable(handle.model, longest)
+        shared = plan.shared_prefix
+        self.prefix = (SharedPrefix(handle.model, list(rows[self.queue[0]].prompt_ids[:shared]), handle.device)
+                       if shared and shares_prefix(len(self.queue), plan.limits[0]) else None)
+        self.windows_as_full = plan.windows_as_full
         # Where they cannot merge (windowed caches of longer rows), every admission beside live rows would add a
         # decode call, each reading every layer's weights from RAM once more: rows then wait until the pool is
         # empty, batch after batch (refill.refill_schedule's refill_while_live, as the plan schedules them).

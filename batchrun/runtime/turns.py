@@ -61,7 +61,7 @@ def run_interleaved(group: PassGroup, calls: list[Callable[[], object]], wrap) -
     """Run each call as micro-batch m, all on this thread, each suspended at a layer until its turn; re-raise the
     first failure after every call has unwound.
 
-    Why not a thread per call (as until s23): torch's OpenMP keeps a team of worker threads per calling thread, and
+    Why not a thread per call: torch's OpenMP keeps a team of worker threads per calling thread, and
     teams taking turns on the same cores run every op slower than one team does. Measured on 2 cores (bfloat16, 6
     micro-batches x 12 layers of the benchmark's shapes): 4.84-5.23 s with a thread per micro-batch, 4.14-4.18 s
     interleaved on one thread, 4.11-4.28 s for the same work in one plain loop. A greenlet holds a suspended

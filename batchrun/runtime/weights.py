@@ -13,12 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import (
-    WeightConverter,
-    WeightRenaming,
-    dot_natural_key,
-    rename_source_key,
-)
+from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
 from batchrun.checkpoint import CheckpointError, TensorInfo
 

@@ -17,22 +17,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from batchrun.spec.files import jsonl_rows, kind, parquet_rows, sha256_of, show
-from batchrun.spec.template import (
-    Field,
-    RowProblem,
-    SpecError,
-    parse_template,
-    render_template,
-    template_columns,
-)
-from batchrun.spec.values import (
-    checked_choices,
-    checked_stop,
-    checked_text,
-    positive_int,
-    refuse_unknown_keys,
-    whole,
-)
+from batchrun.spec.template import Field, RowProblem, SpecError, parse_template, render_template, template_columns
+from batchrun.spec.values import checked_choices, checked_stop, checked_text, positive_int, refuse_unknown_keys, whole
 
 __all__ = ["Field", "InvalidRow", "JobSpec", "Request", "SpecError", "parse_template", "read_spec"]
 

@@ -19,24 +19,10 @@ from batchrun.errors import BatchrunError
 from batchrun.host import faults
 from batchrun.store import migrations as store_migrations
 from batchrun.store.files import describe_failure, orphaned_log_message
-from batchrun.store.locks import (
-    HEARTBEAT_EVERY_S,
-    HOST,
-    LockHeartbeat,
-    eta_seconds,
-    job_summary,
-    lock_holder_alive,
-    mark_alive,
-    process_identity,
-    run_seconds,
-)
+from batchrun.store.locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, eta_seconds, job_summary, lock_holder_alive,
+                                  mark_alive, process_identity, run_seconds)
 from batchrun.store.reuse import Reused, fill_duplicates, reuse_answers
-from batchrun.store.rows import (
-    ROW_UPDATE_SQL,
-    RowResult,
-    row_result_from_db,
-    row_update_params,
-)
+from batchrun.store.rows import ROW_UPDATE_SQL, RowResult, row_result_from_db, row_update_params
 
 __all__ = ["JobLocked", "JobNotFound", "RowResult", "Store", "StoreError", "integrity_ok"]
 
@@ -50,6 +36,8 @@ _HELD_IN_THIS_PROCESS: set[tuple[str, str]] = set()
 
 
 class JobLocked(BatchrunError, RuntimeError):
+    """Another live process is running the same job; it holds the job's lock until it ends."""
+
     def __init__(self, job_id: str, pid: int, host: str, since: str):
         self.job_id, self.pid, self.host, self.since = job_id, pid, host, since
         super().__init__(f"job {job_id} is being run by process {pid} on {host} since {since}; wait for it or stop it")
@@ -124,7 +112,7 @@ class Store:
         rows: Sequence[tuple[int, str | int] | tuple[int, str | int, str | None]],
     ) -> str:
         """Record a job and its rows (all pending) once; return its id. The same fingerprint -> the same job.
-        A row may carry its key (what its answer depends on: store_reuse.py)."""
+        A row may carry its key (what its answer depends on: store/reuse.py)."""
         if len(fingerprint) < 16:
             raise ValueError(f"job fingerprint {fingerprint!r} is too short: need at least 16 characters")
         job_id = fingerprint[:16]

@@ -148,7 +148,7 @@ def m007_run_error(db: sqlite_utils.Database) -> None:
 @migration
 def m008_row_keys(db: sqlite_utils.Database) -> None:
     # What a row's answer depends on (model, dtype, tokens, choices, limit, stops), so a job made from an edited
-    # spec takes the answers its unchanged rows already have in an earlier job (store_reuse.py).
+    # spec takes the answers its unchanged rows already have in an earlier job (store/reuse.py).
     db["rows"].add_column("row_key", str)
     db["rows"].create_index(["row_key"], index_name="rows_by_key")
 

@@ -68,6 +68,10 @@ def default_model(home: Path | None = None) -> Path:
 
     Safe against concurrent callers (a file lock serialises conversion) and crashes (the checkpoint is built in
     a temporary directory and renamed into place only once complete and verified).
+
+    >>> import batchrun
+    >>> (batchrun.default_model() / "config.json").is_file()
+    True
     """
     models_dir = (Path(home).expanduser() if home is not None else state_dir()) / "models"
     target = models_dir / DEFAULT_MODEL_NAME
