@@ -10,9 +10,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from batchrun.host import native_env  # noqa: E402 - before torch loads anywhere: MKL reads its settings then
+from batchrun.host import apply_native_defaults  # noqa: E402 - before torch loads anywhere: MKL reads them then
 
-native_env.apply()
+apply_native_defaults()
 
 _EXPORTS = {
     # Run or plan a spec: a path, a list of dicts or a pyarrow Table (docs/python-api.md).

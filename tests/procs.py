@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +56,38 @@ def start(args: list[str], env: dict[str, str], *, wrapper: list[str] | None = N
     """`batchrun ARGS` in the background; `wrapper` (e.g. ["sh", "-c", "...; exec \"$@\"", "sh"]) goes in front."""
     return subprocess.Popen([*(wrapper or []), *BATCHRUN, *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+
+
+def ctrl_c_raises() -> None:
+    """In the child: SIGINT at its default, so Python turns it into KeyboardInterrupt even where the test runner
+    ignores it (a shell starts background jobs with SIGINT ignored, and an ignored SIGINT is inherited)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of a process in /proc: R running, S sleeping, T stopped, Z zombie."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def wait_until_frozen(process: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> None:
+    """Until the process froze itself at its BATCHRUN_STOP_AT point (SIGSTOP, state T). The run's own pace decides
+    when; the timeout only stops a hung test."""
+    if not Path("/proc/self/stat").exists():
+        process.kill()
+        process.communicate()
+        pytest.skip("needs /proc to see that the run froze")
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:  # before reading /proc: an exited child stays there until reaped here
+            pytest.fail(f"the run exited ({process.returncode}) before reaching its stop point: "
+                        f"{process.stderr.read()}")
+        if process_state(process.pid) == "T":
+            return
+        if time.monotonic() > deadline:
+            process.kill()
+            process.communicate()
+            pytest.fail(f"the run never reached its stop point in {timeout} s")
+        time.sleep(0.05)
 
 
 def finish(process: subprocess.Popen, args: list[str], timeout: float = RUN_TIMEOUT_S) -> Finished:

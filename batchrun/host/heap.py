@@ -110,7 +110,8 @@ def keep_freed_pages_below(limit_bytes: int | None):
     is off meanwhile: it would hand back the same pages. The trims cost what faulting the pages in again costs: on
     the benchmark's classification pass (3 GB Llama, bfloat16, AMX, 2 cores) 5.3 million page faults and 9.8 s of
     system time, pass 20.3 s; keeping the pages 0.85-1.5 million, 2.5-3.6 s and 15.8-16.5 s, peak RSS 896-916 MB
-    against the plan's 1,275 MB. None: trim as before. Afterwards glibc's trim threshold is the one it started with."""
+    against the plan's 1,275 MB. None: trim after every turn. Afterwards glibc's trim threshold is the one it started
+    with."""
     global _keep_below
     previous, _keep_below = _keep_below, limit_bytes
     libc = glibc()

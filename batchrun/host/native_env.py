@@ -29,6 +29,6 @@ NATIVE_DEFAULTS = {
 }
 
 
-def apply(environ=os.environ) -> None:
+def apply_native_defaults(environ=os.environ) -> None:
     for name, value in NATIVE_DEFAULTS.items():
         environ.setdefault(name, value)

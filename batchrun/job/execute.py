@@ -22,7 +22,7 @@ from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_row
 from batchrun.output import (OutputError, OutputExists, check_output_writable, default_output_path, output_format,
                              write_results)
 from batchrun.plan import Candidate, RowCost, without_prefix
-from batchrun.runtime import (Answer, GreedyPool, PoolPlan, eos_token_ids, generation_answer, open_model,
+from batchrun.runtime import (Answer, GreedyPool, LayerReads, PoolPlan, eos_token_ids, generation_answer, open_model,
                               reads_prefix_in_place, score_choices)
 from batchrun.spec import EncodedRow, uses_chat_template
 from batchrun.store import JobNotFound, RowResult, Store, StoreError
@@ -286,11 +286,11 @@ def _run_batches(prepared: PreparedJob, commits: _Commits, plan: Candidate, batc
     """Open the model the plan chose, run the choice batches (a pass each) and then the generation rows (one
     refilled queue), committing every pass."""
     transformers_logging.disable_progress_bar()  # ours is the progress bar that matters
-    model = open_model(prepared.model.checkpoint, mode=plan.mode, device=prepared.device,
-                       dtype=prepared.compute_dtype, prefetching=prepared.options.prefetch,
-                       prefetch_depth=prepared.options.prefetch_depth, decode_prefetch_depth=plan.decode_prefetch_depth,
-                       trust_remote_code=prepared.options.trust_remote_code,
-                       linear_kernel=plan.linear_kernel, pack_weights=plan.packs_weights)
+    options = prepared.options
+    reads = LayerReads(prefetch=options.prefetch, depth=options.prefetch_depth, decode_depth=plan.decode_prefetch_depth,
+                       pack_weights=plan.packs_weights)
+    model = open_model(prepared.model.checkpoint, mode=plan.mode, device=prepared.device, dtype=prepared.compute_dtype,
+                       trust_remote_code=options.trust_remote_code, linear_kernel=plan.linear_kernel, reads=reads)
     tokenizer = prepared.model.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     micro_batch = prepared.options.micro_batch or plan.micro_batch_size

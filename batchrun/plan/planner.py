@@ -12,43 +12,19 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Mapping, Sequence
 
 from batchrun.checkpoint import CheckpointSizes, kv_bytes_for_sequence, kv_bytes_per_token_per_layer
-from batchrun.plan.batching import (RowCost, batch_shape, inside_windows, lower_bound_passes, pack_batches, passes_for,
-                                    without_prefix)
+from batchrun.plan.batching import (RowCost, batch_shape, inside_windows, lower_bound_passes, pack_batches, without_prefix)
 from batchrun.plan.formatting import format_bytes, format_duration, format_rate
-from batchrun.plan.memory import (  # noqa: F401 (re-exported)
-    ATTENTION_SCORE_BYTES,
-    HEAP_RETAINED_ACTIVATION_COPIES,
-    HELD_HIDDEN_COPIES,
-    LOGIT_BYTES,
-    PREFILL_CALL_BYTES,
-    Calls,
-    activation_bytes_for_sequence,
-    attention_scratch_bytes,
-    batch_bytes,
-    decode_group_size,
-    decode_pass_bytes,
-    heap_factor,
-    largest_turn_bytes,
-    linear_activation_bytes_per_token,
-    scores_materialised,
-)
-from batchrun.plan.rates import HOST_FRESH_PAGE_SLOWDOWN, decode_cores_share, effective_rates, streaming_traffic  # noqa: F401 (re-exported)
-from batchrun.plan.records import Bandwidth, PlanRequest, Rates
+from batchrun.plan.memory import (ATTENTION_SCORE_BYTES, HELD_HIDDEN_COPIES, LOGIT_BYTES, PREFILL_CALL_BYTES, Calls,
+                                  activation_bytes_for_sequence, attention_scratch_bytes, batch_bytes,
+                                  decode_group_size, decode_pass_bytes, heap_factor, largest_turn_bytes,
+                                  linear_activation_bytes_per_token, scores_materialised)
+from batchrun.plan.rates import decode_cores_share, effective_rates, streaming_traffic
+from batchrun.plan.records import PlanRequest, Rates
 from batchrun.plan.refill import ScheduledPass, refill_schedule, shares_prefix
-from batchrun.plan.timing import (  # noqa: F401 (re-exported)
-    KV_COPIES_PER_DECODE,
-    PassPricing,
-    Timeline,
-    host_streaming_bytes,
-    job_timeline,
-    pass_bound,
-)
-from batchrun.plan.weights import COMPUTE_BYTES, Weights, layer_slot_bytes, on_host, resident_weights, streamed_weights  # noqa: F401 (re-exported)
+from batchrun.plan.timing import PassPricing, Timeline, job_timeline
+from batchrun.plan.weights import COMPUTE_BYTES, Weights, layer_slot_bytes, resident_weights, streamed_weights
 
-__all__ = [
-    "Bandwidth", "Candidate", "PlanRequest", "Rates", "RowCost", "compare_modes", "format_duration",
-    "lower_bound_passes", "make_plan", "pack_batches", "parse_streaming", "passes_for",
-]
+__all__ = ["Candidate", "compare_modes", "make_plan", "parse_streaming"]
 
 STREAMING_ENV = "BATCHRUN_STREAMING"
 # People type booleans too; an unknown word is refused (a typo must not silently change the policy).
@@ -212,7 +188,7 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
         micro_sequences = micro_fitting(leftover)
         micro_sequences = micro_fitting(leftover - _calls_bytes(wanted, micro_sequences))  # room for its calls
     max_sequences = max(int(max_sequences), 1)
-    if max_sequences <= micro_sequences:  # no room to gain: the old single-forward bound
+    if max_sequences <= micro_sequences:  # micro-batches gain nothing: the whole batch in one forward call
         max_sequences = max(int(min(all_live, wanted)), 1)
         return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
     max_tokens = max(int((free_bytes - micro_sequences * micro_per_sequence

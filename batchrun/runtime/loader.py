@@ -5,14 +5,10 @@ The I/O path: each layer's tensors are read with large positional reads of their
 layer (allocating and first-touching fresh memory per layer costs more than the read itself, and
 glibc would keep the freed pages). Once a layer's reads are done the kernel is advised to drop those
 pages (one call per contiguous run): a streamed model does not fit in memory anyway, and the user's
-other work keeps its cache. A pass whose compute outlasts its reads many times over (a long prefill on a CPU) reads
-around the page cache instead (O_DIRECT, `uncached`): the disk writes into the buffers itself, where a cached read
-copies every byte on a core the matmuls need.
+other work keeps its cache.
 """
 from __future__ import annotations
 
-import errno
-import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -21,16 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchrun.checkpoint import CheckpointError, TensorInfo
-from batchrun.runtime.weights import (
-    SAFETENSORS_DTYPES,
-    Recipe,
-    coalesce,
-    read_into,
-    realize,
-    tensor_from_bytes,
-)
-
-log = logging.getLogger(__name__)
+from batchrun.runtime.weights import SAFETENSORS_DTYPES, Recipe, coalesce, read_into, realize, tensor_from_bytes
 
 
 @dataclass
@@ -73,9 +60,6 @@ class LayerLoader:
         self.config = config
         self.drop_page_cache = drop_page_cache and hasattr(os, "posix_fadvise")
         self._fds: dict[str, int] = {}
-        self._uncached_fds: dict[str, int | None] = {}  # None: this file's filesystem refuses O_DIRECT
-        self._raw: dict[tuple, tuple[torch.Tensor, int]] = {}
-        self._uncached_targets: dict[tuple, tuple[torch.Tensor, memoryview]] = {}
         self._buffers: dict[tuple[int, str, tuple, torch.dtype], torch.Tensor] = {}
         self._read_targets: dict[tuple, tuple[torch.Tensor, memoryview, torch.Tensor]] = {}
         # One raw byte buffer (pinned on CUDA) serves every slot: loads run one at a time under the lock, and each
@@ -94,38 +78,8 @@ class LayerLoader:
         key = (slot, name, tuple(like.shape), like.dtype)
         buf = self._buffers.get(key)
         if buf is None:
-            if self.device.type == "cpu":  # the aligned start of the bytes an uncached read of `name` also uses
-                raw, start = self._raw_bytes(slot, name, like)
-                buf = raw[start:start + _nbytes(like)].view(like.dtype).view(like.shape)
-            else:
-                buf = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-            self._buffers[key] = buf
+            buf = self._buffers[key] = torch.empty(like.shape, dtype=like.dtype, device=self.device)
         return buf
-
-    def _raw_bytes(self, slot: int, name: str, like: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """A CPU slot's bytes for `name` and the index of the first aligned one. A cached read fills them from there;
-        an uncached one from there too, with the tensor as far in as its file offset lies past an aligned one, and on
-        to the next aligned byte: room for `like` and SLACK_BYTES more (12 KiB a tensor beyond what the plan counts,
-        inside its headroom)."""
-        key = (slot, name, tuple(like.shape), like.dtype)
-        cached = self._raw.get(key)
-        if cached is None:
-            raw = torch.empty(_nbytes(like) + SLACK_BYTES, dtype=torch.uint8)
-            cached = self._raw[key] = (raw, -raw.data_ptr() % DIRECT_ALIGN)
-        return cached
-
-    def _uncached_target(self, slot: int, name: str, like: torch.Tensor, misalign: int
-                         ) -> tuple[torch.Tensor, memoryview]:
-        """`like` viewed `misalign` bytes past the slot's aligned start, and the aligned span an O_DIRECT read of it
-        fills (from `misalign` bytes before its file offset to the next aligned byte after its end)."""
-        key = (slot, name, tuple(like.shape), like.dtype, misalign)
-        cached = self._uncached_targets.get(key)
-        if cached is None:
-            raw, start = self._raw_bytes(slot, name, like)
-            tensor = raw[start + misalign:start + misalign + _nbytes(like)].view(like.dtype).view(like.shape)
-            span = -(-(misalign + _nbytes(like)) // DIRECT_ALIGN) * DIRECT_ALIGN
-            cached = self._uncached_targets[key] = (tensor, memoryview(raw[start:start + span].numpy()))
-        return cached
 
     def _read_target(self, slot: int, name: str, like: torch.Tensor, source: torch.dtype
                      ) -> tuple[torch.Tensor, memoryview, torch.Tensor]:
@@ -149,7 +103,7 @@ class LayerLoader:
     def forget_slot(self, slot: int) -> None:
         """Free a retired slot's buffers (nothing may be loading into it or computing from it)."""
         with self._lock:
-            for cache in (self._read_targets, self._uncached_targets, self._buffers, self._raw):  # views hold them too
+            for cache in (self._read_targets, self._buffers):  # the targets' views hold the buffers too
                 for key in [key for key in cache if key[0] == slot]:
                     del cache[key]
 
@@ -172,32 +126,14 @@ class LayerLoader:
             self._fds[key] = fd
         return fd
 
-    def _uncached_fd(self, path) -> int | None:
-        """The file opened for O_DIRECT reads, or None where the platform or the filesystem has none."""
-        key = str(path)
-        if key not in self._uncached_fds:
-            try:
-                self._uncached_fds[key] = os.open(key, os.O_RDONLY | os.O_DIRECT) if hasattr(os, "O_DIRECT") else None
-            except OSError as error:  # EINVAL from a filesystem without O_DIRECT; a real fault shows on the cached open
-                self._refuse_uncached(key, error)
-        return self._uncached_fds[key]
-
-    def _refuse_uncached(self, path, why: OSError) -> None:
-        fd = self._uncached_fds.get(str(path))
-        if fd is not None:
-            os.close(fd)
-        self._uncached_fds[str(path)] = None
-        log.debug("%s: O_DIRECT refused (%s); reading it through the page cache", path, why.strerror or why)
-
     # -- loading -------------------------------------------------------------------------------
-    def load(self, index: int, slot: int, narrow: bool = False, uncached: bool = False) -> LayerWeights:
+    def load(self, index: int, slot: int, narrow: bool = False) -> LayerWeights:
         """Layer `index` into `slot`. `narrow`: leave the narrowable weights at the checkpoint's dtype (read as they
-        lie, not widened), for a pass whose linears widen them as they multiply. `uncached`: read the tensors stored
-        in the compute dtype around the page cache (O_DIRECT), where the filesystem allows it."""
+        lie, not widened), for a pass whose linears widen them as they multiply."""
         with self._lock:
-            return self._load(index, slot, narrow, uncached)
+            return self._load(index, slot, narrow)
 
-    def _load(self, index: int, slot: int, narrow: bool, uncached: bool) -> LayerWeights:
+    def _load(self, index: int, slot: int, narrow: bool) -> LayerWeights:
         prefix = self.layer_prefixes[index]
         metas = self.meta_params[index]
         direct, widened, staged = self._split(index)
@@ -215,9 +151,6 @@ class LayerLoader:
                 name = recipe.target[len(prefix):]
                 info = recipe.sources[0]
                 source = SAFETENSORS_DTYPES[info.dtype]
-                if uncached and recipe not in widened and self._read_uncached(slot, name, metas[name], info, tensors):
-                    self.bytes_read += info.nbytes
-                    continue
                 buf, target, values = self._read_target(slot, name, metas[name], source)
                 read_into(self._fd(info.file), target, info.offset, info.file)
                 read.append(info)
@@ -245,25 +178,6 @@ class LayerLoader:
         # Not waited for here: the last widenings of a layer end ~6 ms after its last read (3 GB bf16 model, 2 cores),
         # time in which the reader would leave the disk idle before the next layer.
         return LayerWeights(index=index, slot=slot, tensors=tensors, ready=ready, widenings=widenings, narrow=narrowed)
-
-    def _read_uncached(self, slot: int, name: str, like: torch.Tensor, info: TensorInfo,
-                       tensors: dict[str, torch.Tensor]) -> bool:
-        """Read one tensor with O_DIRECT into its slot, which then holds it; False where it must be read cached: the
-        filesystem refuses O_DIRECT, or the tensor's file offset is not a whole number of elements past an aligned
-        one (torch cannot view it there)."""
-        misalign, fd = info.offset % DIRECT_ALIGN, self._uncached_fd(info.file)
-        if fd is None or misalign % like.element_size():
-            return False
-        tensor, span = self._uncached_target(slot, name, like, misalign)
-        try:  # from the aligned offset below the tensor to the span's aligned end, or the file's
-            read_into(fd, span, info.offset - misalign, info.file, needed=misalign + info.nbytes)
-        except CheckpointError as error:
-            if getattr(error.__cause__, "errno", None) != errno.EINVAL:
-                raise
-            self._refuse_uncached(info.file, error.__cause__)  # the filesystem took the open but not the read
-            return False
-        tensors[name] = tensor
-        return True
 
     def widen_narrow(self, weights: LayerWeights) -> None:
         """Widen a narrow load's weights in their slot after all (a pass that multiplies float32 weights reuses a
@@ -343,39 +257,18 @@ class LayerLoader:
 
     def buffer_bytes(self) -> int:
         staging = self._staging.numel() if self._staging is not None else 0
-        # On a CPU every buffer is a view of its slot's raw bytes (slack included); elsewhere it is its own allocation
-        held = [raw for raw, _ in self._raw.values()] if self.device.type == "cpu" else list(self._buffers.values())
-        return sum(b.numel() * b.element_size() for b in held) + staging
+        return sum(b.numel() * b.element_size() for b in self._buffers.values()) + staging
 
     def close(self) -> None:
         if self._widen_pool is not None:
             self._widen_pool.shutdown(wait=True)
             self._widen_pool = None
-        for fd in [*self._fds.values(), *self._uncached_fds.values()]:
-            if fd is not None:
-                os.close(fd)
+        for fd in self._fds.values():
+            os.close(fd)
         self._fds.clear()
-        self._uncached_fds.clear()
-        for cache in (self._buffers, self._read_targets, self._uncached_targets, self._raw):  # views hold them too
-            cache.clear()
+        self._buffers.clear()
+        self._read_targets.clear()  # their views hold the buffers too
         self._staging = None
-
-
-# A streamed pass on the CPU reads around the page cache (uncached) when it multiplies each layer by at least this many
-# rows: its matmuls then take ~4 ns a weight at 1 TFLOP/s where an O_DIRECT read of a bf16 weight takes ~1 ns at
-# 2 GB/s, so a slower read still hides behind the compute, and the reader no longer copies 3 GB a pass through the
-# caches on a core the matmuls need. Fewer rows, and decode passes (the disk is their bound), read cached:
-# readahead measured up to a third faster than one O_DIRECT reader on this project's disks.
-UNCACHED_MIN_ROWS = 2048
-
-# O_DIRECT wants the file offset, the length and the memory address aligned to the device's logical block size: 512
-# or 4096 bytes on the disks Linux drives, so 4096 serves both.
-DIRECT_ALIGN = 4096
-SLACK_BYTES = 3 * DIRECT_ALIGN  # up to an alignment each: to the first aligned byte, the misalignment, the last block
-
-
-def _nbytes(like: torch.Tensor) -> int:
-    return like.numel() * like.element_size()
 
 
 # Below this many elements left, the widening finishes through a small temporary (its steps would only shrink).

@@ -148,8 +148,6 @@ def attend_in_chunks(query, keys, values, mask, scaling: float):
     softmax in float32), one sequence and a chunk of its query rows at a time, so the scores stay small. torch's
     flash kernel for a CPU runs bfloat16 attention at ~100 GFLOP/s; on the benchmark's classification pass
     (AVX512-BF16, 2 cores, 33 layers) this took its suffixes' attention from 4.6 to 3.9-4.2 s (medians of 7, alone).
-    The scores are widened, scaled and masked in one op (_mask_bias), bit for bit what three ops gave: a call of 17
-    sequences x 86 rows after a 240-token prefix went from 16.0-17.7 to 11.9-14.7 ms (medians of 15, alternating).
     A chunk skips the keys after its last row where the mask hides them all (a causal mask does). Masked scores get
     float32's lowest value, not -inf: a row with nothing to attend averages instead of dividing by zero (its output
     is never used, but NaN would reach every row through the next layer's values). Shapes as attend_grouped."""
@@ -172,24 +170,17 @@ def attend_in_chunks(query, keys, values, mask, scaling: float):
                 rows_mask = rows_mask[:, :visible]
             chunk = grouped[:, :, start:end].reshape(heads, group * (end - start), dim)  # [H, g*s, D]
             scores = torch.matmul(chunk, keys[sequence, :, :visible].transpose(-1, -2))  # [H, g*s, t]
-            scores = scores.view(heads, group, end - start, visible)
-            if rows_mask is None:
-                scores = scores.float().mul_(scaling)
-            else:  # widen, scale and mask in one op: mask + scaling x scores, [s, t] broadcast over every head
-                scores = torch.add(_mask_bias(rows_mask, lowest), scores, alpha=scaling)
+            scores = scores.view(heads, group, end - start, visible).float().mul_(scaling)
+            if rows_mask is not None:  # [s, t], every head's
+                if rows_mask.dtype == torch.bool:
+                    scores.masked_fill_(~rows_mask, lowest)
+                else:
+                    scores.add_(rows_mask).clamp_(min=lowest)
             weights = torch.softmax(scores, dim=-1).to(query.dtype).view(heads, group * (end - start), visible)
             attended_values = torch.matmul(weights, values[sequence, :, :visible])  # [H, g*s, D]
             output[sequence, start:end] = (attended_values.view(heads, group, end - start, dim)
                                            .permute(2, 0, 1, 3).reshape(end - start, query_heads, dim))
     return output
-
-
-def _mask_bias(mask: torch.Tensor, lowest: float) -> torch.Tensor:
-    """A bool (attend) or additive mask as a float32 additive one whose hidden entries are `lowest`, not -inf: a
-    hidden entry plus a score stays finite (short of a score near float32's limit) and its exp is 0."""
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, lowest)
-    return mask.float().clamp_(min=lowest)
 
 
 def _hides_all(mask: torch.Tensor) -> bool:

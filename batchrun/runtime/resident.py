@@ -12,7 +12,7 @@ from batchrun.checkpoint import TokenizerOnDemand, load_config, read_tensor_info
 from batchrun.host import glibc, keep_heap_flat, return_freed_memory
 from batchrun.runtime.devices import resolve_dtype
 from batchrun.runtime.linear_kernels import route_linears
-from batchrun.runtime.stream import StreamedModel, find_decoder_stack, text_config
+from batchrun.runtime.stream import LayerReads, StreamedModel, find_decoder_stack, text_config
 
 
 class ResidentModel(TokenizerOnDemand):
@@ -186,16 +186,13 @@ def lies_in(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
     return any(low < end and start < high for low, high in ranges)
 
 
-def open_model(checkpoint: Path, *, mode: str, device: str, dtype=None, prefetching: bool = True,
-               prefetch_depth: int = 1, decode_prefetch_depth: int | None = None, trust_remote_code: bool = False,
-               linear_kernel: str = "aten", pack_weights: bool = False):
-    """`linear_kernel`: what computes the model's nn.Linear layers (linear_kernels.py; measure.linear_kernel picks).
-    `pack_weights`: a streamed model's long bfloat16 prefills multiply packed weights (measure.packs_weights)."""
+def open_model(checkpoint: Path, *, mode: str, device: str, dtype=None, trust_remote_code: bool = False,
+               linear_kernel: str = "aten", reads: LayerReads = LayerReads()):
+    """The model as the plan chose to run it: `mode` "resident" or "streamed" (its layers read as `reads` says).
+    `linear_kernel`: what computes the model's nn.Linear layers (linear_kernels.py; measure.linear_kernel picks)."""
     if mode == "resident":
         model = ResidentModel(checkpoint, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     else:
-        model = StreamedModel(checkpoint, device=device, dtype=dtype, prefetching=prefetching,
-                              prefetch_depth=prefetch_depth, decode_prefetch_depth=decode_prefetch_depth,
-                              trust_remote_code=trust_remote_code, pack_weights=pack_weights)
+        model = StreamedModel(checkpoint, device=device, dtype=dtype, reads=reads, trust_remote_code=trust_remote_code)
     route_linears(model.model, linear_kernel)
     return model

@@ -13,39 +13,21 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from batchrun.checkpoint import (
-    CheckpointError,
-    TokenizerOnDemand,
-    load_config,
-    read_tensor_infos,
-    resolve_checkpoint,
-    storage_dtype,
-)
+from batchrun.checkpoint import (CheckpointError, TokenizerOnDemand, load_config, read_tensor_infos, resolve_checkpoint,
+                                 storage_dtype)
 from batchrun.host import faults, keep_heap_flat, return_freed_memory
 from batchrun.runtime.devices import default_device, resolve_dtype
-from batchrun.runtime.linear_kernels import (
-    PACK_MIN_ROWS,
-    drop_packed_weights,
-    pack_weights,
-    packing_available,
-    route_linears,
-    routed_weight_names,
-    sharing_tiles,
-)
-from batchrun.runtime.loader import UNCACHED_MIN_ROWS, LayerLoader, LayerWeights
+from batchrun.runtime.linear_kernels import (PACK_MIN_ROWS, drop_packed_weights, pack_weights, packing_available,
+                                             route_linears, routed_weight_names, sharing_tiles)
+from batchrun.runtime.loader import LayerLoader, LayerWeights
 from batchrun.runtime.turns import LayerTurns, PassGroup, run_interleaved
-from batchrun.runtime.weights import (
-    Recipe,
-    build_recipes,
-    read_into,
-    realize,
-    tensor_from_bytes,
-)
+from batchrun.runtime.weights import Recipe, build_recipes, read_into, realize, tensor_from_bytes
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +89,34 @@ class SlotPool:
         return retired
 
 
+@dataclass(frozen=True)
+class LayerReads:
+    """How a streamed model reads its decoder layers."""
+    prefetch: bool = True  # read the next layers on a thread while one computes
+    depth: int = 1  # layers a prefill reads ahead of the one computing (each holds a layer in memory)
+    decode_depth: int | None = None  # the same for decode passes, where the plan found room for more
+    drop_page_cache: bool = True  # hand each layer's file pages back to the kernel once read
+    pack_weights: bool = False  # long bfloat16 prefills multiply packed weights (measure.packs_weights)
+
+
 class StreamedModel(TokenizerOnDemand):
-    """A causal LM whose decoder layers are read from the checkpoint's safetensors as they run."""
+    """A causal LM whose decoder layers are read from the checkpoint's safetensors as they run.
+
+    Embeddings, final norm and head stay resident; each decoder layer is read just before it runs (the next one
+    read ahead on a thread), so a model larger than memory runs with a layer or two in memory. Called like the
+    transformers model it wraps (`model(input_ids)`, `model.generate(...)`), under inference mode.
+
+    >>> import batchrun
+    >>> with batchrun.StreamedModel(batchrun.default_model(), dtype="float32") as model:
+    ...     ids = model.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    ...     logits = model(ids).logits  # one pass through the decoder layers, each read from disk
+    >>> logits.shape[:2] == ids.shape, model.passes, model.peak_materialised_layers <= 2
+    (True, 1, True)
+    """
 
     def __init__(self, model: str | Path, *, device: str | torch.device | None = None, dtype=None,
-                 prefetching: bool = True, hf_token: str | None = None, trust_remote_code: bool = False,
-                 max_seq_len: int | None = None, prefetch_depth: int = 1, decode_prefetch_depth: int | None = None,
-                 drop_page_cache: bool = True, pack_weights: bool = False):
+                 reads: LayerReads = LayerReads(), hf_token: str | None = None, trust_remote_code: bool = False,
+                 max_seq_len: int | None = None):
         self.checkpoint = resolve_checkpoint(model, hf_token=hf_token)
         load_config(self.checkpoint, trust_remote_code=trust_remote_code)  # refuses remote code unless asked
         self.device = torch.device(device or default_device())
@@ -143,22 +146,21 @@ class StreamedModel(TokenizerOnDemand):
         self._load_resident(resident)
         self._meta_params = [{name: p for name, p in layer.named_parameters()} for layer in self.layers]
         self._check_layers_covered(layer_recipes)
-        self.prefetching = prefetching
-        self.prefetch_depth = max(1, prefetch_depth) if prefetching else 0
+        prefetching = self.prefetching = reads.prefetch
+        self.prefetch_depth = max(1, reads.depth) if prefetching else 0
         # Decode passes (run_pass(light=True)) may read further ahead: the plan gives them the slot the prefill's
         # activations no longer need (plan.make_plan, decode_prefetch_depth).
-        self.decode_prefetch_depth = max(self.prefetch_depth, decode_prefetch_depth or 0) if prefetching else 0
+        self.decode_prefetch_depth = max(self.prefetch_depth, reads.decode_depth or 0) if prefetching else 0
         self._depth = self.prefetch_depth  # the depth of the pass in flight
         self.slots = SlotPool(self.prefetch_depth + 1)
         self.loader = LayerLoader(layer_recipes, [f"{self.layers_path}.{i}." for i in range(self.num_layers)],
                                   self._meta_params, device=self.device, model=self.model, config=self.config,
-                                  drop_page_cache=drop_page_cache,
+                                  drop_page_cache=reads.drop_page_cache,
                                   narrowable=[routed_weight_names(layer) for layer in self.layers])
         self._narrow = False  # whether the pass in flight leaves linear weights narrow (run_pass(light=True))
-        self._uncached = False  # whether the pass in flight reads around the page cache (run_pass(rows=...))
         # Whether long prefills may pack (measure.packs_weights: where the packed kernel measured faster), and
         # whether the pass in flight does (run_pass(rows=...)).
-        self.may_pack, self._pack = pack_weights, False
+        self.may_pack, self._pack = reads.pack_weights, False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-prefetch") \
             if prefetching else None
         self._pending: dict[int, Future] = {}
@@ -322,7 +324,6 @@ class StreamedModel(TokenizerOnDemand):
         """
         self._narrow = light
         self._pack = self.packs_weights(rows) and not light
-        self._uncached = rows >= UNCACHED_MIN_ROWS and not light and self.device.type == "cpu"
         self._use_depth(self.decode_prefetch_depth if light else self.prefetch_depth)
         with self._leaving_a_core(light):
             if len(calls) == 1 and before_layer is None:
@@ -373,12 +374,12 @@ class StreamedModel(TokenizerOnDemand):
     def _schedule(self, index: int) -> None:
         if index in self._pending or index in self._active:
             return
-        self._pending[index] = self._executor.submit(self._load, index, self._narrow, self._uncached)
+        self._pending[index] = self._executor.submit(self._load, index, self._narrow)
 
-    def _load(self, index: int, narrow: bool, uncached: bool = False) -> LayerWeights:
+    def _load(self, index: int, narrow: bool) -> LayerWeights:
         slot = self.slots.take()
         try:
-            return self.loader.load(index, slot, narrow, uncached)
+            return self.loader.load(index, slot, narrow)
         except BaseException:
             self.slots.give(slot)
             raise
@@ -387,8 +388,8 @@ class StreamedModel(TokenizerOnDemand):
         future = self._pending.pop(index, None)
         if future is None and self._executor is not None:
             self._give_back_pending(keep=(index,))
-            future = self._executor.submit(self._load, index, self._narrow, self._uncached)
-        weights = future.result() if future is not None else self._load(index, self._narrow, self._uncached)
+            future = self._executor.submit(self._load, index, self._narrow)
+        weights = future.result() if future is not None else self._load(index, self._narrow)
         try:
             if weights.narrow and not self._narrow:  # read ahead for a decode pass, needed by a prefill
                 self.loader.widen_narrow(weights)
@@ -441,7 +442,7 @@ class StreamedModel(TokenizerOnDemand):
         return self.loader.bytes_read
 
     def forward(self, *args, **kwargs):
-        self._narrow = self._pack = self._uncached = False
+        self._narrow = self._pack = False
         self._use_depth(self.prefetch_depth)
         with torch.inference_mode():
             return self.model(*args, **kwargs)
@@ -449,7 +450,7 @@ class StreamedModel(TokenizerOnDemand):
     __call__ = forward
 
     def generate(self, *args, **kwargs):
-        self._narrow = self._pack = self._uncached = False
+        self._narrow = self._pack = False
         self._use_depth(self.prefetch_depth)
         with torch.inference_mode():
             return self.model.generate(*args, **kwargs)

@@ -94,11 +94,9 @@ def tensor_from_bytes(raw: torch.Tensor, info: TensorInfo) -> torch.Tensor:
     return raw.view(dtype).reshape(info.shape)
 
 
-def read_into(fd: int, target: memoryview, offset: int, path, needed: int | None = None) -> None:
-    """Fill `target` from the file at `offset` with large positional reads (no memory map, no page faults); with
-    `needed`, its first `needed` bytes, reading on towards its end as far as the file goes (an O_DIRECT read asks for
-    whole aligned blocks)."""
-    needed = len(target) if needed is None else needed
+def read_into(fd: int, target: memoryview, offset: int, path) -> None:
+    """Fill `target` from the file at `offset` with large positional reads (no memory map, no page faults)."""
+    needed = len(target)
     done = 0
     while done < needed:
         try:

@@ -1,0 +1,178 @@
+"""Settings and refusals around a run: the compute dtype, one tokenizer counted in the plan, the default
+model, the errors scripts catch, plan warnings, and rows that cannot run (errored, never truncated)."""
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from batchrun.job import JobOptions, submit
+from tests.support import REVIEWS, generation_spec, run_job, write_jsonl
+
+
+@pytest.mark.parametrize("device, storage, cpu_feature, dtype", [
+    ("cpu", "BF16", None, "float32"), ("cpu:0", "BF16", None, "float32"),
+    ("cpu", "BF16", "avx512_bf16", "bfloat16"), ("cpu:0", "BF16", "amx_bf16", "bfloat16"),
+    ("cpu", "F32", "avx512_bf16", "float32"), ("cpu", "F16", "avx512_bf16", "float32"),
+    ("mps", "F32", None, "float16"), ("cuda", "F32", "bf16 card", "bfloat16"),
+    ("cuda:1", "BF16", "bf16 card", "bfloat16"), ("cuda", "BF16", None, "float16")])
+def test_the_default_compute_dtype_follows_the_device_and_the_checkpoint(device, storage, cpu_feature, dtype,
+                                                                         monkeypatch):
+    """auto: on a CUDA card bfloat16 where it has bfloat16 units, else float16; float16 on MPS; on the CPU a bfloat16
+    checkpoint's own dtype only where the CPU has bfloat16 units (host/compute_dtype.py). The plan and the runtime
+    share the rule. An explicit --dtype always wins."""
+    from batchrun.host import compute_dtype
+    from batchrun.job.prepare import compute_dtype_for
+
+    monkeypatch.setattr(compute_dtype, "cpu_bfloat16_feature", lambda: cpu_feature)
+    monkeypatch.setattr(compute_dtype, "_cuda_has_bfloat16", lambda device: cpu_feature == "bf16 card")
+    assert compute_dtype_for(JobOptions(), device, storage) == dtype
+    assert compute_dtype_for(JobOptions(dtype="auto"), device, storage) == dtype
+    assert compute_dtype_for(JobOptions(dtype="float32"), device, storage) == "float32"
+    assert compute_dtype_for(JobOptions(dtype="bfloat16"), device, storage) == "bfloat16"
+
+
+@pytest.mark.parametrize("streaming", ["never", "always"])
+def test_a_run_loads_the_tokenizer_once_and_plans_for_its_memory(tmp_path, tiny_checkpoint, monkeypatch, streaming):
+    """Gemma's 262k-entry tokenizer holds ~330 MB: the model handles must not load a second copy, and the plan must
+    count the one the job holds."""
+    from batchrun.checkpoint import tokenizer
+    from batchrun.job import prepare
+
+    def second_copy(*args, **kwargs):
+        raise AssertionError("the model handle loaded its own tokenizer")
+
+    monkeypatch.setattr(tokenizer, "load_tokenizer", second_copy)  # what a handle's .tokenizer calls
+    readings = iter([1 << 30, (1 << 30) + (300 << 20)])  # resident memory around the tokenizer's load
+    monkeypatch.setattr(prepare, "resident_bytes", lambda: next(readings, None))
+    planned = []
+    summary = submit(generation_spec(tmp_path, max_new_tokens=2), output=tmp_path / "o.parquet", db=tmp_path / "j.db",
+                     options=JobOptions(model=str(tiny_checkpoint("llama")), streaming=streaming),
+                     on_plan=planned.append)
+    assert summary.rows_done == len(REVIEWS)
+    assert planned[0].runtime_overhead_bytes >= (300 << 20) + prepare.measure.runtime_overhead_bytes()
+
+
+def test_an_unreadable_generation_config_is_skipped_in_both_modes(tmp_path, tiny_checkpoint, caplog):
+    import shutil
+
+    path = shutil.copytree(tiny_checkpoint("llama"), tmp_path / "llama")
+    (path / "generation_config.json").write_text('{"eos_token_id": [2,')
+    spec = generation_spec(tmp_path, max_new_tokens=2)
+    answers = [[r["answer"] for r in run_job(spec, tmp_path, path, mode, streaming=mode)[1]]
+               for mode in ("never", "always")]
+    assert answers[0] == answers[1] and len(answers[0]) == len(REVIEWS)
+    assert "generation_config.json is not usable" in caplog.text
+
+
+def test_the_default_model_is_also_named_default(tmp_path, default_checkpoint, monkeypatch):
+    """`--model default` names it beside another model in `plan`; a directory called "default" still wins."""
+    from batchrun.job import prepare
+
+    monkeypatch.setattr(prepare, "default_model", lambda: default_checkpoint)
+    monkeypatch.chdir(tmp_path)
+    assert prepare.resolve_model("default", JobOptions()) == default_checkpoint
+    assert prepare.prepare_model("default", JobOptions()).name == prepare.DEFAULT_MODEL_LABEL
+    (tmp_path / "default").mkdir()
+    assert not prepare.names_default_model("default")
+
+
+def test_script_errors_are_exported_and_options_are_checked_like_the_cli_does():
+    import batchrun
+    from batchrun.errors import SettingRefused
+
+    for name in ("SpecError", "CheckpointError", "DefaultModelError", "PlanRefused", "SettingRefused", "OutputRefused",
+                 "OutputExists", "OutputError", "OutputFormatUnknown", "JobLocked", "JobNotFound", "StoreError"):
+        assert issubclass(getattr(batchrun, name), batchrun.BatchrunError), name
+    assert batchrun.user_errors() == (batchrun.BatchrunError,)
+    for bad in (dict(dtype="float8"), dict(streaming="sometimes"), dict(batch_size=0), dict(memory_gb=-1.0)):
+        with pytest.raises(SettingRefused):
+            JobOptions(**bad)
+
+
+def test_the_plan_warns_when_choices_would_glue_to_a_raw_prompt(tmp_path, tiny_checkpoint):
+    from batchrun.job import plan_report
+
+    glued = write_jsonl(tmp_path / "g.jsonl", [{"prompt": "Is it good? Answer:", "choices": ["yes", "no"]}])
+    spaced = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "Is it good? Answer:", "choices": [" yes", " no"]}])
+    model = str(tiny_checkpoint("llama"))
+    caveats = {name: plan_report(spec, [model], JobOptions(model=model, raw=True))["candidates"][0]["caveats"]
+               for name, spec in (("glued", glued), ("spaced", spaced))}
+    assert any("text right after the prompt" in c for c in caveats["glued"])
+    assert not any("text right after the prompt" in c for c in caveats["spaced"])
+    templated = plan_report(glued, [model], JobOptions(model=model))["candidates"][0]["caveats"]
+    assert not any("text right after the prompt" in c for c in templated)  # the chat template separates them
+
+
+def test_too_long_prompt_is_an_errored_row_never_truncated(tmp_path, tiny_checkpoint):
+    rows = [{"id": "short", "prompt": "Hello there", "max_new_tokens": 2},
+            {"id": "long", "prompt": "word " * 400, "max_new_tokens": 2}]
+    spec = write_jsonl(tmp_path / "long.jsonl", rows)
+    summary, out = run_job(spec, tmp_path, tiny_checkpoint("llama"), "long")
+    by_id = {r["id"]: r for r in out}
+    assert by_id["short"]["finish_reason"] in ("stop", "length")
+    assert by_id["long"]["finish_reason"] == "error"
+    assert "context is 256 tokens" in by_id["long"]["error"] and "never truncates" in by_id["long"]["error"]
+    assert summary.rows_errored == 1
+
+
+def test_skip_invalid_records_bad_rows_and_runs_the_rest(tmp_path, tiny_checkpoint):
+    spec = tmp_path / "mixed.jsonl"
+    spec.write_text('{"id": "ok", "prompt": "Hi", "max_new_tokens": 2}\n{"id": "bad", "prompt": 5}\nnot json\n'
+                    '{"id": "ok", "prompt": "Hello", "max_new_tokens": 2}\n')
+    summary, out = run_job(spec, tmp_path, tiny_checkpoint("llama"), "mixed", skip_invalid=True)
+    assert [r["finish_reason"] for r in out][1:] == ["error"] * 3 and out[0]["finish_reason"] in ("length", "stop")
+    assert "mixed.jsonl:2" in out[1]["error"] and "mixed.jsonl:3" in out[2]["error"]
+    # The duplicate keeps no id of its own: output ids stay unique, so a join on id finds one row.
+    assert out[3]["id"] == f"{spec}:4" and "duplicate id 'ok'" in out[3]["error"]
+    assert [r["id"] for r in out][:2] == ["ok", "bad"] and len({r["id"] for r in out}) == 4
+    assert summary.rows_done == 1 and summary.rows_errored == 3
+
+
+REFUSES_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                  "{{ raise_exception('System role not supported') }}{% endif %}"
+                  "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>")
+
+
+def test_rows_the_chat_template_refuses_or_that_encode_to_nothing_are_errored_rows(tmp_path, tiny_checkpoint):
+    """A template that raises on one row (Gemma's "System role not supported") must not sink the job's other rows."""
+    import shutil
+
+    path = shutil.copytree(tiny_checkpoint("llama"), tmp_path / "llama")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = REFUSES_SYSTEM
+    tokenizer.save_pretrained(path)
+    rows = [{"id": "plain", "prompt": "Summarise: it works", "max_new_tokens": 3},
+            {"id": "sys", "prompt": "Summarise: it works", "system": "Be brief.", "max_new_tokens": 3},
+            {"id": "sys-choice", "prompt": "Good?", "system": "Be brief.", "choices": ["yes", "no"]}]
+    _, out = run_job(write_jsonl(tmp_path / "t.jsonl", rows), tmp_path, path, "tpl")
+    by_id = {r["id"]: r for r in out}
+    assert by_id["plain"]["finish_reason"] in ("length", "stop") and by_id["plain"]["error"] is None
+    for row_id in ("sys", "sys-choice"):
+        assert by_id[row_id]["finish_reason"] == "error"
+        assert "chat template refuses this row: System role not supported" in by_id[row_id]["error"]
+
+    empty = [{"id": "empty", "messages": [{"role": "user", "content": ""}], "max_new_tokens": 3},
+             {"id": "fine", "prompt": "Summarise: it works", "max_new_tokens": 3}]
+    _, out = run_job(write_jsonl(tmp_path / "e.jsonl", empty), tmp_path, path, "empty", raw=True)
+    by_id = {r["id"]: r for r in out}
+    assert by_id["empty"]["finish_reason"] == "error" and "encodes to no tokens" in by_id["empty"]["error"]
+    assert by_id["fine"]["error"] is None
+
+
+def test_a_job_none_of_whose_rows_can_run_is_refused_naming_why(tmp_path, tiny_checkpoint, capfd):
+    """Every prompt longer than the model's context (a spec meant for another model): `plan` says it cannot run
+    and `submit` refuses, naming the rows and why, rather than 'complete' a job of errors with exit code 0. No
+    tokenizer warning about indexing errors either: batchrun checks the context itself."""
+    from batchrun.errors import PlanRefused
+    from batchrun.job import plan_report
+
+    long_text = " ".join(REVIEWS * 20)
+    spec = write_jsonl(tmp_path / "long.jsonl", [{"id": "a", "prompt": long_text, "max_new_tokens": 4},
+                                                 {"id": "b", "prompt": long_text, "choices": ["yes", "no"]}])
+    options = JobOptions(model=str(tiny_checkpoint("llama")))
+    candidate = plan_report(spec, [options.model], options)["candidates"][0]
+    assert not candidate["fits"] and any("none of the 2 rows can run" in b for b in candidate["blockers"])
+    with pytest.raises(PlanRefused, match=r"none of the 2 rows can run on this model: .*long.jsonl:1: .*context"):
+        submit(spec, options=options, output=tmp_path / "o.parquet", db=tmp_path / "j.db")
+    assert not (tmp_path / "o.parquet").exists()
+    assert "indexing errors" not in capfd.readouterr().err
