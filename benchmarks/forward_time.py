@@ -1,7 +1,7 @@
 """One forward pass of the default model: streamed from disk vs the plain in-memory model.
 
 Run by hand: python benchmarks/forward_time.py [--tokens 128] [--repeats 5]
-Prints a Markdown table (median seconds, side by side in one run) and saves benchmarks/results/forward_time.json.
+Prints a Markdown table (median seconds, side by side in one run) and saves benchmarks/results/forward_time-<machine class>.json.
 """
 from __future__ import annotations
 

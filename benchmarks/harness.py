@@ -119,7 +119,7 @@ def cold_read_bandwidth(checkpoint: Path, max_bytes: int = 1 << 30, repeats: int
     """Cold sequential read rate (bytes/s) of the checkpoint's shards, median of `repeats` (a disk's cold
     rate can swing by +-30% from one read to the next); the figure `batchrun disk` measures and caches. Pass it to
     `batchrun plan --bandwidth` (in GB/s) so predictions use it."""
-    from batchrun.measure.compute import measure_read_bandwidth
+    from batchrun.measure import measure_read_bandwidth
 
     return statistics.median(measure_read_bandwidth(Path(checkpoint), max_bytes=max_bytes).bytes_per_s
                              for _ in range(repeats))
@@ -127,7 +127,7 @@ def cold_read_bandwidth(checkpoint: Path, max_bytes: int = 1 << 30, repeats: int
 
 def compute_rate(dtype: str = "float32") -> float:
     """The FLOP/s batchrun's plan uses for `dtype` on the CPU (cached measurement)."""
-    from batchrun.measure.compute import compute_rate as cached_rate
+    from batchrun.measure import compute_rate as cached_rate
 
     return cached_rate(dtype, "cpu")
 
@@ -345,10 +345,32 @@ def machine_description() -> dict:
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": memory, "python": sys.version.split()[0]}
 
 
+# CPU flags that set a machine's class, most capable first: the matmul units decide batchrun's rates.
+CLASS_FLAGS = (("amx_bf16", "amx"), ("avx512_bf16", "avx512bf16"), ("avx512f", "avx512"), ("avx2", "avx2"))
+
+
+def machine_class(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """A short name for the class of machine results come from: the CPU family and its best matmul units, e.g.
+    'epyc-avx512bf16', 'xeon-amx', 'epyc-avx2'."""
+    text = cpuinfo.read_text(errors="replace") if cpuinfo.exists() else ""
+    model = next((line.split(":", 1)[1] for line in text.splitlines() if line.startswith("model name")), "")
+    family = next((word for word in ("epyc", "xeon", "ryzen", "core") if word in model.lower()), "cpu")
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), ()))
+    units = next((short for flag, short in CLASS_FLAGS if flag in flags), "")
+    return f"{family}-{units}" if units else family
+
+
+def result_stem(name: str) -> str:
+    """`name` with the machine class appended, so results from different classes of machine never share a file."""
+    suffix = machine_class()
+    return name if name.endswith(suffix) else f"{name}-{suffix}"
+
+
 def save_results(name: str, data: Mapping) -> Path:
-    """Write data (plus the time and machine) to benchmarks/results/<name>.json; returns the path."""
+    """Write data (plus the time and machine) to benchmarks/results/<name>-<machine class>.json; returns the
+    path."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+    path = RESULTS_DIR / f"{result_stem(name)}.json"
     record = {"measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": machine_description(), **data}
     path.write_text(json.dumps(record, indent=2, default=_jsonable))
@@ -366,5 +388,5 @@ def _jsonable(value):
 __all__ = [
     "MemoryCap", "RunResult", "bench_cache_dir", "checkpoint_bytes", "cold_read_bandwidth", "compute_rate",
     "drop_page_cache", "exclusive_machine", "format_table", "large_checkpoint", "machine_description", "memory_cap",
-    "own_memory_cgroup", "print_table", "run_measured", "save_results", "busy_cores", "wait_for_quiet",
+    "machine_class", "own_memory_cgroup", "print_table", "result_stem", "run_measured", "save_results", "busy_cores", "wait_for_quiet",
 ]

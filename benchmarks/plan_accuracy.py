@@ -11,7 +11,7 @@ Targets: peak within 20% and median seconds per pass within 30%.
     .venv/bin/python -m benchmarks.plan_accuracy              # all cases (~10 min on 2 cores)
     .venv/bin/python -m benchmarks.plan_accuracy --cases default-resident-generate,large-streamed-generate
 
-Results: a Markdown table on stdout and benchmarks/results/plan_accuracy.json.
+Results: a Markdown table on stdout and benchmarks/results/plan_accuracy-<machine class>.json.
 """
 from __future__ import annotations
 

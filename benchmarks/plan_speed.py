@@ -5,7 +5,7 @@ reading + validating the spec, tokenizing every prompt and the arithmetic; a use
 
 Times the command as a user runs it (a fresh process, so imports included; median of 3) and, in-process, the
 steps: spec reading, tokenizing, the whole plan report. Prints a Markdown table; writes
-benchmarks/results/plan_speed.json.
+benchmarks/results/plan_speed-<machine class>.json.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ when the model is ready and when each pass's commit starts and ends (pass k = co
     .venv/bin/python benchmarks/resume_cost.py \
         [--model ~/.cache/batchrun-tests/default-home/models/SmolLM2-135M-Instruct]
 
-Prints a Markdown table and writes benchmarks/results/resume_cost.json.
+Prints a Markdown table and writes benchmarks/results/resume_cost-<machine class>.json.
 """
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def commit_microbenchmark(directory: Path, batch: int, tokens: int, repeats: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    parser.add_argument("--name", default="resume_cost", help="results file: benchmarks/results/NAME.json")
+    parser.add_argument("--name", default="resume_cost", help="results file: benchmarks/results/NAME-<machine class>.json")
     parser.add_argument("--memory", type=float, help="memory budget in GB for every run (under a memory cap)")
     args = parser.parse_args()
     global MEMORY_GB

@@ -24,7 +24,7 @@ that dtype on the checkpoint's own layer shapes with weights from RAM (baselines
     .venv/bin/python -m benchmarks.throughput --checkpoint-bytes 3e8 --cap-gb 1 --classify-rows 8 --short-rows 4 \\
         --subset 2 --name throughput-dev                             # a quick check of the machinery
 
-Results: a Markdown table on stdout and in benchmarks/results/<name>.md, everything in benchmarks/results/<name>.json.
+Results: a Markdown table on stdout and in benchmarks/results/<name>-<machine class>.md, everything in the .json beside it.
 """
 from __future__ import annotations
 
@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"\n\n{table}\n\nTargets:\n{targets_markdown(targets)}\n")
     print("\n" + markdown)
     harness.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (harness.RESULTS_DIR / f"{args.name}.md").write_text(markdown)
+    (harness.RESULTS_DIR / f"{harness.result_stem(args.name)}.md").write_text(markdown)
     path = harness.save_results(args.name, {
         "checkpoint": str(checkpoint), "shape": setting.shape.__dict__, "cap_bytes": setting.cap_bytes,
         "read_bandwidth_bytes_per_s": bandwidth, "compute_flops_per_s": compute_rate, "probe_flops_per_s":

@@ -98,3 +98,18 @@ def test_the_bounds_attention_flops_count_every_decoder_layer(tiny_checkpoint):
     by_position = sum(config["num_hidden_layers"] * 2 * 2 * width * (p + 1) for p in range(5, 12))
     assert shape.attention_flops(5, 12) == by_position
     assert shape.attention_flops(0, 12) == shape.attention_flops(0, 5) + shape.attention_flops(5, 12)
+
+
+def test_results_are_named_by_the_class_of_machine_they_come_from(tmp_path, monkeypatch):
+    def cpuinfo(model: str, flags: str) -> Path:
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.cpuinfo"
+        path.write_text(f"processor\t: 0\nmodel name\t: {model}\nflags\t\t: fpu sse2 {flags}\n")
+        return path
+
+    assert harness.machine_class(cpuinfo("AMD EPYC 9B14 96-Core Processor", "avx2 avx512f avx512_bf16")) == \
+        "epyc-avx512bf16"
+    assert harness.machine_class(cpuinfo("Intel(R) Xeon(R) Platinum 8481C", "avx2 avx512f amx_bf16")) == "xeon-amx"
+    assert harness.machine_class(cpuinfo("AMD EPYC 7B12", "avx2")) == "epyc-avx2"
+    monkeypatch.setattr(harness, "machine_class", lambda: "epyc-avx2")
+    assert harness.result_stem("throughput") == "throughput-epyc-avx2"
+    assert harness.result_stem("throughput-3gb-llama-epyc-avx2") == "throughput-3gb-llama-epyc-avx2"

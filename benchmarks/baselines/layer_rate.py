@@ -1,6 +1,6 @@
 """The matmul rate of the checkpoint's own decoder layer, with weights that come from RAM, as a pass meets them.
 
-batchrun's plan probe (measure.COMPUTE_SHAPE) times one 256 x 2048 x 2048 matmul again and again: its 16 MB weight
+batchrun's plan probe (batchrun.measure.compute.COMPUTE_SHAPE) times one 256 x 2048 x 2048 matmul again and again: its 16 MB weight
 stays in the CPU's caches, and its rate is not the one a pass can reach. A pass multiplies each layer's seven
 matrices (here 2048 -> 2048, 2048 -> 256 twice, 2048 -> 2048, 2048 -> 5632 twice, 5632 -> 2048: 176 MB in float32)
 once per micro-batch, just after the loader wrote them, so they come from RAM. This module times exactly that: the
