@@ -59,3 +59,17 @@ def assert_matches_reference(got: torch.Tensor, checkpoint, seq: list[int], keep
         expected = expected[-1]
     difference = (got.float() - expected).abs().max().item()
     assert difference <= TOLERANCE, f"{difference:.3g} from plain transformers over {len(seq)} tokens"
+
+
+def decode_matching_reference(handle, states, got, seqs: list[list[int]], checkpoint, steps: int) -> None:
+    """Greedy-decode `steps` tokens from the prefilled `states` (`got`: the prefill's log-probs), checking every step's
+    log-probs against the plain model run on the sequence so far."""
+    from batchrun.runtime.prefill import decode
+
+    tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
+    for _ in range(steps):
+        stepped = decode(handle, states, tokens)
+        for i in tokens:
+            seqs[i] = seqs[i] + [tokens[i]]
+            assert_matches_reference(stepped[i], checkpoint, seqs[i])
+        tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}

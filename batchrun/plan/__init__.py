@@ -4,7 +4,8 @@ time, formatting). No torch.
 from batchrun.plan.batching import RowCost, prefill_groups, shared_prefix_tokens, windows_allow_sharing, without_prefix
 from batchrun.plan.formatting import format_bytes, format_comparison, format_duration, format_plan_table
 from batchrun.plan.memory import ATTENTION_CHUNK_BYTES
-from batchrun.plan.planner import Candidate, make_plan, parse_streaming
+from batchrun.plan.candidate import Candidate
+from batchrun.plan.planner import make_plan, parse_streaming
 from batchrun.plan.records import Bandwidth, PlanRequest, Rates
 from batchrun.plan.refill import admit, shares_prefix
 

@@ -5,10 +5,12 @@ The coefficients below are first estimates, kept at the top so measurement can c
 """
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
-from batchrun.checkpoint import CheckpointSizes, kv_bytes_for_sequence
+from batchrun.checkpoint import CheckpointSizes, kv_bytes_for_sequence, kv_bytes_per_token_per_layer
 from batchrun.plan.batching import RowCost, batch_shape, prefill_call_count, prefill_calls
 
 # Activations of one sequence at prefill, the peak of a batch (checked against RSS in benchmarks/plan_accuracy.py):
@@ -173,3 +175,73 @@ def scores_materialised(device: str) -> bool:
 
 def heap_factor(device: str) -> float:
     return 1 + HEAP_RETAINED_ACTIVATION_COPIES if device.split(":")[0] in HEAP_RETAINS_ON else 1
+
+
+MICRO_BATCH_MEMORY_SHARE = 0.25  # of the free memory given to one micro-batch's activations; the rest buys sequences
+
+
+def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
+                 free_bytes: int, batch_size: int | None) -> tuple[int, int, int | None]:
+    """(max sequences, max padded tokens, sequences per micro-batch or None) such that any batch packed under them
+    fits in free_bytes.
+
+    Bound: every token costs at most its KV (no window cap; none in a job of choice rows only), its linear
+    activations and one row of attention scores at the longest prefill; every sequence adds its kept logits.
+    Sequences are sized so typical (median-length) rows fill the budget; the token budget then keeps longer rows from
+    overflowing it. When the job's sequences do not all fit with their activations live at once (padded to the
+    longest row), the pass is split into micro-batches: activations are bought for one micro-batch (a share of the
+    budget, or what holding a smaller job's every row leaves), KV and held hidden states for every sequence of the
+    pass."""
+    longest_prefill = max(row.prefill_length() for row in rows)
+    kv_per_token = (kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers
+                    if any(row.holds_cache for row in rows) else 0)
+    activation_per_token = (linear_activation_bytes_per_token(sizes, compute_bytes, device)
+                            + (sizes.num_attention_heads * longest_prefill * ATTENTION_SCORE_BYTES
+                               * heap_factor(device) if scores_materialised(device) else 0))
+    per_sequence = max(row.logit_positions() for row in rows) * sizes.vocab_size * LOGIT_BYTES
+    typical_length = statistics.median_low(row.sequence_length() for row in rows)
+    wanted = min(sum(row.sequences() for row in rows), batch_size or math.inf)
+    free_bytes = max(free_bytes, 0)
+
+    per_token = kv_per_token + activation_per_token
+    all_live = free_bytes // (typical_length * per_token + per_sequence)
+    longest = max(row.sequence_length() for row in rows)
+    if all_live >= wanted and wanted * (longest * per_token + per_sequence) <= free_bytes:
+        # every sequence's activations fit at once, even all padded to the longest: one forward call per pass
+        max_sequences = max(int(wanted), 1)
+        return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
+
+    # A micro-batch is cut from sequences sorted by length, so the last one holds the longest rows: its activations
+    # are bought at the longest prefill, as the peak counts them (batch_bytes), not at the median length.
+    micro_per_sequence = longest_prefill * activation_per_token + per_sequence
+    micro_sequences = max(int(free_bytes * MICRO_BATCH_MEMORY_SHARE // micro_per_sequence), 1)
+    held_per_token = kv_per_token + sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
+    # Each forward call (micro-batch) is held suspended (PREFILL_CALL_BYTES), shared by its sequences.
+    max_sequences = ((free_bytes - micro_sequences * micro_per_sequence)
+                     // (typical_length * held_per_token + PREFILL_CALL_BYTES / micro_sequences))
+    if max_sequences > wanted:
+        # The job needs fewer sequences than memory holds. Every row is held at the longest row's length, so the
+        # token budget packs them all into one batch, and the micro-batch gets what that leaves (at least one
+        # sequence, fewer than all), each of its sequences at the longest row's activations like the batch's peak:
+        # usually more than the fixed share, and larger micro-batches run faster (float32 on 2 cores, one layer
+        # over 3,100 tokens: 186 GFLOP/s in micro-batches of 485 tokens, 214 of 1,067, 233 in one).
+        max_sequences = wanted
+        leftover = free_bytes - wanted * longest * held_per_token
+
+        def micro_fitting(room: float) -> int:
+            return max(1, min(int(wanted) - 1, int(room // (longest * activation_per_token + per_sequence))))
+
+        micro_sequences = micro_fitting(leftover)
+        micro_sequences = micro_fitting(leftover - _calls_bytes(wanted, micro_sequences))  # room for its calls
+    max_sequences = max(int(max_sequences), 1)
+    if max_sequences <= micro_sequences:  # micro-batches gain nothing: the whole batch in one forward call
+        max_sequences = max(int(min(all_live, wanted)), 1)
+        return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
+    max_tokens = max(int((free_bytes - micro_sequences * micro_per_sequence
+                          - _calls_bytes(max_sequences, micro_sequences)) // held_per_token), 1)
+    return max_sequences, max_tokens, micro_sequences
+
+
+def _calls_bytes(sequences: int, micro_sequences: int) -> int:
+    """The suspended forward calls of a pass, one per micro-batch (the plan's peak counts the executor's cut)."""
+    return math.ceil(sequences / micro_sequences) * PREFILL_CALL_BYTES

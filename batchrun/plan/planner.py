@@ -5,26 +5,25 @@ estimates, kept at the top so measurement can calibrate them.
 """
 from __future__ import annotations
 
-import math
 import os
 import statistics
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from batchrun.checkpoint import CheckpointSizes, kv_bytes_for_sequence, kv_bytes_per_token_per_layer
 from batchrun.plan.batching import (RowCost, batch_shape, inside_windows, lower_bound_passes, pack_batches, without_prefix)
-from batchrun.plan.formatting import format_bytes, format_duration, format_rate
-from batchrun.plan.memory import (ATTENTION_SCORE_BYTES, HELD_HIDDEN_COPIES, LOGIT_BYTES, PREFILL_CALL_BYTES, Calls,
-                                  activation_bytes_for_sequence, attention_scratch_bytes, batch_bytes,
-                                  decode_group_size, decode_pass_bytes, heap_factor, largest_turn_bytes,
-                                  linear_activation_bytes_per_token, scores_materialised)
+from batchrun.plan.formatting import format_bytes, format_rate
+from batchrun.plan.candidate import Candidate
+from batchrun.plan.memory import (batch_limits, PREFILL_CALL_BYTES, Calls, activation_bytes_for_sequence,
+                                  attention_scratch_bytes, batch_bytes, decode_group_size, decode_pass_bytes,
+                                  largest_turn_bytes)
 from batchrun.plan.rates import decode_cores_share, effective_rates, streaming_traffic
 from batchrun.plan.records import PlanRequest, Rates
 from batchrun.plan.refill import ScheduledPass, refill_schedule, shares_prefix
 from batchrun.plan.timing import PassPricing, Timeline, job_timeline
 from batchrun.plan.weights import COMPUTE_BYTES, Weights, layer_slot_bytes, resident_weights, streamed_weights
 
-__all__ = ["Candidate", "compare_modes", "make_plan", "parse_streaming"]
+__all__ = ["compare_modes", "make_plan", "parse_streaming"]
 
 STREAMING_ENV = "BATCHRUN_STREAMING"
 # People type booleans too; an unknown word is refused (a typo must not silently change the policy).
@@ -38,7 +37,6 @@ STREAMING_WORDS = {
 # (the published design's 0.85 would overstate pass times). Without prefetch each layer's compute waits for its read
 # (published: 0.70).
 IO_EFFICIENCY = {True: 1.0, False: 0.70}
-MICRO_BATCH_MEMORY_SHARE = 0.25  # of the free memory given to one micro-batch's activations; the rest buys sequences
 # Batches are sized to leave this share of the budget unused: allocator fragmentation and transient copies are not
 # in the arithmetic, and under a hard cap (cgroup) being a little short means an out-of-memory kill.
 MEMORY_HEADROOM_SHARE = 0.10
@@ -58,147 +56,8 @@ def parse_streaming(value: str | None, env: Mapping[str, str] = os.environ) -> s
     return STREAMING_WORDS[word]
 
 
-@dataclass
-class Candidate:
-    """One way to run a job: its memory, batches, passes and time, and what (if anything) stops it."""
-    model: str
-    mode: str  # "resident" | "streamed"
-    reason: str
-    device: str
-    prefetch: bool
-    checkpoint_bytes: int
-    layers: int
-    largest_layer_bytes: int
-    non_decoder_bytes: int
-    kv_bytes_per_token: int  # all layers at the compute dtype, before any sliding-window cap
-    compute_dtype: str
-    memory_budget_bytes: int
-    weights_bytes: int
-    runtime_overhead_bytes: int
-    peak_memory_bytes: int
-    turn_bytes: int  # the most one forward call's turn at a layer allocates (plan.memory.largest_turn_bytes)
-    batch_size: int  # most sequences in a batch
-    micro_batch_size: int | None  # sequences per forward call within a pass; None: the whole batch at once
-    batch_tokens: int  # padded-token budget used for packing
-    batches: list[list[int]]
-    rows: int
-    passes: int
-    lower_bound_passes: int
-    read_bandwidth_bytes_per_s: float | None
-    bandwidth_basis: str
-    bandwidth_how: str
-    load_seconds: float | None
-    seconds_per_pass: float | None  # median pass of the job
-    io_seconds_per_pass: float | None
-    compute_seconds_per_pass: float | None  # median
-    memory_bytes_per_s: float | None  # how fast a decode pass streams weights from RAM; None: FLOPs alone
-    eta_seconds: float | None
-    first_answer_seconds: float | None
-    answers_per_hour: float | None
-    disk_needed_bytes: int
-    disk_free_bytes: int | None
-    estimated: bool
-    blockers: list[str] = field(default_factory=list)
-    caveats: list[str] = field(default_factory=list)
-    shared_prefix_tokens: int = 0  # prompt tokens every row starts with: computed once per choice batch, once for the
-    # generation rows
-    decode_micro_batch_size: int | None = None  # sequences per forward call in decode passes; None: all at once
-    # Every generation row, answered in full, fits inside the model's smallest sliding window (or it has none):
-    # windowed layers cache as full ones, so the decode micro-batches of rows admitted in different passes merge.
-    windows_as_full: bool = True
-    prefetch_depth: int = 0  # layers a prefill reads ahead of the one computing; 0: none (resident, no prefetch)
-    decode_prefetch_depth: int = 0  # the same in decode passes (one more where memory allows)
-    # decode calls were sized reading keys and values where they lie (plan.memory.decode_call_bytes_per_sequence)
-    decode_in_place: bool = False
-    pass_seconds: list[float | None] = field(default_factory=list)  # every pass in run order
-    linear_kernel: str = "aten"  # what computes the nn.Linear layers (measure.linear_kernel; a CPU choice)
-    packs_weights: bool = False  # long streamed prefills multiply packed weights (measure.packs_weights)
-    compute_dtype_reason: str | None = None  # why --dtype auto chose compute_dtype (host/compute_dtype.py; the CPU)
-
-    @property
-    def fits(self) -> bool:
-        return not self.blockers
-
-    @property
-    def eta_human(self) -> str:
-        return format_duration(self.eta_seconds)
-
-    def to_json(self) -> dict:
-        report = asdict(self)
-        del report["batches"], report["pass_seconds"]  # per batch and per pass: the medians above summarise them
-        report.update(batch_count=len(self.batches), fits=self.fits, eta_human=self.eta_human)
-        return report
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Memory, as named steps (what the weights hold: plan/weights.py)
-
-
-def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
-                 free_bytes: int, batch_size: int | None) -> tuple[int, int, int | None]:
-    """(max sequences, max padded tokens, sequences per micro-batch or None) such that any batch packed under them
-    fits in free_bytes.
-
-    Bound: every token costs at most its KV (no window cap; none in a job of choice rows only), its linear
-    activations and one row of attention scores at the longest prefill; every sequence adds its kept logits.
-    Sequences are sized so typical (median-length) rows fill the budget; the token budget then keeps longer rows from
-    overflowing it. When the job's sequences do not all fit with their activations live at once (padded to the
-    longest row), the pass is split into micro-batches: activations are bought for one micro-batch (a share of the
-    budget, or what holding a smaller job's every row leaves), KV and held hidden states for every sequence of the
-    pass."""
-    longest_prefill = max(row.prefill_length() for row in rows)
-    kv_per_token = (kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers
-                    if any(row.holds_cache for row in rows) else 0)
-    activation_per_token = (linear_activation_bytes_per_token(sizes, compute_bytes, device)
-                            + (sizes.num_attention_heads * longest_prefill * ATTENTION_SCORE_BYTES
-                               * heap_factor(device) if scores_materialised(device) else 0))
-    per_sequence = max(row.logit_positions() for row in rows) * sizes.vocab_size * LOGIT_BYTES
-    typical_length = statistics.median_low(row.sequence_length() for row in rows)
-    wanted = min(sum(row.sequences() for row in rows), batch_size or math.inf)
-    free_bytes = max(free_bytes, 0)
-
-    per_token = kv_per_token + activation_per_token
-    all_live = free_bytes // (typical_length * per_token + per_sequence)
-    longest = max(row.sequence_length() for row in rows)
-    if all_live >= wanted and wanted * (longest * per_token + per_sequence) <= free_bytes:
-        # every sequence's activations fit at once, even all padded to the longest: one forward call per pass
-        max_sequences = max(int(wanted), 1)
-        return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
-
-    # A micro-batch is cut from sequences sorted by length, so the last one holds the longest rows: its activations
-    # are bought at the longest prefill, as the peak counts them (batch_bytes), not at the median length.
-    micro_per_sequence = longest_prefill * activation_per_token + per_sequence
-    micro_sequences = max(int(free_bytes * MICRO_BATCH_MEMORY_SHARE // micro_per_sequence), 1)
-    held_per_token = kv_per_token + sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
-    # Each forward call (micro-batch) is held suspended (PREFILL_CALL_BYTES), shared by its sequences.
-    max_sequences = ((free_bytes - micro_sequences * micro_per_sequence)
-                     // (typical_length * held_per_token + PREFILL_CALL_BYTES / micro_sequences))
-    if max_sequences > wanted:
-        # The job needs fewer sequences than memory holds. Every row is held at the longest row's length, so the
-        # token budget packs them all into one batch, and the micro-batch gets what that leaves (at least one
-        # sequence, fewer than all), each of its sequences at the longest row's activations like the batch's peak:
-        # usually more than the fixed share, and larger micro-batches run faster (float32 on 2 cores, one layer
-        # over 3,100 tokens: 186 GFLOP/s in micro-batches of 485 tokens, 214 of 1,067, 233 in one).
-        max_sequences = wanted
-        leftover = free_bytes - wanted * longest * held_per_token
-
-        def micro_fitting(room: float) -> int:
-            return max(1, min(int(wanted) - 1, int(room // (longest * activation_per_token + per_sequence))))
-
-        micro_sequences = micro_fitting(leftover)
-        micro_sequences = micro_fitting(leftover - _calls_bytes(wanted, micro_sequences))  # room for its calls
-    max_sequences = max(int(max_sequences), 1)
-    if max_sequences <= micro_sequences:  # micro-batches gain nothing: the whole batch in one forward call
-        max_sequences = max(int(min(all_live, wanted)), 1)
-        return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
-    max_tokens = max(int((free_bytes - micro_sequences * micro_per_sequence
-                          - _calls_bytes(max_sequences, micro_sequences)) // held_per_token), 1)
-    return max_sequences, max_tokens, micro_sequences
-
-
-def _calls_bytes(sequences: int, micro_sequences: int) -> int:
-    """The suspended forward calls of a pass, one per micro-batch (the plan's peak counts the executor's cut)."""
-    return math.ceil(sequences / micro_sequences) * PREFILL_CALL_BYTES
 
 
 # ---------------------------------------------------------------------------------------------------------------

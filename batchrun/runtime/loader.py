@@ -9,6 +9,7 @@ other work keeps its cache.
 """
 from __future__ import annotations
 
+import collections
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -44,7 +45,7 @@ class LayerWeights:
 
 
 class LayerLoader:
-    """Loads layer `i` into buffer slot `s`; slots are owned by the caller (see stream.SlotPool)."""
+    """Loads layer `i` into buffer slot `s`; slots are owned by the caller (see SlotPool)."""
 
     def __init__(self, layer_recipes: list[list[Recipe]], layer_prefixes: list[str], meta_params: list[dict],
                  *, device: torch.device, model, config, drop_page_cache: bool = True,
@@ -332,3 +333,47 @@ class _null_context:
 
     def __exit__(self, *exc):
         return False
+
+
+class SlotPool:
+    """Buffer slots; at most `count` layers are materialised at any moment. The pool grows by new slots and shrinks
+    by retiring free ones, whose buffers the caller then frees."""
+
+    def __init__(self, count: int):
+        self._cond = threading.Condition()
+        self._free = collections.deque(range(count))
+        self._next_slot = count
+        self.count = count
+        self.in_use = 0
+        self.peak_in_use = 0
+
+    def take(self) -> int:
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            self.in_use += 1
+            self.peak_in_use = max(self.peak_in_use, self.in_use)
+            return self._free.popleft()
+
+    def give(self, slot: int) -> None:
+        with self._cond:
+            self.in_use -= 1
+            self._free.append(slot)
+            self._cond.notify()
+
+    def grow(self, count: int) -> None:
+        with self._cond:
+            while self.count < count:
+                self._free.append(self._next_slot)
+                self._next_slot += 1
+                self.count += 1
+            self._cond.notify_all()
+
+    def retire_free(self, count: int) -> list[int]:
+        """Take free slots out of the pool until it has `count`; returns them (fewer if not enough are free)."""
+        retired = []
+        with self._cond:
+            while self.count > count and self._free:
+                retired.append(self._free.pop())
+                self.count -= 1
+        return retired

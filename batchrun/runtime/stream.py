@@ -7,11 +7,9 @@ discover the decoder stack and swap weights in and out around each layer's forwa
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +23,7 @@ from batchrun.host import faults, keep_heap_flat, return_freed_memory
 from batchrun.runtime.devices import default_device, resolve_dtype
 from batchrun.runtime.linear_kernels import (PACK_MIN_ROWS, drop_packed_weights, pack_weights, packing_available,
                                              route_linears, routed_weight_names, sharing_tiles)
-from batchrun.runtime.loader import LayerLoader, LayerWeights
+from batchrun.runtime.loader import LayerLoader, LayerWeights, SlotPool
 from batchrun.runtime.turns import LayerTurns, PassGroup, run_interleaved
 from batchrun.runtime.weights import Recipe, build_recipes, read_into, realize, tensor_from_bytes
 
@@ -43,50 +41,6 @@ def find_decoder_stack(model: torch.nn.Module, num_layers: int) -> tuple[str, to
 
 def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-class SlotPool:
-    """Buffer slots; at most `count` layers are materialised at any moment. The pool grows by new slots and shrinks
-    by retiring free ones, whose buffers the caller then frees."""
-
-    def __init__(self, count: int):
-        self._cond = threading.Condition()
-        self._free = collections.deque(range(count))
-        self._next_slot = count
-        self.count = count
-        self.in_use = 0
-        self.peak_in_use = 0
-
-    def take(self) -> int:
-        with self._cond:
-            while not self._free:
-                self._cond.wait()
-            self.in_use += 1
-            self.peak_in_use = max(self.peak_in_use, self.in_use)
-            return self._free.popleft()
-
-    def give(self, slot: int) -> None:
-        with self._cond:
-            self.in_use -= 1
-            self._free.append(slot)
-            self._cond.notify()
-
-    def grow(self, count: int) -> None:
-        with self._cond:
-            while self.count < count:
-                self._free.append(self._next_slot)
-                self._next_slot += 1
-                self.count += 1
-            self._cond.notify_all()
-
-    def retire_free(self, count: int) -> list[int]:
-        """Take free slots out of the pool until it has `count`; returns them (fewer if not enough are free)."""
-        retired = []
-        with self._cond:
-            while self.count > count and self._free:
-                retired.append(self._free.pop())
-                self.count -= 1
-        return retired
 
 
 @dataclass(frozen=True)

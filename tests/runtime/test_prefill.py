@@ -8,7 +8,7 @@ import torch
 from batchrun.plan.batching import MIN_SHARED_PREFIX
 from batchrun.runtime import LayerReads, ResidentModel, StreamedModel
 from batchrun.runtime.prefill import PrefixSharedLayer, SharedPrefix, decode, drop_finished, merge_for_decode, prefill
-from tests.reference import assert_matches_reference, sequences
+from tests.reference import assert_matches_reference, decode_matching_reference, sequences
 from tests.support import copy_checkpoint
 
 ARCHS_WITHOUT_WINDOWS = ["llama", "qwen2", "gpt_neox", "phi3", "mixtral", "gpt2"]
@@ -245,13 +245,7 @@ def test_sliding_window_layers_hold_only_their_window_after_a_prefill(tiny_check
         sliding = [layer for state in states for layer in state.cache.layers if layer.is_sliding]
         assert sliding and all(layer.keys.shape[-2] < window for layer in sliding)
         assert all(t.untyped_storage().nbytes() == t.nbytes for layer in sliding for t in (layer.keys, layer.values))
-        tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
-        for _ in range(3):
-            stepped = decode(handle, states, tokens)
-            for i in tokens:
-                seqs[i] = seqs[i] + [tokens[i]]
-                assert_matches_reference(stepped[i], checkpoint, seqs[i])
-            tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}
+        decode_matching_reference(handle, states, got, seqs, checkpoint, steps=3)
 
 
 @pytest.mark.parametrize("decode_groups", [None, 2])
@@ -311,14 +305,8 @@ def test_decode_passes_read_a_layer_further_ahead_and_free_that_slot_before_the_
         seqs = sequences(handle.model.config.vocab_size, count=4)
         got, states = prefill(handle, seqs, pad_id=0, keep=1, micro_batch=2, use_cache=True, share_prefix=True)
         assert len(buffered_slots()) == 2
-        tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
         phase[0] = "decode"
-        for _ in range(2):
-            stepped = decode(handle, states, tokens)
-            for i in tokens:
-                seqs[i] = seqs[i] + [tokens[i]]
-                assert_matches_reference(stepped[i], checkpoint, seqs[i])
-            tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}
+        decode_matching_reference(handle, states, got, seqs, checkpoint, steps=2)
         assert len(buffered_slots()) == 3
         phase[0] = "prefill"
         again, _ = prefill(handle, seqs, pad_id=0, keep=1, micro_batch=2, use_cache=False)

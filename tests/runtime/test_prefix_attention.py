@@ -11,8 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from batchrun.plan.batching import MIN_SHARED_PREFIX
 from batchrun.runtime import StreamedModel, cache_argument, output_cache, prefix_attention
-from batchrun.runtime.prefill import decode, merge_for_decode, prefill
-from tests.reference import assert_matches_reference, sequences
+from batchrun.runtime.prefill import merge_for_decode, prefill
+from tests.reference import assert_matches_reference, decode_matching_reference, sequences
 from tests.tiny_models import TINY_ARCHS
 
 
@@ -79,13 +79,7 @@ def test_decoding_after_a_shared_prefix_reads_the_prefix_in_place(tiny_checkpoin
         for i, lp in enumerate(got):
             assert_matches_reference(lp[-1], checkpoint, seqs[i])
         states = merge_for_decode(states, None)
-        tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
-        for step in range(2):
-            stepped = decode(handle, states, tokens)
-            for i in tokens:
-                seqs[i] = seqs[i] + [tokens[i]]
-                assert_matches_reference(stepped[i], checkpoint, seqs[i])
-            tokens = {i: int(lp.argmax()) for i, lp in stepped.items()}
+        decode_matching_reference(handle, states, got, seqs, checkpoint, steps=2)
         assert len(taken) == 2 * layers
 
 
