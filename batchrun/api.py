@@ -10,7 +10,6 @@ No torch at import: the executor is loaded when `submit` runs.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 import os
@@ -21,16 +20,15 @@ from typing import Union
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.host import HOST, default_db_path, state_dir
+from batchrun.host import default_db_path, stored_spec
 from batchrun.job import JobOptions, plan_report
-from batchrun.output import results_table
+from batchrun.output import answers_table
 from batchrun.spec import SpecError
 from batchrun.store import Store
 
 __all__ = ["plan_job", "spec_path", "submit"]
 
 Spec = Union[str, os.PathLike, pa.Table, Iterable[Mapping]]
-SPECS_DIR = "specs"  # under the state directory: the spec files written for rows given in memory
 
 
 def submit(spec: Spec, *, output: str | os.PathLike | None = None, db: str | os.PathLike | None = None,
@@ -53,7 +51,8 @@ def submit(spec: Spec, *, output: str | os.PathLike | None = None, db: str | os.
     ... ]
     >>> answers = batchrun.submit(rows)
     >>> answers.column_names
-    ['id', 'answer', 'choice_probs', 'score', 'logprob', 'prompt_tokens', 'output_tokens', 'finish_reason', 'error']
+    ['id', 'answer', 'choice_probs', 'calibrated_probs', 'score', 'logprob', 'prompt_tokens', 'output_tokens',
+     'finish_reason', 'error', 'label', 'correct']
     >>> answers["id"].to_pylist(), answers["answer"][0].as_py() in ("positive", "negative")
     (['r1', 'r2'], True)
     """
@@ -65,7 +64,7 @@ def submit(spec: Spec, *, output: str | os.PathLike | None = None, db: str | os.
                       write_output=output is not None)
     store = Store(db_path)
     try:
-        return results_table(store.results(summary.job_id))
+        return answers_table(store, summary.job_id)
     finally:
         store.close()
 
@@ -145,17 +144,4 @@ def _parquet_bytes(table: pa.Table) -> bytes:
 
 
 def _stored_spec(data: bytes, suffix: str) -> Path:
-    """The spec file holding `data` under the state directory, named by its hash; written once, atomically, so the
-    name always stands for its bytes and a job that records the path can resume from it."""
-    directory = state_dir() / SPECS_DIR
-    path = directory / f"rows-{hashlib.sha256(data).hexdigest()[:16]}{suffix}"
-    if path.is_file() and path.stat().st_size == len(data) and path.read_bytes() == data:
-        return path
-    directory.mkdir(parents=True, exist_ok=True)
-    temp = directory / f".{path.name}.tmp-{HOST}-{os.getpid()}"
-    try:
-        temp.write_bytes(data)
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
-    return path
+    return stored_spec(data, "rows", suffix)

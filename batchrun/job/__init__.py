@@ -1,10 +1,14 @@
 """A job from spec to answers: options, identity (fingerprint, row keys), preparation and planning, and the
 resumable executor (`submit`, which needs torch and so is loaded on first use: `batchrun plan` stays light).
 """
-from batchrun.job.options import JobOptions
+from batchrun.job.compare import DEFAULT_SAMPLE, Comparison
+from batchrun.job.compare import compare as compare_models
+from batchrun.job.compare import describe as describe_comparison
+from batchrun.job.options import CALIBRATION_METHODS, DEFAULT_CALIBRATION, JobOptions
 from batchrun.job.prepare import plan_report, resolve_model
 
-__all__ = ["JobOptions", "plan_report", "resolve_model", "submit"]
+__all__ = ["CALIBRATION_METHODS", "DEFAULT_CALIBRATION", "DEFAULT_SAMPLE", "Comparison", "JobOptions",
+           "compare_models", "describe_comparison", "plan_report", "resolve_model", "submit"]
 
 
 def __getattr__(name: str):

@@ -17,15 +17,17 @@ from transformers.utils import logging as transformers_logging
 from batchrun.errors import OutputRefused, PlanRefused
 from batchrun.host import (batch_cap_after_oom, default_db_path, faults, keep_freed_pages_below, killed_by_oom,
                            memory_cgroup_dir, oom_kill_count, stops_deferred)
+from batchrun.job.calibration import calibration_settings
 from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_row_per_key, plan_rows, prepare_job,
                                   row_costs)
-from batchrun.output import (OutputError, OutputExists, check_output_writable, default_output_path, output_format,
-                             write_results)
+from batchrun.output import (OutputError, OutputExists, check_output_writable, default_output_path, job_answers,
+                             describe_calibration, output_format, quality, write_results)
 from batchrun.plan import Candidate, RowCost, without_prefix
+from batchrun.report import is_report, write_report
 from batchrun.runtime import (Answer, GreedyPool, LayerReads, PoolPlan, eos_token_ids, generation_answer, open_model,
                               reads_prefix_in_place, score_choices)
 from batchrun.spec import EncodedRow, uses_chat_template
-from batchrun.store import JobNotFound, RowResult, Store, StoreError
+from batchrun.store import JobNotFound, JobRow, RowResult, Store, StoreError
 
 log = logging.getLogger("batchrun")
 
@@ -47,6 +49,7 @@ class RunSummary:
     bytes_read: int = 0  # weight bytes read from the checkpoint by this run (streamed mode)
     pass_seconds: list[float] = field(default_factory=list)  # wall time of each pass of this run
     empty_answers: int = 0  # generated answers of this run that stopped before any text
+    quality: dict | None = None  # accuracy over labelled rows and the calibration used (output.quality)
 
     @property
     def median_pass_seconds(self) -> float | None:
@@ -84,8 +87,9 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
     try:
         if output_path is not None and output_path.exists() and not force:
             _refuse_existing_output(store, prepared.fingerprint, output_path)
+        calibration = calibration_settings(prepared, lambda path, side: _side_job(path, side, db_path))
         job_id = store.ensure_job(prepared.fingerprint, spec_path=str(spec_path.resolve()), model=prepared.model.name,
-                                  settings=options.answer_settings(),
+                                  settings={**prepared.options.answer_settings(), **calibration},
                                   rows=_all_row_ids(prepared))
         store.acquire(job_id)
         state, error = "failed", None
@@ -93,6 +97,7 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
             with store.heartbeat_while_running(job_id):
                 summary = _run(prepared, store, job_id, quiet=quiet, on_plan=on_plan)
             state = "done"  # every answer is committed; a failed write below loses none of them
+            _judge(store, job_id, summary)
             if output_path is not None:
                 summary.output = str(_write_output(store, job_id, output_path, output_fmt, force))
             return summary
@@ -105,8 +110,43 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
             raise
         finally:
             _release(store, job_id, state, error)
+            if output_path is not None:
+                _write_report(store, job_id, report_path(output_path))
     finally:
         store.close()
+
+
+def report_path(output_path: Path) -> Path:
+    """Beside the answers: docs.answers.parquet -> docs.report.html, mine.jsonl -> mine.report.html."""
+    return output_path.with_name(f"{output_path.stem.removesuffix('.answers')}.report.html")
+
+
+def _write_report(store: Store, job_id: str, path: Path) -> None:
+    """The job's report after every run (done, interrupted or failed: what is done so far). A file there that is
+    not a batchrun report is the user's and stays; a report that cannot be written costs the run nothing."""
+    if path.exists() and not is_report(path):
+        log.warning("the report is not written: %s exists and is not a batchrun report (batchrun report -o FILE "
+                    "writes one elsewhere)", path)
+        return
+    try:
+        write_report(store, job_id, path, force=True)
+    except Exception as error:  # noqa: BLE001 - the answers are in; a report is a view of them
+        log.warning("could not write the report %s: %s (batchrun report %s writes it)", path, error, job_id)
+
+
+def _side_job(spec_path: Path, options: JobOptions, db_path: Path) -> str:
+    """Run a job the main job needs (content-free calibration inputs) to its end, in the same database."""
+    log.info("running the content-free calibration inputs (%s)", spec_path.name)
+    return submit(spec_path, options=options, db=db_path, write_output=False).job_id
+
+
+def _judge(store: Store, job_id: str, summary: RunSummary) -> None:
+    """Accuracy over the labelled rows and the calibration used, where the job has either."""
+    answers = job_answers(store, job_id)
+    if answers.calibration.method == "none" and not any(row.result.label is not None for row in answers.rows):
+        return
+    summary.quality = quality(answers)
+    summary.notes += describe_calibration(answers.calibration) + answers.notes
 
 
 def _export_command(store: Store, job_id: str) -> str:
@@ -129,7 +169,8 @@ def _refuse_existing_output(store: Store, fingerprint: str, output_path: Path) -
 
 def _write_output(store: Store, job_id: str, path: Path, fmt: str, force: bool) -> Path:
     try:
-        return write_results(path, store.results(job_id), fmt, model=store.status(job_id)["model"], force=force)
+        return write_results(path, job_answers(store, job_id).rows, fmt, model=store.status(job_id)["model"],
+                             force=force)
     except OutputError as error:
         raise OutputError(path, f"{error.reason}. Every answer is kept in the database: "
                                 f"{_export_command(store, job_id)} writes them") from None
@@ -151,11 +192,12 @@ def _release(store: Store, job_id: str, state: str, error: str | None = None) ->
         log.warning("could not release job %s after the run failed; the next run will take its lock over", job_id)
 
 
-def _all_row_ids(prepared: PreparedJob) -> list[tuple[int, object, str | None]]:
-    ids = [(r.request.index, r.request.id, prepared.row_keys[r.request.index]) for r in prepared.rows]
+def _all_row_ids(prepared: PreparedJob) -> list[JobRow]:
+    ids = [JobRow(r.request.index, r.request.id, prepared.row_keys[r.request.index], r.request.label,
+                  r.request.carried) for r in prepared.rows]
     # An invalid row whose id could not be read is named by its location ("spec.jsonl:12").
-    ids += [(bad.index, bad.output_id, None) for bad in prepared.spec.invalid]
-    return sorted(ids, key=lambda row: row[0])
+    ids += [JobRow(bad.index, bad.output_id) for bad in prepared.spec.invalid]
+    return sorted(ids, key=lambda row: row.idx)
 
 
 def _record_refused_rows(prepared: PreparedJob, store: Store, job_id: str, pending: set[int]) -> None:
@@ -193,7 +235,8 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
         # rows answered before, and those this run computes (a row repeating another is answered after the run)
         bar = tqdm(total=finished_before + sum(len(batch) for batch in batches), initial=finished_before,
                    unit="row", disable=quiet, desc=f"batchrun {job_id[:8]} ({plan.mode})", dynamic_ncols=True)
-        _run_batches(prepared, _Commits(store, job_id, bar, summary.pass_seconds), plan, batches, partial, summary)
+        commits = _Commits(store, job_id, bar, summary.pass_seconds, plan)
+        _run_batches(prepared, commits, plan, batches, partial, summary)
         repeats_filled += store.fill_duplicates(job_id)
         if summary.empty_answers:
             note = (f"{summary.empty_answers} answer(s) are empty: the row stopped (EOS or a stop string) before "
@@ -267,18 +310,43 @@ def _after_previous_run(options: JobOptions, previous: list[dict], notes: list[s
 
 @dataclass
 class _Commits:
-    """Where a run's passes go: the job's rows in the store, the progress bar, each pass's seconds."""
+    """Where a run's passes go: the job's rows in the store, the progress bar, each pass's seconds (also recorded
+    in the store with the plan's estimate of the pass and the peak memory so far, for the job's report)."""
     store: Store
     job_id: str
     bar: tqdm
     pass_seconds: list[float]
+    plan: Candidate
+
+    def __post_init__(self) -> None:
+        self.store.record_run_estimate(self.job_id, mode=self.plan.mode, planned_seconds=self.plan.eta_seconds)
 
     def pass_committed(self, rows: int, started: float) -> None:
         """A pass that began at `started` (time.monotonic) is committed with `rows` answers."""
         faults.reached("committed")
-        self.pass_seconds.append(time.monotonic() - started)
+        seconds = time.monotonic() - started
+        self.pass_seconds.append(seconds)
+        planned = self.plan.pass_seconds
+        number = len(self.pass_seconds)
+        self.store.record_pass(self.job_id, seconds=seconds, rows_finished=rows,
+                               peak_memory_bytes=self._peak_memory_bytes(),
+                               planned_seconds=planned[number - 1] if number <= len(planned) else None)
         self.bar.update(rows)
         _show_rate(self.bar, self.pass_seconds)
+
+    def _peak_memory_bytes(self) -> int | None:
+        """What the plan's peak memory is measured against: the device's peak reserved memory on CUDA, else this
+        process's peak resident memory (VmHWM: its own, not a parent's carried across exec as ru_maxrss is)."""
+        if self.plan.device.startswith("cuda"):
+            import torch
+
+            return int(torch.cuda.max_memory_reserved(self.plan.device))
+        try:
+            with open("/proc/self/status", encoding="ascii") as status:
+                hwm = next(line for line in status if line.startswith("VmHWM:"))
+            return int(hwm.split()[1]) * 1024
+        except (OSError, StopIteration, ValueError, IndexError):
+            return None  # not Linux: left unknown rather than guessed
 
 
 def _run_batches(prepared: PreparedJob, commits: _Commits, plan: Candidate, batches: list[list[EncodedRow]],

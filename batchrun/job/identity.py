@@ -50,14 +50,16 @@ def row_keys(model_identity: Sequence[bytes], compute_dtype: str,
 
 
 def fingerprint(spec: JobSpec, model_identity: Sequence[bytes], compute_dtype: str,
-                rows: Sequence[EncodedRow]) -> str:
+                rows: Sequence[EncodedRow], calibrate: str = "none") -> str:
     """Spec bytes + model identity + every row as it will run + the compute dtype.
 
     The model is its config, generation config (end-of-sequence ids), tensor headers and the first bytes of every
     tensor's data: a fine-tune with the same config and shapes is another job, not a resume of the base model's.
     A row is its id, token ids (which stand for the tokenizer, chat template, system message, template and --raw),
     choices, token limit and stop strings: an option that changes no row (--max-new-tokens on a spec of choice
-    rows, --choices where every row has its own) keeps the job, one that changes any row makes a new one."""
+    rows, --choices where every row has its own) keeps the job, one that changes any row makes a new one. A
+    row's label and carried values, and the calibration, are the job's too (they change its output); a job without
+    them keeps the identity it always had."""
     digest = hashlib.sha256()
     digest.update(spec.content_sha256.encode())
     for part in model_identity:
@@ -65,14 +67,17 @@ def fingerprint(spec: JobSpec, model_identity: Sequence[bytes], compute_dtype: s
     for row in rows:
         request = row.request
         generates = not row.is_choice
-        digest.update(json.dumps([request.index, request.id, request.choices, row.error,
-                                  request.max_new_tokens if generates else None,
-                                  request.stop if generates else None]).encode())
+        described = [request.index, request.id, request.choices, row.error,
+                     request.max_new_tokens if generates else None, request.stop if generates else None]
+        if request.label is not None or request.carried is not None:
+            described += [request.label, request.carried]
+        digest.update(json.dumps(described, sort_keys=True).encode())
         for ids in (row.prompt_ids, *row.choice_ids):  # packed: a big corpus has hundreds of millions of tokens
             digest.update(array("q", [len(ids), *ids]).tobytes())
     for bad in spec.invalid:  # recorded as errored rows (--skip-invalid): their ids and reasons are answers too
         digest.update(json.dumps([bad.index, bad.id, bad.location, bad.reason]).encode())
-    digest.update(json.dumps({"dtype": compute_dtype}).encode())
+    digest.update(json.dumps({"dtype": compute_dtype} if calibrate == "none"
+                             else {"dtype": compute_dtype, "calibrate": calibrate}).encode())
     return digest.hexdigest()
 
 

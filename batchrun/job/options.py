@@ -3,14 +3,17 @@ them so that scripts building options get the same refusals.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from batchrun.errors import SettingRefused
 from batchrun.plan import parse_streaming
 
 # Settings that can change answers, recorded with a job. Its identity is what they do to its rows (fingerprint):
 # batch size, memory budget, streaming policy and prefetch change no row, so a job resumes whatever they are.
-ANSWER_SETTINGS = ("template", "id_column", "choices", "system", "max_new_tokens", "stop", "raw", "dtype")
+ANSWER_SETTINGS = ("template", "id_column", "choices", "system", "max_new_tokens", "stop", "raw", "dtype",
+                   "label_column", "keep_columns", "calibrate")
+CALIBRATION_METHODS = ("auto", "none", "batch", "content-free", "labels")
+DEFAULT_CALIBRATION = "auto"  # changes answers only where labelled rows show it helps (docs/calibration.md)
 
 
 @dataclass
@@ -47,6 +50,9 @@ class JobOptions:
     bandwidth_gbps: float | None = None
     hf_token: str | None = field(default=None, repr=False)
     trust_remote_code: bool = False
+    label_column: str | None = None  # corpus mode: the column holding each row's expected answer
+    keep_columns: tuple[str, ...] | None = None  # corpus mode: input columns copied into the output; ("*",): all
+    calibrate: str = DEFAULT_CALIBRATION  # how choice probabilities are calibrated (docs/calibration.md)
 
     def __post_init__(self):
         """The checks the CLI's option types make, for scripts that build options themselves."""
@@ -60,11 +66,22 @@ class JobOptions:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and value > 0):
                 raise SettingRefused(f"{name} must be a positive number, got {value!r}")
+        if self.calibrate not in CALIBRATION_METHODS:
+            raise SettingRefused(f"calibrate {self.calibrate!r}: use one of {', '.join(CALIBRATION_METHODS)}")
+        if isinstance(self.keep_columns, str):
+            self.keep_columns = tuple(name.strip() for name in self.keep_columns.split(",") if name.strip())
         if self.streaming is not None:
             try:
                 parse_streaming(self.streaming)
             except ValueError as error:
                 raise SettingRefused(str(error)) from None
+
+    def with_effective_calibration(self, requests) -> JobOptions:
+        """Auto calibration weighs methods on labelled choice rows; without any, it is none, and the job is the one
+        it would be without calibration (the same identity, the same recorded settings)."""
+        if self.calibrate == "auto" and not any(r.choices is not None and r.label is not None for r in requests):
+            return replace(self, calibrate="none")
+        return self
 
     def answer_settings(self) -> dict:
         values = asdict(self)

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Sequence
 
 from batchrun import measure
-from batchrun.checkpoint import (CheckpointError, CheckpointSizes, checkpoint_sizes, default_model, load_config,
-                                 load_tokenizer, resolve_checkpoint)
+from batchrun.checkpoint import (DEFAULT_REGISTRY_MODEL, CheckpointError, CheckpointSizes, checkpoint_sizes,
+                                 default_model, load_config, load_tokenizer, registry_label, resolve_checkpoint)
 from batchrun.host import auto_compute_dtype, available_memory_bytes, cpu_auto_reason, disk_free_bytes, resident_bytes
 from batchrun.job.identity import fingerprint, model_identity_parts, one_row_per_key, row_keys
 from batchrun.job.options import JobOptions
@@ -52,13 +52,17 @@ class PreparedJob:
 
 
 def names_default_model(model: str | None) -> bool:
-    """No --model, or `--model default` (to name it beside another model), unless a directory is called that."""
-    return model is None or (model == "default" and not Path(model).exists())
+    """No --model, `--model default` (to name it beside another model) or the default's registry name
+    (smollm2-135m: the same checkpoint, so the same job), unless a directory is called that."""
+    return model is None or (model in ("default", DEFAULT_REGISTRY_MODEL.name) and not Path(model).exists())
 
 
 def model_label(model: str | None) -> str:
-    """How plans, jobs and outputs name a model: the --model given, or the default model's label."""
-    return DEFAULT_MODEL_LABEL if names_default_model(model) else model
+    """How plans, jobs and outputs name a model: the default model's label, a registry model's name with what it
+    is, or the --model given."""
+    if names_default_model(model):
+        return DEFAULT_MODEL_LABEL
+    return (registry_label(model) if not Path(model).exists() else None) or model
 
 
 def resolve_model(model: str | None, options: JobOptions) -> Path:
@@ -106,7 +110,8 @@ def _decode_attention(checkpoint: Path, options: JobOptions) -> tuple[bool, bool
 def read_job_spec(spec_path: Path, options: JobOptions) -> JobSpec:
     return read_spec(spec_path, template=options.template, id_column=options.id_column, choices=options.choices,
                      system=options.system, max_new_tokens=options.max_new_tokens, stop=options.stop,
-                     skip_invalid=options.skip_invalid)
+                     skip_invalid=options.skip_invalid, label_column=options.label_column,
+                     keep_columns=options.keep_columns)
 
 
 def row_costs(rows: Sequence[EncodedRow], prefixes: dict[int, int] | None = None) -> list[RowCost]:
@@ -144,7 +149,7 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
               generated: dict[int, int] | None = None) -> Candidate:
     """Plan `rows` (runnable ones); `generated`: row index -> tokens a previous run already generated."""
     costs = row_costs(rows, generated)
-    # The kept positions and shortest sequence of the first pass (runtime/score.py), so plan and run share the same prefix.
+    # The kept positions and shortest sequence of the first pass (runtime/score.py): plan and run share the prefix.
     shortest = min((shortest_first_pass_sequence(row) for row in rows), default=0)
     prompts = [row.prompt_ids for row in rows]
     sizes = prepared.sizes
@@ -223,13 +228,15 @@ def detect_device(options: JobOptions) -> str:
 
 def prepare_job(spec_path: Path, options: JobOptions) -> PreparedJob:
     spec = read_job_spec(spec_path, options)  # every bad row is reported before any model work
+    options = options.with_effective_calibration(spec.requests)
     device = detect_device(options)
     prepared = prepare_model(options.model, options)
     rows = encode_requests(prepared.tokenizer, spec.requests, raw=options.raw,
                            context_length=prepared.context_length)
     dtype = compute_dtype_for(options, device, prepared.sizes.storage_dtype)
     model_identity = model_identity_parts(prepared.checkpoint)
-    return PreparedJob(spec, options, prepared, rows, fingerprint(spec, model_identity, dtype, rows), device, dtype,
+    return PreparedJob(spec, options, prepared, rows, fingerprint(spec, model_identity, dtype, rows, options.calibrate),
+                       device, dtype,
                        row_keys(model_identity, dtype, rows))
 
 

@@ -15,6 +15,7 @@ import torch
 from batchrun.plan import RowCost, admit, shares_prefix
 from batchrun.runtime.prefill import (PrefillCalls, SharedPrefix, collect_decoded, decode_calls, drop_finished,
                                       merge_for_decode, prefill)
+from batchrun.quality import numeric_score
 from batchrun.spec import EncodedRow, choice_sequences, kept_positions
 
 
@@ -29,6 +30,7 @@ class Answer:
     output_tokens: int
     finish_reason: str
     token_ids: list[int] | None = None
+    choice_tokens: dict[str, int] | None = None  # a choice row's tokens per choice (a calibrated answer's count)
 
 
 # -- choice rows ---------------------------------------------------------------------------------
@@ -65,18 +67,8 @@ def _choice_answer(row: EncodedRow, logprobs: list[torch.Tensor], first: int) ->
     best = max(range(len(sums)), key=sums.__getitem__)
     return Answer(idx=row.request.index, answer=row.request.choices[best], choice_probs=probs,
                   score=numeric_score(probs), logprob=sums[best], prompt_tokens=len(row.prompt_ids),
-                  output_tokens=len(row.choice_ids[best]), finish_reason="choice")
-
-
-def numeric_score(probs: dict[str, float]) -> float | None:
-    """The probability-weighted mean when every choice is a number."""
-    try:
-        values = {c: float(c) for c in probs}
-    except ValueError:
-        return None
-    if not all(math.isfinite(v) for v in values.values()):
-        return None
-    return sum(values[c] * p for c, p in probs.items())
+                  output_tokens=len(row.choice_ids[best]), finish_reason="choice",
+                  choice_tokens={c: len(ids) for c, ids in zip(row.request.choices, row.choice_ids)})
 
 
 # -- generation rows -----------------------------------------------------------------------------

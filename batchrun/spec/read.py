@@ -1,10 +1,12 @@
-"""Reading and validating a job spec: a JSONL or Parquet file with one request per row.
+"""Reading and validating a job spec: a JSONL, JSON array, CSV/TSV (each maybe compressed) or Parquet file with one
+request per row.
 
 A row is one of three shapes:
-  * native:  {"id", "prompt" | "messages", "system"?, "choices"? | "max_new_tokens"?/"stop"?}
-  * OpenAI Batch API: {"custom_id", "method", "url", "body": {"messages", "max_tokens", "stop", ...}}
+  * native:  {"id", "prompt" | "messages", "system"?, "choices"? | "max_new_tokens"?/"stop"?, "label"?, "metadata"?}
+  * OpenAI Batch API: {"custom_id", "method", "url", "body": {"messages", "max_tokens", "stop", ...}, "label"?, ...}
   * corpus:  any columns, when the job gives a template that builds the prompt from them; its system, choices,
-             max_new_tokens and stop columns are the row's settings, as in a native row, unless the template reads them.
+             max_new_tokens and stop columns are the row's settings, as in a native row, unless the template reads them;
+             a label column (label_column) holds the expected answer, and kept columns (keep_columns) go to the output.
 Every row is checked before anything runs; all problems are reported together. A null value means
 "not set" (Parquet has every column in every row, so optional fields are null where unused).
 """
@@ -16,16 +18,19 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from batchrun.spec.files import jsonl_rows, kind, parquet_rows, sha256_of, show
+from batchrun.spec.files import (csv_rows, decompressed, holds_json_array, json_array_rows, jsonl_rows, kind,
+                                 parquet_rows, sha256_of, show, spec_format)
 from batchrun.spec.template import Field, RowProblem, SpecError, parse_template, render_template, template_columns
-from batchrun.spec.values import checked_choices, checked_stop, checked_text, positive_int, refuse_unknown_keys, whole
+from batchrun.spec.values import (checked_choices, checked_label, checked_stop, checked_text, positive_int,
+                                  refuse_unknown_keys, whole)
 
 __all__ = ["Field", "InvalidRow", "JobSpec", "Request", "SpecError", "parse_template", "read_spec"]
 
-JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-PARQUET_SUFFIXES = (".parquet",)
-NATIVE_KEYS = ("id", "custom_id", "prompt", "messages", "system", "choices", "max_new_tokens", "stop")
-OPENAI_KEYS = ("custom_id", "method", "url", "body")
+CSV_DELIMITERS = {"csv": ",", "tsv": "\t"}  # the spec formats read as text with a header row (files.SPEC_FORMATS)
+NATIVE_KEYS = ("id", "custom_id", "prompt", "messages", "system", "choices", "max_new_tokens", "stop", "label",
+               "metadata")
+# label and metadata are batchrun's own, beside an OpenAI line's keys: the expected answer and the user's data.
+OPENAI_KEYS = ("custom_id", "method", "url", "body", "label", "metadata")
 OPENAI_CHAT_URL = "/v1/chat/completions"
 # The chat-completions parameters batchrun reads (tools only to refuse them) and those it ignores: sampling, output
 # formats, logging, caching and streaming say nothing a greedy, text-only run of one answer a request could honour.
@@ -53,6 +58,8 @@ class Request:
     choices: tuple[str, ...] | None  # set for classification rows
     max_new_tokens: int  # 0 for choice rows
     stop: tuple[str, ...]
+    label: str | None = None  # the expected answer: one of the choices, or the text a generation row should give
+    carried: dict | None = None  # output column -> value the row carries through (metadata, --keep-columns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +98,8 @@ class _Job:
     template: list[str | Field] | None
     id_column: str | None
     row_settings: tuple[str, ...]  # the corpus columns that are a row's settings, not data
+    label_column: str | None = None  # corpus mode: the column holding each row's expected answer
+    keep_columns: tuple[str, ...] | None = None  # corpus mode: input columns copied to the output; ("*",): all
 
 
 def read_spec(
@@ -103,33 +112,42 @@ def read_spec(
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     stop: Sequence[str] | str | None = None,
     skip_invalid: bool = False,
+    label_column: str | None = None,
+    keep_columns: Sequence[str] | None = None,
 ) -> JobSpec:
     """Read and check a whole spec. Raises SpecError listing every bad row (or the file-level problem);
     with skip_invalid=True bad rows are returned in JobSpec.invalid and the rest are kept."""
     path = Path(path)
     shown = str(path)
-    suffix = path.suffix.lower()
-    if suffix not in JSONL_SUFFIXES + PARQUET_SUFFIXES:
-        raise SpecError([f"{shown}: unsupported spec file type {suffix or '(no extension)'!r}; use "
-                         f"{', '.join(JSONL_SUFFIXES + PARQUET_SUFFIXES)}"])
-    job = _job_settings(template, id_column, choices, system, max_new_tokens, stop)
-    is_parquet = suffix in PARQUET_SUFFIXES
+    file_format, compression = spec_format(path)
+    job = _with_corpus_columns(_job_settings(template, id_column, choices, system, max_new_tokens, stop),
+                               label_column, keep_columns)
+    is_parquet = file_format == "parquet"
     try:
         if not path.is_file():
             raise SpecError([f"{shown}: not a regular file" if path.exists() else f"{shown}: no such file"])
         data = b"" if is_parquet else path.read_bytes()
-        digest = sha256_of(path) if is_parquet else hashlib.sha256(data).hexdigest()
+        digest = sha256_of(path) if is_parquet else hashlib.sha256(data).hexdigest()  # of the bytes as given
     except OSError as error:
         raise SpecError([f"{shown}: cannot read the file ({error.strerror or error})"]) from None
     if is_parquet:
         rows = parquet_rows(path, shown, job.template, job.id_column, NATIVE_KEYS + OPENAI_KEYS,
-                            corpus_settings=job.row_settings, nan_is_null=_optional_numbers(job))
+                            corpus_settings=_corpus_columns(job), nan_is_null=_optional_numbers(job))
         numbering = _Numbering(shown, "row")
-    else:
-        rows, numbering = jsonl_rows(data, shown), _Numbering(shown, "line")
+    elif file_format in CSV_DELIMITERS:
+        rows = csv_rows(decompressed(data, compression, shown), shown, CSV_DELIMITERS[file_format], job.template,
+                        job.id_column, NATIVE_KEYS + OPENAI_KEYS, corpus_settings=_corpus_columns(job))
+        numbering = _Numbering(shown, "line")
+    else:  # JSON: one object a line, or one array of objects whose items are numbered as rows
+        text = decompressed(data, compression, shown)
+        numbering = _Numbering(shown, "row" if holds_json_array(text) else "line")
+        rows = json_array_rows(text, shown) if numbering.unit == "row" else jsonl_rows(text, shown)
     requests, invalid, problems = _check_rows(rows, numbering, job)
     if not requests and not invalid:
         raise SpecError([f"{shown}: the file is empty (no requests)"])
+    if job.label_column is not None and requests and all(request.label is None for request in requests):
+        raise SpecError([f"{shown}: no row has a label in column {job.label_column!r} (label_column); check the "
+                         "column's name"])
     if invalid and not skip_invalid:
         raise SpecError(problems)
     return JobSpec(path=path, requests=requests, invalid=invalid, content_sha256=digest)
@@ -154,6 +172,34 @@ def _job_settings(template, id_column, choices, system, max_new_tokens, stop) ->
         )
     except RowProblem as problem:
         raise SpecError([f"job setting: {problem}"]) from None
+
+
+def _with_corpus_columns(job: _Job, label_column: str | None, keep_columns: Sequence[str] | None) -> _Job:
+    """Corpus mode's label column and the columns carried to the output; neither exists without a template."""
+    if label_column is None and keep_columns is None:
+        return job
+    problem = None
+    if job.template is None:
+        problem = ("label_column" if label_column is not None else "keep_columns") + \
+            " only applies with a template (corpus mode); a request row carries its own label and metadata"
+    elif label_column is not None and (not isinstance(label_column, str) or not label_column):
+        problem = "label_column must be a non-empty column name"
+    elif label_column is not None and label_column in template_columns(job.template):
+        problem = f"the template reads the label column {label_column!r}: the model would see its answer"
+    elif keep_columns is not None and not all(isinstance(name, str) and name for name in keep_columns):
+        problem = "keep_columns must be column names (or '*' for all)"
+    if problem:
+        raise SpecError([f"job setting: {problem}"])
+    settings = tuple(key for key in job.row_settings if key != label_column)
+    kept = tuple(keep_columns) if keep_columns is not None else None
+    return replace(job, label_column=label_column, keep_columns=kept, row_settings=settings)
+
+
+def _corpus_columns(job: _Job) -> tuple[str, ...]:
+    """The columns a corpus row is read with besides the template's and the id's: its settings, its label and the
+    columns it carries to the output ("*": all of them)."""
+    extra = ((job.label_column,) if job.label_column else ()) + (job.keep_columns or ())
+    return job.row_settings + tuple(name for name in extra if name not in job.row_settings)
 
 
 def _optional_numbers(job: _Job) -> tuple[str, ...]:
@@ -258,6 +304,42 @@ def _checked_id(value: object, what: str) -> str | int:
 
 
 def _request(row: dict, index: int, row_id: str | int, location: str, job: _Job) -> Request:
+    """The row as it runs, with the label and the values it carries to the output."""
+    request = _request_shape(row, index, row_id, location, job)
+    if job.template is not None:
+        label = row.get(job.label_column) if job.label_column is not None else None
+        carried = _kept_columns(row, job)
+    else:
+        label, carried = row.get("label"), _metadata(row.get("metadata"))
+    if label is None and carried is None:
+        return request
+    return replace(request, label=checked_label(label, request.choices, job.label_column), carried=carried)
+
+
+def _metadata(value: object) -> dict | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RowProblem(f"metadata must be a JSON object, got {kind(value)}")
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise RowProblem(f"metadata cannot be written as JSON: {error}") from None
+    return {"metadata": value}
+
+
+def _kept_columns(row: dict, job: _Job) -> dict | None:
+    if job.keep_columns is None:
+        return None
+    names = list(row) if job.keep_columns == ("*",) else job.keep_columns
+    missing = [name for name in names if name not in row]
+    if missing:
+        raise RowProblem(f"--keep-columns names {', '.join(map(repr, missing))}, which this row does not have")
+    # JSON text for what a Parquet/JSON cell can hold beyond numbers and text (dates, decimals, bytes)
+    return {name: json.loads(json.dumps(row[name], default=str)) for name in names}
+
+
+def _request_shape(row: dict, index: int, row_id: str | int, location: str, job: _Job) -> Request:
     if job.template is not None:
         prompt = checked_text(render_template(job.template, _as_template_values(row, job.template)),
                               "the filled-in template", allow_empty=False)

@@ -68,3 +68,22 @@ def refuse_unknown_keys(mapping: Mapping, known: Sequence[str], context: str, ot
             guess = difflib.get_close_matches(str(key), known, n=1)
             hint = f"did you mean {guess[0]!r}?" if guess else otherwise or f"known keys: {', '.join(known)}"
             raise RowProblem(f"unknown key {show(key)}{context} ({hint})")
+
+
+def checked_label(value: object, choices: Sequence[str] | None, column: str | None = None) -> str | None:
+    """A row's expected answer. A choice row's must be one of its choices: the exact spelling, else the one choice it
+    matches after trimming and case-folding (stored as the choice's spelling). A whole number is its digits (a 1-5
+    rating's label 4 is the choice "4"). None: the row is unlabelled."""
+    what = f"label (column {column!r})" if column else "label"
+    value = whole(value)
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    text = checked_text(value, what, allow_empty=False)
+    if choices is None or text in choices:
+        return text
+    loose = [choice for choice in choices if choice.strip().casefold() == text.strip().casefold()]
+    if len(loose) == 1:
+        return loose[0]
+    raise RowProblem(f"{what} {show(text)} is not one of the row's choices ({', '.join(map(show, choices))})")

@@ -22,7 +22,7 @@ from batchrun.store.files import describe_failure, orphaned_log_message
 from batchrun.store.locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, eta_seconds, job_summary, lock_holder_alive,
                                   mark_alive, process_identity, run_seconds)
 from batchrun.store.reuse import Reused, fill_duplicates, reuse_answers
-from batchrun.store.rows import ROW_UPDATE_SQL, RowResult, row_result_from_db, row_update_params
+from batchrun.store.rows import ROW_UPDATE_SQL, JobRow, RowResult, row_result_from_db, row_update_params
 
 __all__ = ["JobLocked", "JobNotFound", "RowResult", "Store", "StoreError", "integrity_ok"]
 
@@ -109,10 +109,10 @@ class Store:
         spec_path: str,
         model: str,
         settings: dict,
-        rows: Sequence[tuple[int, str | int] | tuple[int, str | int, str | None]],
+        rows: Sequence[tuple],
     ) -> str:
         """Record a job and its rows (all pending) once; return its id. The same fingerprint -> the same job.
-        A row may carry its key (what its answer depends on: store/reuse.py)."""
+        Each row is a JobRow or a tuple of its leading fields: (idx, id), (idx, id, key), ..."""
         if len(fingerprint) < 16:
             raise ValueError(f"job fingerprint {fingerprint!r} is too short: need at least 16 characters")
         job_id = fingerprint[:16]
@@ -131,8 +131,11 @@ class Store:
                 (job_id, fingerprint, str(spec_path), model, json.dumps(settings, sort_keys=True), _now(), len(rows)),
             )
             conn.executemany(
-                "insert into rows (job_id, idx, id_json, row_key, state) values (?, ?, ?, ?, 'pending')",
-                ((job_id, row[0], json.dumps(row[1]), row[2] if len(row) > 2 else None) for row in rows),
+                "insert into rows (job_id, idx, id_json, row_key, label, carried_json, state) "
+                "values (?, ?, ?, ?, ?, ?, 'pending')",
+                ((job_id, row.idx, json.dumps(row.id), row.key, row.label,
+                  None if row.carried is None else json.dumps(row.carried, sort_keys=True))
+                 for row in map(lambda fields: JobRow(*fields), rows)),
             )
         return job_id
 
@@ -273,6 +276,32 @@ class Store:
                 (batch_size, planned_peak_bytes, memory_cgroup, oom_kills_at_start, planned_passes, job_id, run_no),
             )
 
+    def record_run_estimate(self, job_id: str, *, mode: str, planned_seconds: float | None) -> None:
+        """Note the current run's mode (resident or streamed) and the plan's ETA for the rows it started with."""
+        run_no = self._require_current_run(job_id)
+        with self._write("record the run's estimate") as conn:
+            conn.execute("update runs set mode = ?, planned_seconds = ? where job_id = ? and run_no = ?",
+                         (mode, planned_seconds, job_id, run_no))
+
+    def record_pass(self, job_id: str, *, seconds: float, rows_finished: int, bytes_read: int | None = None,
+                    read_seconds: float | None = None, peak_memory_bytes: int | None = None,
+                    planned_seconds: float | None = None) -> int:
+        """Record one committed pass of the current run (numbered 1, 2, ... within the run); returns its number.
+        `bytes_read`, `read_seconds`, `peak_memory_bytes` and `planned_seconds` are None where not known."""
+        if seconds < 0 or rows_finished < 0:
+            raise ValueError(f"a pass takes seconds >= 0 and rows_finished >= 0; got {seconds}, {rows_finished}")
+        run_no = self._require_current_run(job_id)
+        with self._write("record the pass's timing") as conn:
+            (pass_no,) = conn.execute("select coalesce(max(pass_no), 0) + 1 from passes where job_id = ? and "
+                                      "run_no = ?", (job_id, run_no)).fetchone()
+            conn.execute(
+                "insert into passes (job_id, run_no, pass_no, finished_at, seconds, rows_finished, bytes_read, "
+                "read_seconds, peak_memory_bytes, planned_seconds) values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (job_id, run_no, pass_no, _now(), float(seconds), int(rows_finished), bytes_read, read_seconds,
+                 peak_memory_bytes, planned_seconds),
+            )
+        return pass_no
+
     def release(self, job_id: str, end_state: str, error: str | None = None) -> None:
         """Close this process's run with end_state (and, for a failure, why), drop its lock, and set the job state
         to end_state."""
@@ -343,6 +372,30 @@ class Store:
             "running_pid": lock["pid"] if live_run_no is not None else None,
             "running_host": lock["host"] if live_run_no is not None else None,
         }
+
+    def passes(self, job_id: str) -> list[dict]:
+        """Every recorded pass of the job, in the order they ran (run by run), each as its `passes` row."""
+        with self._read() as conn:
+            self._require_job(conn, job_id)
+            return list(self.db.query("select * from passes where job_id = ? order by run_no, pass_no", (job_id,)))
+
+    def runs(self, job_id: str) -> list[dict]:
+        """Every run of the job, the live one included, oldest first, each with all its columns; end_state 'died'
+        for one left 'running' by a process that no longer runs it."""
+        with self._read() as conn:
+            self._require_job(conn, job_id)
+            runs = list(self.db.query("select * from runs where job_id = ? order by run_no", (job_id,)))
+            lock = self._lock_row(job_id)
+        live_run_no = self._live_run_no(job_id, lock)
+        for run in runs:
+            if run["end_state"] == "running" and live_run_no != run["run_no"]:
+                run["end_state"] = "died"
+        return runs
+
+    def job_settings(self, job_id: str) -> dict:
+        """The answer settings the job was recorded with (template, choices, max_new_tokens, ...)."""
+        with self._read() as conn:
+            return json.loads(self._require_job(conn, job_id)["settings_json"] or "{}")
 
     def jobs(self) -> list[dict]:
         """One summary per job, newest first."""

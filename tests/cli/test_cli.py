@@ -170,11 +170,12 @@ def test_submit_writes_openai_batch_jsonl_for_a_jsonl_name(tmp_path, spec, model
 def test_a_failed_write_after_the_run_keeps_the_job_done_and_says_where_the_answers_are(tmp_path, spec, model,
                                                                                       monkeypatch):
     from batchrun import output
+    from batchrun.output import files as output_files
 
     def disk_full(path, write, *, force=False):
         raise output.OutputError(path, "No space left on device")
 
-    monkeypatch.setattr(output, "atomic_write", disk_full)
+    monkeypatch.setattr(output_files, "atomic_write", disk_full)
     result = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db", "--output", tmp_path / "a.parquet")
     assert result.exit_code == 1 and "No space left on device" in result.stderr
     # the export command names the database it was given, so it works when copied

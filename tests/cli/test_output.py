@@ -55,8 +55,8 @@ def test_default_output_path_sits_beside_the_spec():
 def test_parquet_columns_types_and_input_order(tmp_path):
     path = write_parquet(tmp_path / "out.parquet", [failed(2, 30), chosen(1, 20), generated(0, 10)])
     schema = pq.read_schema(path)
-    assert schema.names == ["id", "answer", "choice_probs", "score", "logprob", "prompt_tokens", "output_tokens",
-                            "finish_reason", "error"]
+    assert schema.names == ["id", "answer", "choice_probs", "calibrated_probs", "score", "logprob", "prompt_tokens",
+                            "output_tokens", "finish_reason", "error", "label", "correct"]
     assert schema.field("id").type == pa.int64()
     assert schema.field("choice_probs").type == pa.map_(pa.string(), pa.float64())
     assert schema.field("prompt_tokens").type == pa.int64() and schema.field("score").type == pa.float64()

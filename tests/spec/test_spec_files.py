@@ -2,7 +2,6 @@
 settings, and templates that cannot be parsed or name a column a row lacks."""
 from __future__ import annotations
 
-import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -32,10 +31,10 @@ def test_parquet_without_rows_is_empty(tmp_path):
 
 
 def test_unsupported_extension_names_the_file(tmp_path):
-    path = tmp_path / "jobs.csv"
+    path = tmp_path / "jobs.xlsx"
     path.write_text("prompt\nx\n")
-    assert only_problem(path) == (f"{path}: unsupported spec file type '.csv'; use .jsonl, .json, .ndjson, "
-                                  ".parquet")
+    assert only_problem(path) == (f"{path}: unsupported spec file type '.xlsx'; use .jsonl, .json, .ndjson, .csv, "
+                                  ".tsv, .parquet (all but .parquet also compressed: .gz, .zst, .bz2, .xz)")
 
 
 def test_missing_file(tmp_path):
@@ -46,12 +45,6 @@ def test_directory_instead_of_file(tmp_path):
     folder = tmp_path / "jobs.jsonl"
     folder.mkdir()
     assert only_problem(folder) == f"{folder}: not a regular file"
-
-
-def test_json_array_file_gets_a_jsonl_hint(tmp_path):
-    path = tmp_path / "jobs.json"
-    path.write_text(json.dumps([{"prompt": "x"}], indent=2))
-    assert only_problem(path) == f"{path}: the file holds a JSON array; write one JSON object per line (JSONL)"
 
 
 def test_corrupt_parquet_file(tmp_path):

@@ -17,7 +17,8 @@ import pyarrow.parquet as pq
 
 from batchrun.errors import BatchrunError
 from batchrun.host import HOST, faults, pid_alive
-from batchrun.store import RowResult
+from batchrun.output.answers import OutputRow, job_answers, output_rows
+from batchrun.store import RowResult, Store
 
 CHOICE_PROBS_TYPE = pa.map_(pa.string(), pa.float64())
 
@@ -96,7 +97,8 @@ def check_output_writable(path: Path, spec_path: Path | None = None, db_path: Pa
             raise OutputError(path, f"{error.strerror or error} (checked before running)") from None
 
 
-def write_results(path: Path, results: Sequence[RowResult], fmt: str, *, model: str, force: bool = False) -> Path:
+def write_results(path: Path, results: Sequence[RowResult | OutputRow], fmt: str, *, model: str,
+                  force: bool = False) -> Path:
     if fmt == "jsonl":
         return write_jsonl(path, results, model=model, force=force)
     return write_parquet(path, results, force=force)
@@ -144,57 +146,107 @@ def _remove_abandoned_temps(path: Path) -> None:
                 pass  # another writer removed it first, or the directory is read-only: the new write decides
 
 
-def results_table(results: Sequence[RowResult]) -> pa.Table:
-    """The answers as an Arrow table, one row per result, in input order."""
-    ordered = sorted(results, key=lambda result: result.idx)
-    ids = [result.id for result in ordered]
-    # Keep integer ids integers; one string id anywhere makes the column strings (ints as their text).
-    if all(isinstance(row_id, int) and not isinstance(row_id, bool) for row_id in ids):
-        id_column = pa.array(ids, pa.int64())
-    else:
-        id_column = pa.array([str(row_id) for row_id in ids], pa.string())
+def results_table(rows: Sequence[RowResult | OutputRow]) -> pa.Table:
+    """The answers as an Arrow table, one row per result, in input order: the answer the output gives (calibrated
+    where the job calibrates), the model's own probabilities beside the calibrated ones, the label and whether the
+    answer matches it, then the columns the rows carry through (metadata, kept corpus columns)."""
+    ordered = as_output_rows(rows)
+    results = [row.result for row in ordered]
     columns = {
-        "id": id_column,
-        "answer": pa.array([r.answer for r in ordered], pa.string()),
-        "choice_probs": pa.array(
-            [None if r.choice_probs is None else list(r.choice_probs.items()) for r in ordered], CHOICE_PROBS_TYPE
-        ),
-        "score": pa.array([r.score for r in ordered], pa.float64()),
-        "logprob": pa.array([r.logprob for r in ordered], pa.float64()),
-        "prompt_tokens": pa.array([r.prompt_tokens for r in ordered], pa.int64()),
-        "output_tokens": pa.array([r.output_tokens for r in ordered], pa.int64()),
-        "finish_reason": pa.array([r.finish_reason for r in ordered], pa.string()),
-        "error": pa.array([r.error for r in ordered], pa.string()),
+        "id": _id_column([result.id for result in results]),
+        "answer": pa.array([row.answer for row in ordered], pa.string()),
+        "choice_probs": _probs_column([result.choice_probs for result in results]),
+        "calibrated_probs": _probs_column([row.calibrated_probs for row in ordered]),
+        "score": pa.array([row.score for row in ordered], pa.float64()),
+        "logprob": pa.array([row.logprob for row in ordered], pa.float64()),
+        "prompt_tokens": pa.array([r.prompt_tokens for r in results], pa.int64()),
+        "output_tokens": pa.array([row.output_tokens for row in ordered], pa.int64()),
+        "finish_reason": pa.array([r.finish_reason for r in results], pa.string()),
+        "error": pa.array([r.error for r in results], pa.string()),
+        "label": pa.array([r.label for r in results], pa.string()),
+        "correct": pa.array([row.correct for row in ordered], pa.bool_()),
     }
+    for name, values in carried_columns(results).items():
+        columns["input_" + name if name in columns else name] = values
     return pa.table(columns)
 
 
-def write_parquet(path: Path, results: Sequence[RowResult], *, force: bool = False) -> Path:
-    table = results_table(results)
+def answers_table(store: Store, job_id: str) -> pa.Table:
+    """The job's answers as its Parquet file has them (an Arrow table, input order)."""
+    return results_table(job_answers(store, job_id).rows)
+
+
+def as_output_rows(rows: Sequence[RowResult | OutputRow]) -> list[OutputRow]:
+    """Rows already judged stay as they are; bare results are the model's answers (no calibration)."""
+    if all(isinstance(row, OutputRow) for row in rows):
+        return sorted(rows, key=lambda row: row.result.idx)
+    return output_rows([row.result if isinstance(row, OutputRow) else row for row in rows])
+
+
+def _id_column(ids: list) -> pa.Array:
+    # Keep integer ids integers; one string id anywhere makes the column strings (ints as their text).
+    if all(isinstance(row_id, int) and not isinstance(row_id, bool) for row_id in ids):
+        return pa.array(ids, pa.int64())
+    return pa.array([str(row_id) for row_id in ids], pa.string())
+
+
+def _probs_column(values: list[dict | None]) -> pa.Array:
+    return pa.array([None if probs is None else list(probs.items()) for probs in values], CHOICE_PROBS_TYPE)
+
+
+def carried_columns(results: Sequence[RowResult]) -> dict[str, pa.Array]:
+    """The columns rows carry, in the order they first appear. `metadata` (any JSON object) is written as JSON text,
+    as is a kept column whose values Arrow cannot hold in one type."""
+    names: dict[str, None] = {}
+    for result in results:
+        names.update(dict.fromkeys(result.carried or {}))
+    columns = {}
+    for name in names:
+        values = [(result.carried or {}).get(name) for result in results]
+        if name == "metadata":
+            columns[name] = pa.array([None if v is None else json.dumps(v, ensure_ascii=False) for v in values])
+            continue
+        try:
+            columns[name] = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            columns[name] = pa.array([None if v is None else json.dumps(v, ensure_ascii=False) for v in values])
+    return columns
+
+
+def write_parquet(path: Path, rows: Sequence[RowResult | OutputRow], *, force: bool = False) -> Path:
+    table = results_table(rows)
     return atomic_write(Path(path), lambda temp: pq.write_table(table, temp), force=force)
 
 
 def read_parquet_results(path: Path) -> list[dict]:
-    """An answers file's rows as dicts, choice_probs as a dict (Arrow gives a map as key/value pairs)."""
+    """An answers file's rows as dicts, the probabilities as dicts (Arrow gives a map as key/value pairs)."""
     rows = pq.read_table(path).to_pylist()
     for row in rows:
-        if row.get("choice_probs") is not None:
-            row["choice_probs"] = dict(row["choice_probs"])
+        for key in ("choice_probs", "calibrated_probs"):
+            if row.get(key) is not None:
+                row[key] = dict(row[key])
     return rows
 
 
-def openai_batch_line(result: RowResult, *, model: str, created: int) -> dict:
+def openai_batch_line(row: RowResult | OutputRow, *, model: str, created: int) -> dict:
     """One OpenAI Batch output line for a result.
 
-    A choice row's content is the chosen label, its probabilities ride in the body as `choice_probs` (and a numeric
-    one's `score`), and its finish_reason is reported as "stop", a value OpenAI clients accept. A generated answer's
-    summed log-probability rides as `logprob`: the Parquet columns, under the names they have there.
+    A choice row's content is the chosen label, its probabilities ride in the body as `choice_probs` (the calibrated
+    ones as `calibrated_probs`, and a numeric one's `score`), and its finish_reason is reported as "stop", a value
+    OpenAI clients accept. A generated answer's summed log-probability rides as `logprob`: the Parquet columns, under
+    the names they have there. A label, its verdict and the values a row carries sit beside custom_id.
     """
+    row = row if isinstance(row, OutputRow) else as_output_rows([row])[0]
+    result = row.result
     line_id, custom_id = f"batch_req_{result.idx}", str(result.id)
+    line = {"id": line_id, "custom_id": custom_id, "response": None, "error": None}
+    for key, value in (("label", result.label), ("correct", row.correct), ("metadata", _line_metadata(result))):
+        if value is not None:
+            line[key] = value
     if result.failed:
-        error = {"code": "row_failed", "message": result.error or "unknown error"}
-        return {"id": line_id, "custom_id": custom_id, "response": None, "error": error}
-    prompt_tokens, completion_tokens = result.prompt_tokens or 0, result.output_tokens or 0
+        line["error"] = {"code": "row_failed", "message": result.error or "unknown error"}
+        return line
+    prompt_tokens, completion_tokens = result.prompt_tokens or 0, row.output_tokens or 0
     body: dict = {
         "id": f"chatcmpl-{result.idx}",
         "object": "chat.completion",
@@ -202,7 +254,7 @@ def openai_batch_line(result: RowResult, *, model: str, created: int) -> dict:
         "model": model,
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": result.answer},
+            "message": {"role": "assistant", "content": row.answer},
             "finish_reason": "stop" if result.finish_reason == "choice" else result.finish_reason,
             "logprobs": None,
         }],
@@ -212,16 +264,24 @@ def openai_batch_line(result: RowResult, *, model: str, created: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
-    for extra in ("choice_probs", "score", "logprob"):
-        if getattr(result, extra) is not None:
-            body[extra] = getattr(result, extra)
-    response = {"status_code": 200, "request_id": f"req_{result.idx}", "body": body}
-    return {"id": line_id, "custom_id": custom_id, "response": response, "error": None}
+    extras = {"choice_probs": result.choice_probs, "calibrated_probs": row.calibrated_probs, "score": row.score,
+              "logprob": row.logprob}
+    body.update({key: value for key, value in extras.items() if value is not None})
+    line["response"] = {"status_code": 200, "request_id": f"req_{result.idx}", "body": body}
+    return line
 
 
-def write_jsonl(path: Path, results: Sequence[RowResult], *, model: str, force: bool = False) -> Path:
+def _line_metadata(result: RowResult) -> dict | None:
+    """A request's metadata object as it was given; kept corpus columns as one object."""
+    carried = result.carried
+    if not carried:
+        return None
+    return carried["metadata"] if set(carried) == {"metadata"} else carried
+
+
+def write_jsonl(path: Path, rows: Sequence[RowResult | OutputRow], *, model: str, force: bool = False) -> Path:
     created = int(time.time())
-    ordered = sorted(results, key=lambda result: result.idx)
+    ordered = as_output_rows(rows)
 
     def write(temp: Path) -> None:
         with open(temp, "w", encoding="utf-8") as out:

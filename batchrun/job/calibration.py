@@ -1,0 +1,43 @@
+"""What a job's calibration needs before it runs: a check that the method can apply to the job's rows, and for
+content-free calibration its side job (the content-free inputs, run through the same model and settings)."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+from batchrun.errors import SettingRefused
+from batchrun.host import stored_spec
+from batchrun.job.prepare import PreparedJob
+from batchrun.spec import content_free_rows
+
+
+def calibration_refusal(prepared: PreparedJob) -> str | None:
+    """Why the job's calibration cannot apply to its rows, or None."""
+    method = prepared.options.calibrate
+    if method in ("none", "auto"):  # auto is none where no labelled choice row exists (prepare_job)
+        return None
+    choice_rows = [row.request for row in prepared.rows if row.request.choices is not None]
+    if not choice_rows:
+        return f"calibrate {method}: calibration applies to choice rows, and this job has none"
+    if method == "labels" and not any(request.label is not None for request in choice_rows):
+        return ("calibrate labels: it fits one bias per choice on labelled rows, and no choice row of this job has "
+                "a label (give rows a label, or --label-column in corpus mode)")
+    return None
+
+
+def calibration_settings(prepared: PreparedJob, run_side_job: Callable[[Path, object], str]) -> dict:
+    """The settings the job records about its calibration: the method, and for content-free the id of the side job
+    whose answers are the prior. `run_side_job(spec_path, options)` runs a job to its end and returns its id."""
+    refusal = calibration_refusal(prepared)
+    if refusal:
+        raise SettingRefused(refusal)
+    if prepared.options.calibrate != "content-free":
+        return {}
+    rows = content_free_rows(prepared.options.template, [row.request for row in prepared.rows])
+    data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
+    # The content-free prompts are plain prompt rows, encoded as the job's rows are (same model, dtype, --raw).
+    options = replace(prepared.options, template=None, id_column=None, label_column=None, keep_columns=None,
+                      choices=None, system=None, calibrate="none", skip_invalid=False)
+    return {"content_free_job": run_side_job(stored_spec(data, "content-free", ".jsonl"), options)}

@@ -1,0 +1,191 @@
+"""Is the bigger model worth the wait? The user's labelled rows, run on each candidate model through the normal
+executor (so the work is stored, and a later full `submit` on either model reuses it), judged against their labels,
+beside what the whole job would cost on each model by its plan.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+from batchrun.errors import SettingRefused
+from batchrun.host import default_db_path, stored_spec
+from batchrun.job.options import JobOptions
+from batchrun.job.prepare import model_label, plan_report, read_job_spec
+from batchrun.output import job_answers, quality
+from batchrun.plan import format_duration
+from batchrun.spec import Request
+from batchrun.store import Store
+
+DEFAULT_SAMPLE = 200
+
+
+@dataclass
+class ModelResult:
+    model: str
+    job_id: str
+    metric: str  # "accuracy" or "exact_match"
+    raw: dict | None  # label metrics of the model's own answers
+    calibrated: dict | None  # of the calibrated answers, where calibration changed anything
+    calibration: str
+    passes: int | None  # the whole job's, by the plan
+    eta_seconds: float | None
+
+    @property
+    def judged(self) -> dict | None:
+        return self.calibrated or self.raw
+
+    def to_json(self) -> dict:
+        return {**self.__dict__, "eta_human": format_duration(self.eta_seconds) if self.eta_seconds else None}
+
+
+def stratified_sample(requests: Sequence[Request], size: int) -> list[Request]:
+    """Up to `size` labelled rows, each label's share kept (at least one row of every label where size allows);
+    chosen by a hash of the row's id, so the same spec gives the same sample. Spec order is kept."""
+    by_label: dict[str, list[Request]] = {}
+    for request in requests:
+        if request.label is not None:
+            by_label.setdefault(request.label, []).append(request)
+    total = sum(len(members) for members in by_label.values())
+    if total <= size:
+        chosen = [request for members in by_label.values() for request in members]
+    else:
+        quota = {label: max(1, round(size * len(members) / total)) for label, members in by_label.items()}
+        while sum(quota.values()) > size:  # rounding up the small labels can overshoot: trim the largest
+            largest = max(quota, key=quota.__getitem__)
+            quota[largest] -= 1
+        chosen = [request for label, members in by_label.items()
+                  for request in sorted(members, key=_row_hash)[:quota[label]]]
+    return sorted(chosen, key=lambda request: request.index)
+
+
+def _row_hash(request: Request) -> str:
+    return hashlib.sha256(json.dumps(request.id).encode()).hexdigest()
+
+
+def sample_spec(requests: Sequence[Request]) -> Path:
+    """The sampled rows as a spec of request rows that encode exactly as they do in the full job (same messages,
+    choices and limits), so both jobs' rows share their keys and either reuses the other's answers."""
+    lines = []
+    for request in requests:
+        row: dict = {"id": request.id, "messages": [{"role": role, "content": text} for role, text in request.messages]}
+        if request.prompt is not None:  # a prompt row: the same text through the same encoding as the full job's
+            system = request.messages[0][1] if request.messages[0][0] == "system" else ""
+            row = {"id": request.id, "prompt": request.prompt, "system": system}
+        if request.choices is not None:
+            row["choices"] = list(request.choices)
+        else:
+            row.update(max_new_tokens=request.max_new_tokens, stop=list(request.stop))
+        lines.append(json.dumps({**row, "label": request.label}, ensure_ascii=False) + "\n")
+    return stored_spec("".join(lines).encode("utf-8"), "compare", ".jsonl")
+
+
+@dataclass
+class Comparison:
+    spec: str
+    sample_rows: int
+    labelled_rows: int
+    models: list[ModelResult]
+    verdict: str
+
+    def to_json(self) -> dict:
+        return {"spec": self.spec, "sample_rows": self.sample_rows, "labelled_rows": self.labelled_rows,
+                "models": [model.to_json() for model in self.models], "verdict": self.verdict}
+
+
+def compare(spec_path: Path, models: Sequence[str | None], options: JobOptions, *, sample: int = DEFAULT_SAMPLE,
+            db: Path | None = None, quiet: bool = True) -> Comparison:
+    """Run up to `sample` labelled rows of the spec on each model and price the whole job on each."""
+    from batchrun.job.execute import submit  # the executor: torch loads here
+
+    if len(models) < 2:
+        raise SettingRefused("compare needs at least two models (--model A --model B)")
+    requests = read_job_spec(spec_path, options).requests
+    labelled = [request for request in requests if request.label is not None]
+    if not labelled:
+        raise SettingRefused(f"{spec_path}: no row has a label; compare judges models on labelled rows (give rows a "
+                             "label, or --label-column in corpus mode)")
+    chosen = stratified_sample(labelled, sample)
+    sample_options = replace(options, template=None, id_column=None, label_column=None, keep_columns=None,
+                             choices=None, system=None, skip_invalid=False)
+    db_path = Path(db) if db is not None else default_db_path()
+    results = []
+    for model in models:
+        summary = submit(sample_spec(chosen), options=replace(sample_options, model=model), db=db_path,
+                         write_output=False, quiet=quiet)
+        plan = plan_report(spec_path, [model], options)["candidates"][0]
+        results.append(_model_result(model, summary.job_id, db_path, plan))
+    return Comparison(str(spec_path), len(chosen), len(labelled), results, verdict(results))
+
+
+def _model_result(model: str | None, job_id: str, db: Path, plan: dict) -> ModelResult:
+    store = Store(db)
+    try:
+        answers = job_answers(store, job_id)
+    finally:
+        store.close()
+    found = quality(answers)
+    metric = "accuracy" if found["choice"] else "exact_match"
+    judged = found["choice"] or found["generation"]
+    raw = found.get("choice_uncalibrated") if found.get("choice_uncalibrated") else judged
+    calibrated = judged if found.get("choice_uncalibrated") else None
+    chosen = {tuple(item["choices"]): item["values"] for item in found["calibration"]["chosen"]}
+    how = found["calibration"]["method"] + (f" ({', '.join(sorted(set(chosen.values())))})" if chosen else "")
+    return ModelResult(model_label(model), job_id, metric, raw, calibrated, how, plan.get("passes"),
+                       plan.get("eta_seconds") if plan.get("fits") else None)
+
+
+def verdict(results: Sequence[ModelResult]) -> str:
+    """One sentence per runner-up: how much more often the best model is right, for how much of the wait, and
+    whether the difference is established (the 95% intervals do not overlap)."""
+    ranked = sorted(results, key=lambda result: result.judged["rate"], reverse=True)
+    best = ranked[0]
+    return " ".join(_against(best, other) for other in ranked[1:])
+
+
+def _against(best: ModelResult, other: ModelResult) -> str:
+    a, b = best.judged, other.judged
+    measure = "accurate" if best.metric == "accuracy" else "often exactly right"
+    rates = f"{a['rate']:.0%} vs {b['rate']:.0%} on {a['labelled']} labelled rows"
+    points = round(100 * (a["rate"] - b["rate"]))
+    if points == 0:
+        head = f"{best.model} and {other.model} are as {measure} ({rates})"
+    else:
+        head = f"{best.model} is {points} points more {measure} ({rates})"
+    wait = _wait(best, other)
+    if points and a["interval"][0] <= b["interval"][1]:
+        return (f"{head}, but the difference is not established: the 95% intervals overlap "
+                f"({_interval(a)} and {_interval(b)}); label more rows to tell them apart{wait}.")
+    return f"{head}{wait}."
+
+
+def _wait(best: ModelResult, other: ModelResult) -> str:
+    if not (best.eta_seconds and other.eta_seconds):
+        return "" if best.eta_seconds or other.eta_seconds else "; neither plan fits this machine"
+    ratio = best.eta_seconds / other.eta_seconds
+    times = f"{format_duration(best.eta_seconds)} instead of {format_duration(other.eta_seconds)}"
+    if ratio >= 1:
+        return f" for {ratio:.1f}x the wait: {times}"
+    return f" and {1 / ratio:.1f}x faster: {times}"
+
+
+def _interval(metrics: dict) -> str:
+    low, high = metrics["interval"]
+    return f"{low:.0%}-{high:.0%}"
+
+
+def describe(comparison: Comparison) -> list[str]:
+    """The comparison as terminal lines: one per model, then the verdict."""
+    lines = [f"{comparison.sample_rows} of {comparison.labelled_rows} labelled rows of {comparison.spec}, "
+             "stratified by label, on each model; the whole job priced by its plan:"]
+    for result in comparison.models:
+        raw = result.raw
+        line = f"  {result.model}: {result.metric.replace('_', ' ')} {raw['rate']:.1%} ({_interval(raw)}) raw"
+        if result.calibrated:
+            line += f", {result.calibrated['rate']:.1%} ({_interval(result.calibrated)}) calibrated " \
+                    f"[{result.calibration}]"
+        eta = format_duration(result.eta_seconds) if result.eta_seconds else "does not fit"
+        lines.append(line + f"; whole job: {result.passes} passes, {eta}")
+    return lines + [comparison.verdict]

@@ -1,0 +1,177 @@
+"""A job's rows as its output shows them: the model's results, calibrated where the job calibrates, judged against
+the labels the rows carry, with the values they carry through.
+
+The calibrated view is computed from the stored raw probabilities every time answers are written, never stored:
+batch calibration's prior is over all the job's rows that share a choice set, so an export made mid-run uses the
+rows finished so far (and says so), and a resumed job ends with the answers an uninterrupted one would give.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from batchrun.quality import (Calibration, ChoiceRow, LabelMetrics, calibrate, label_metrics, mean_probs,
+                              numeric_score, same_text)
+from batchrun.store import RowResult, Store
+
+
+@dataclass
+class OutputRow:
+    """One row of the output: `result` as the model computed it, and the answer the output gives."""
+
+    result: RowResult
+    answer: str | None
+    score: float | None
+    logprob: float | None
+    output_tokens: int | None
+    calibrated_probs: dict[str, float] | None = None
+    correct: bool | None = None  # None: no label, or no answer to judge
+
+
+@dataclass
+class JobAnswers:
+    rows: list[OutputRow]
+    calibration: Calibration
+    rows_total: int  # the job's rows, finished or not
+    notes: list[str] = field(default_factory=list)
+
+
+def output_rows(results: Sequence[RowResult], calibration: Calibration | None = None) -> list[OutputRow]:
+    """Each result with the answer the output gives: the calibrated choice where there is one, else the model's."""
+    found = []
+    for result in sorted(results, key=lambda r: r.idx):
+        calibrated = calibration.probs.get(result.idx) if calibration is not None else None
+        row = _calibrated_row(result, calibrated) if calibrated is not None else OutputRow(
+            result, result.answer, result.score, result.logprob, result.output_tokens)
+        found.append(replace(row, correct=_judged(row)))
+    return found
+
+
+def _calibrated_row(result: RowResult, calibrated: dict[str, float]) -> OutputRow:
+    """The most probable calibrated choice (the first of a tie, as the model's own pick is), its score and its
+    tokens' log-probability: log p(c) less the row's normaliser, which the model's pick gives back exactly."""
+    answer = max(calibrated, key=calibrated.__getitem__)
+    raw = result.choice_probs
+    logprob = None
+    if result.logprob is not None and raw.get(result.answer, 0) > 0 and raw.get(answer, 0) > 0:
+        logprob = math.log(raw[answer]) + result.logprob - math.log(raw[result.answer])
+    tokens = (result.choice_tokens or {}).get(answer, result.output_tokens if answer == result.answer else None)
+    return OutputRow(result, answer, numeric_score(calibrated), logprob, tokens, calibrated)
+
+
+def _judged(row: OutputRow) -> bool | None:
+    label = row.result.label
+    if label is None or row.result.failed:
+        return None
+    if row.result.choice_probs is not None:
+        return row.answer == label
+    return same_text(row.answer, label)
+
+
+def job_answers(store: Store, job_id: str) -> JobAnswers:
+    """The job's finished rows, calibrated as its settings say."""
+    results = store.results(job_id)
+    settings = store.job_settings(job_id)
+    method = settings.get("calibrate") or "none"
+    content_free = None
+    if method == "content-free" and settings.get("content_free_job"):
+        content_free = content_free_priors(store.results(settings["content_free_job"]))
+    choice_rows = [ChoiceRow(r.idx, r.choice_probs, r.label) for r in results
+                   if r.choice_probs is not None and not r.failed]
+    calibration = calibrate(choice_rows, method, content_free)
+    total = store.status(job_id)["rows_total"]
+    found = JobAnswers(output_rows(results, calibration), calibration, total, list(calibration.notes))
+    if method in ("batch", "labels") and len(results) < total:
+        found.notes.append(f"calibration ({method}) from the {len(results)} of {total} rows finished so far; the "
+                           "job's final answers use all of them")
+    return found
+
+
+def content_free_priors(results: Sequence[RowResult]) -> dict[tuple[str, ...], dict[str, float]]:
+    """The content-free prior of each choice set: the mean of its content-free rows' probabilities."""
+    groups: dict[tuple[str, ...], list[dict[str, float]]] = {}
+    for result in results:
+        if result.choice_probs is not None and not result.failed:
+            groups.setdefault(tuple(result.choice_probs), []).append(result.choice_probs)
+    return {choices: mean_probs(members) for choices, members in groups.items()}
+
+
+def quality(answers: JobAnswers) -> dict:
+    """Accuracy (choice rows) and exact match (generation rows) over the labelled rows that were answered, the
+    model's own accuracy beside the calibrated one, and the calibration used: what `status`, `--json` and the
+    summary show. A labelled row that errored has no answer to judge: it is counted apart."""
+    labelled = [row for row in answers.rows if row.result.label is not None]
+    answered = [row for row in labelled if not row.result.failed]
+    choice = [row for row in answered if row.result.choice_probs is not None]
+    generation = [row for row in answered if row.result.choice_probs is None]
+    found = {"choice": _metrics(choice, "accuracy"), "generation": _metrics(generation, "exact_match"),
+             "labelled_errored": len(labelled) - len(answered),
+             "calibration": answers.calibration.to_json(), "notes": answers.notes}
+    if answers.calibration.method != "none" and choice:
+        found["choice_uncalibrated"] = _metrics([replace(row, answer=row.result.answer) for row in choice],
+                                                "accuracy")
+    return {key: value.to_json() if isinstance(value, LabelMetrics) else value for key, value in found.items()}
+
+
+def _metrics(rows: Sequence[OutputRow], kind: str) -> LabelMetrics | None:
+    if not rows:
+        return None
+    return label_metrics([row.result.label for row in rows], [row.answer for row in rows], kind)
+
+
+def job_quality(store: Store, job_id: str) -> dict:
+    return quality(job_answers(store, job_id))
+
+
+def describe_quality(found: dict) -> list[str]:
+    """The quality summary as terminal lines: accuracy with its interval (the model's own beside a calibrated one),
+    per-class precision and recall, the confusion counts, exact match for generation rows."""
+    lines = []
+    choice, method = found.get("choice"), found["calibration"]["method"]
+    if choice:
+        line = _rate_text("accuracy", choice)
+        own = found.get("choice_uncalibrated")
+        if own:
+            line += f" with {method} calibration; the model's own answers: {_rate_text('', own).strip()}"
+        lines.append(line)
+        lines.append("  per class (precision / recall / labelled): " + "; ".join(
+            f"{name} {_share(values['precision'])} / {_share(values['recall'])} / {values['support']}"
+            for name, values in choice["per_class"].items()))
+        lines.append("  confusion (label: answers): " + "; ".join(
+            f"{label}: " + ", ".join(f"{answer} {count}" for answer, count in answers.items())
+            for label, answers in choice["confusion"].items()))
+    if found.get("generation"):
+        lines.append(_rate_text("exact match", found["generation"]) + " (after trimming and case-folding)")
+    if found.get("labelled_errored"):
+        lines.append(f"  {found['labelled_errored']} labelled row(s) errored: not judged")
+    return lines
+
+
+def _rate_text(name: str, metrics: dict) -> str:
+    low, high = metrics["interval"]
+    return (f"{name} {metrics['correct']}/{metrics['labelled']} = {metrics['rate']:.1%} "
+            f"(95% CI {low:.1%}-{high:.1%})")
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def describe_calibration(calibration: Calibration) -> list[str]:
+    """What was divided out or fitted, per choice set: 'calibrated (batch) over 60 rows: prior positive 0.31, ...'."""
+    lines = []
+    for choices, used in calibration.rows_used.items():
+        method = calibration.chosen.get(choices, calibration.method)
+        if method == "labels":
+            values = calibration.biases.get(choices)
+            what, rows = "biases", f"{used} labelled rows"
+        else:
+            values = calibration.priors.get(choices)
+            what, rows = "prior", f"{used} rows" if method == "batch" else "its content-free inputs"
+        if values:
+            shown = ", ".join(f"{choice} {value:+.2f}" if what == "biases" else f"{choice} {value:.3f}"
+                              for choice, value in values.items())
+            how = method if method == calibration.method else f"{calibration.method}: {method}"
+            lines.append(f"calibrated ({how}) from {rows}: {what} {shown}")
+    return lines
