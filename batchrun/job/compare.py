@@ -166,7 +166,9 @@ def _wait(best: ModelResult, other: ModelResult) -> str:
         return "" if best.eta_seconds or other.eta_seconds else "; neither plan fits this machine"
     ratio = best.eta_seconds / other.eta_seconds
     times = f"{format_duration(best.eta_seconds)} instead of {format_duration(other.eta_seconds)}"
-    if ratio >= 1:
+    if 0.9 <= ratio <= 1.1:  # plans are good to 20-30%: closer than this is the same wait
+        return f" for about the same wait: {times}"
+    if ratio > 1:
         return f" for {ratio:.1f}x the wait: {times}"
     return f" and {1 / ratio:.1f}x faster: {times}"
 
@@ -187,5 +189,6 @@ def describe(comparison: Comparison) -> list[str]:
             line += f", {result.calibrated['rate']:.1%} ({_interval(result.calibrated)}) calibrated " \
                     f"[{result.calibration}]"
         eta = format_duration(result.eta_seconds) if result.eta_seconds else "does not fit"
-        lines.append(line + f"; whole job: {result.passes} passes, {eta}")
+        passes = f"{result.passes} pass{'' if result.passes == 1 else 'es'}"
+        lines.append(line + f"; whole job: {passes}, {eta}")
     return lines + [comparison.verdict]

@@ -129,6 +129,9 @@ def describe_quality(found: dict) -> list[str]:
     per-class precision and recall, the confusion counts, exact match for generation rows."""
     lines = []
     choice, method = found.get("choice"), found["calibration"]["method"]
+    chosen = sorted({item["values"] for item in found["calibration"].get("chosen", [])})
+    if chosen:  # auto: what it took for the job's choice sets
+        method += f" ({', '.join(chosen)})"
     if choice:
         line = _rate_text("accuracy", choice)
         own = found.get("choice_uncalibrated")
