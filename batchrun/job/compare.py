@@ -178,17 +178,16 @@ def _interval(metrics: dict) -> str:
     return f"{low:.0%}-{high:.0%}"
 
 
-def describe(comparison: Comparison) -> list[str]:
-    """The comparison as terminal lines: one per model, then the verdict."""
-    lines = [f"{comparison.sample_rows} of {comparison.labelled_rows} labelled rows of {comparison.spec}, "
+def describe(found: dict) -> list[str]:
+    """A comparison (as `to_json` gives it) as terminal lines: one per model, then the verdict."""
+    lines = [f"{found['sample_rows']} of {found['labelled_rows']} labelled rows of {found['spec']}, "
              "stratified by label, on each model; the whole job priced by its plan:"]
-    for result in comparison.models:
-        raw = result.raw
-        line = f"  {result.model}: {result.metric.replace('_', ' ')} {raw['rate']:.1%} ({_interval(raw)}) raw"
-        if result.calibrated:
-            line += f", {result.calibrated['rate']:.1%} ({_interval(result.calibrated)}) calibrated " \
-                    f"[{result.calibration}]"
-        eta = format_duration(result.eta_seconds) if result.eta_seconds else "does not fit"
-        passes = f"{result.passes} pass{'' if result.passes == 1 else 'es'}"
-        lines.append(line + f"; whole job: {passes}, {eta}")
-    return lines + [comparison.verdict]
+    for result in found["models"]:
+        raw = result["raw"]
+        line = f"  {result['model']}: {result['metric'].replace('_', ' ')} {raw['rate']:.1%} ({_interval(raw)}) raw"
+        if result["calibrated"]:
+            line += f", {result['calibrated']['rate']:.1%} ({_interval(result['calibrated'])}) calibrated " \
+                    f"[{result['calibration']}]"
+        passes = f"{result['passes']} pass{'' if result['passes'] == 1 else 'es'}"
+        lines.append(line + f"; whole job: {passes}, {result['eta_human'] or 'does not fit'}")
+    return lines + [found["verdict"]]

@@ -18,7 +18,7 @@ from batchrun.job.identity import fingerprint, model_identity_parts, one_row_per
 from batchrun.job.options import JobOptions
 from batchrun.plan import (Bandwidth, Candidate, PlanRequest, Rates, RowCost, make_plan, parse_streaming,
                            shared_prefix_tokens, windows_allow_sharing)
-from batchrun.spec import (EncodedRow, JobSpec, encode_requests, kept_positions, read_spec,
+from batchrun.spec import (EncodedRow, JobSpec, SpecSettings, encode_requests, kept_positions, read_spec,
                            shortest_first_pass_sequence, uses_chat_template)
 
 DEFAULT_MODEL_LABEL = "default (SmolLM2-135M-Instruct)"  # shown, stored and written for jobs run without --model
@@ -108,10 +108,10 @@ def _decode_attention(checkpoint: Path, options: JobOptions) -> tuple[bool, bool
 
 
 def read_job_spec(spec_path: Path, options: JobOptions) -> JobSpec:
-    return read_spec(spec_path, template=options.template, id_column=options.id_column, choices=options.choices,
-                     system=options.system, max_new_tokens=options.max_new_tokens, stop=options.stop,
-                     skip_invalid=options.skip_invalid, label_column=options.label_column,
-                     keep_columns=options.keep_columns)
+    return read_spec(spec_path, SpecSettings(
+        template=options.template, id_column=options.id_column, choices=options.choices, system=options.system,
+        max_new_tokens=options.max_new_tokens, stop=options.stop, skip_invalid=options.skip_invalid,
+        label_column=options.label_column, keep_columns=options.keep_columns))
 
 
 def row_costs(rows: Sequence[EncodedRow], prefixes: dict[int, int] | None = None) -> list[RowCost]:
@@ -164,13 +164,14 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
                           memory_budget_bytes=budget, streaming=parse_streaming(options.streaming),
                           prefetch=options.prefetch, prefetch_depth=options.prefetch_depth,
                           batch_size=options.batch_size, context_length=prepared.context_length,
-                          checkpoint_is_local=True)
+                          checkpoint_is_local=True,
+                          pass_seconds=options.pass_minutes * 60 if options.pass_minutes else None)
     # A decode step against the shared prefix reads it in place (prefix_attention); one without, where sdpa groups
     # a one-token query on the key heads.
     in_place = prepared.attends_through_sdpa and (shared > 0 or prepared.sdpa_groups_decode_queries)
     plan = make_plan(sizes, costs, request, machine_rates(prepared, options, compute_dtype, device, costs),
                      shared_prefix_tokens=shared, decode_in_place=in_place)
-    caveats = plan.caveats + _glued_choices_caveat(prepared.tokenizer, rows, options.raw)
+    caveats = plan.caveats + _glued_choices_caveat(prepared.tokenizer, rows, options.raw) + _one_choice_caveat(rows)
     if common:
         window = min([window for window in sizes.sliding_windows if window] + [sizes.unplaced_window or math.inf])
         caveats.append(f"the rows share a {common}-token prompt head, but the longest reaches past the model's "
@@ -216,6 +217,16 @@ def _glued_choices_caveat(tokenizer, rows: Sequence[EncodedRow], raw: bool) -> l
             "with no chat template, write choices with the space a continuation begins with (\" positive\")"]
 
 
+def _one_choice_caveat(rows: Sequence[EncodedRow]) -> list[str]:
+    """A row with a single choice is answered with it at probability 1.0 whatever the document says."""
+    alone = [row for row in rows if row.is_choice and len(row.request.choices) == 1]
+    if not alone:
+        return []
+    return [f"{len(alone)} row(s) have a single choice ({alone[0].request.location}: {alone[0].request.choices[0]!r}): "
+            "each is answered with it at probability 1.0, which says nothing about the document; give every row "
+            "two or more choices"]
+
+
 def detect_device(options: JobOptions) -> str:
     if options.device:
         from batchrun.runtime import check_device
@@ -231,13 +242,18 @@ def prepare_job(spec_path: Path, options: JobOptions) -> PreparedJob:
     options = options.with_effective_calibration(spec.requests)
     device = detect_device(options)
     prepared = prepare_model(options.model, options)
-    rows = encode_requests(prepared.tokenizer, spec.requests, raw=options.raw,
-                           context_length=prepared.context_length)
+    rows = encode_rows(prepared, spec, options)
     dtype = compute_dtype_for(options, device, prepared.sizes.storage_dtype)
     model_identity = model_identity_parts(prepared.checkpoint)
     return PreparedJob(spec, options, prepared, rows, fingerprint(spec, model_identity, dtype, rows, options.calibrate),
                        device, dtype,
                        row_keys(model_identity, dtype, rows))
+
+
+def encode_rows(prepared: PreparedModel, spec: JobSpec, options: JobOptions) -> list[EncodedRow]:
+    """The spec's rows as the model sees them; an over-long row's document cut where --truncate asks."""
+    return encode_requests(prepared.tokenizer, spec.requests, raw=options.raw, context_length=prepared.context_length,
+                           truncate=options.truncate, template=options.template)
 
 
 def nothing_runs(rows: Sequence[EncodedRow], invalid_rows: int = 0) -> str | None:
@@ -266,8 +282,7 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
                                          "reason": "the checkpoint cannot be used", "blockers": [str(exc)],
                                          "caveats": []})
             continue
-        rows = encode_requests(prepared.tokenizer, spec.requests, raw=options.raw,
-                               context_length=prepared.context_length)
+        rows = encode_rows(prepared, spec, options)
         runnable = [r for r in rows if not r.error]
         distinct = one_row_per_key(runnable, row_keys(model_identity_parts(prepared.checkpoint),
                                                       compute_dtype_for(options, device, prepared.sizes.storage_dtype),

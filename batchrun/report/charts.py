@@ -210,6 +210,26 @@ def row_states(name: str, counts: dict[str, int]) -> str:
     return svg[0]
 
 
+def accuracy_against_wait(name: str, points: Sequence[tuple[str, float, float, float, float]], *, title: str,
+                          ylabel: str) -> str:
+    """One point per model: the whole job's ETA (hours, log scale when they differ tenfold) against accuracy, with
+    its 95% interval as an error bar. `points`: (label, eta_hours, rate, low, high)."""
+    with _figure(name, 3.2) as (_, axes, svg):
+        for number, (label, hours, rate, low, high) in enumerate(points):
+            drawn = axes.errorbar([hours], [rate], yerr=[[rate - low], [high - rate]], fmt="o", capsize=4,
+                                  color=COLORS[number % len(COLORS)], label=_short(label, 40))
+            _tag([drawn.lines[0]], name, "model")
+        spread = [hours for _, hours, *_ in points if hours > 0]
+        if spread and max(spread) > 10 * min(spread):
+            axes.set_xscale("log")
+        axes.set_xlabel("whole job, hours (plan)")
+        axes.set_ylabel(ylabel)
+        axes.set_ylim(0, 1.02)
+        axes.legend(frameon=False, loc="lower right")
+        axes.set_title(title)
+    return svg[0]
+
+
 def _whole_numbers():
     """Ticks at whole numbers only: rows are counted, never halved."""
     from matplotlib.ticker import MaxNLocator

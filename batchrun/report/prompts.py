@@ -2,12 +2,12 @@
 was recorded (the database keeps answers, not prompts)."""
 from __future__ import annotations
 
-import inspect
+import dataclasses
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
 
-from batchrun.spec import SpecError, read_spec
+from batchrun.spec import SpecError, SpecSettings, read_spec
 
 
 def spec_prompts(spec_path: str, created_at: str, settings: dict, ids: Sequence[object]
@@ -23,7 +23,7 @@ def spec_prompts(spec_path: str, created_at: str, settings: dict, ids: Sequence[
     # to the millisecond, as created_at is kept: a spec written in the same millisecond is not "changed after"
     if modified.replace(microsecond=modified.microsecond // 1000 * 1000) > datetime.fromisoformat(created_at):
         return {}, f"the spec file {spec_path} changed after the job was recorded"
-    accepted = inspect.signature(read_spec).parameters  # the job's settings that shape how its spec reads
+    accepted = {field.name for field in dataclasses.fields(SpecSettings)}  # settings that shape how a spec reads
     options = {key: value for key, value in settings.items()
                if key in accepted and key not in ("path", "skip_invalid") and value is not None}
     try:

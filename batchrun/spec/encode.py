@@ -6,19 +6,28 @@ Decisions (also in the README):
   chat template, sends the prompt text as is (with the tokenizer's usual special tokens, e.g. BOS).
 - A messages row without a chat template (or in raw mode) is rendered as its contents joined by
   blank lines: there is no neutral way to invent a template, and raw mode means "no template".
-- Nothing is ever truncated: a row that does not fit the context becomes an errored row saying
-  how many tokens it has and what the context is. So does a row the model's chat template refuses
-  (some templates raise on a system message or on roles that do not alternate), and one whose
-  prompt encodes to no tokens: the job's other rows still run.
+- Nothing is truncated unless the job asks (`truncate`): a row that does not fit the context becomes
+  an errored row saying how many tokens it has and what the context is. So does a row the model's
+  chat template refuses (some templates raise on a system message or on roles that do not
+  alternate), and one whose prompt encodes to no tokens: the job's other rows still run.
+- Asked to truncate, only the document is cut (a prompt row's text, or in corpus mode the template's
+  fields), never the system message, the template's own text or the chat template's, and never
+  silently: every row carries the tokens cut in its `truncated_tokens` output column.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from batchrun.spec.read import Request
+from batchrun.spec.template import Field, parse_template
 
 ENCODE_CHUNK = 4096  # rows per batched tokenizer call: large enough for the fast tokenizer's threads
+TRUNCATE_SIDES = ("head", "tail")  # the end of the document a cut takes away
+TRUNCATED_COLUMN = "truncated_tokens"  # the output column counting the prompt tokens a cut took away
+# Tokens can merge across a cut, so a cut of exactly the excess may leave a token over: cut again, a few times at most.
+CUT_ROUNDS = 8
 
 
 @dataclass(frozen=True)
@@ -50,9 +59,14 @@ def render_text(tokenizer, request: Request, raw: bool) -> str:
     return "\n\n".join(content for _, content in request.messages)
 
 
-def encode_requests(tokenizer, requests: Sequence[Request], *, raw: bool = False,
-                    context_length: int | None = None) -> list[EncodedRow]:
-    """Tokenize every request in batched calls; flag rows that exceed the context."""
+def encode_requests(tokenizer, requests: Sequence[Request], *, raw: bool = False, context_length: int | None = None,
+                    truncate: str | None = None, template: str | None = None) -> list[EncodedRow]:
+    """Tokenize every request in batched calls; flag rows that exceed the context. `truncate` ("head" or "tail"):
+    cut such a row's document instead, from that end, to fit (`template`: the corpus template whose fields are the
+    document), and count the cut in every row's TRUNCATED_COLUMN."""
+    if truncate is not None and truncate not in TRUNCATE_SIDES:
+        raise ValueError(f"truncate must be one of {', '.join(TRUNCATE_SIDES)}, got {truncate!r}")
+    cutting = _Cutting(tokenizer, raw, context_length, truncate, parse_template(template) if template else None)
     templated = uses_chat_template(tokenizer, raw)
     refused_by_template = _template_refusals() if templated else ()
     texts, refusals = [], {}
@@ -84,9 +98,103 @@ def encode_requests(tokenizer, requests: Sequence[Request], *, raw: bool = False
                 error = _same_tokens(request.choices, choices)
         row = EncodedRow(request, tuple(ids), choices, error)
         if error is None and context_length is not None and row.needed_tokens() > context_length:
-            row = EncodedRow(request, tuple(ids), choices, too_long_message(row, context_length))
+            row = cutting.to_fit(row) if truncate else EncodedRow(request, tuple(ids), choices,
+                                                                   too_long_message(row, context_length))
+        elif error is None and truncate:
+            row = _counted(row, 0)
         rows.append(row)
     return rows
+
+
+@dataclass(frozen=True)
+class _Cutting:
+    """How an encoding job cuts a row's document to fit the context (encode_requests' `truncate`)."""
+    tokenizer: object
+    raw: bool
+    context_length: int | None
+    side: str | None  # "head" | "tail"
+    template: list[str | Field] | None  # corpus mode: the document is the template's fields
+
+    def to_fit(self, row: EncodedRow) -> EncodedRow:
+        """The row with its document cut until it fits the context, counted; or, where it has no document (a
+        messages row) or would need all of it cut, the row refused as too long, saying so."""
+        request, context = row.request, self.context_length
+        spans = _document_spans(request.prompt, self.template) if request.prompt is not None else []
+        if not spans:
+            return EncodedRow(request, row.prompt_ids, row.choice_ids, too_long_message(row, context) + (
+                "; --truncate cuts a prompt row's text or a template's fields, and this row has neither"))
+        prompt, current = request.prompt, row
+        for _ in range(CUT_ROUNDS):
+            over = current.needed_tokens() - context
+            if over <= 0:
+                return _counted(current, len(row.prompt_ids) - len(current.prompt_ids))
+            prompt, spans = _cut_document(self.tokenizer, prompt, spans, over, self.side)
+            if not spans:
+                why = "cutting its whole document would not make it fit"
+                break
+            shorter = replace(request, messages=request.messages[:-1] + (("user", prompt),), prompt=prompt)
+            current = EncodedRow(shorter, tuple(self._encode(shorter)), row.choice_ids)
+        else:
+            why = f"{CUT_ROUNDS} cuts of its document did not make it fit"
+        return EncodedRow(request, row.prompt_ids, row.choice_ids, too_long_message(row, context) + (
+            f"; {why} (the system message, the template's text and the answer are never cut)"))
+
+    def _encode(self, request: Request) -> list[int]:
+        text = render_text(self.tokenizer, request, self.raw)
+        return self.tokenizer(text, add_special_tokens=not uses_chat_template(self.tokenizer, self.raw),
+                              verbose=False)["input_ids"]
+
+
+def _counted(row: EncodedRow, cut_tokens: int) -> EncodedRow:
+    carried = {**(row.request.carried or {}), TRUNCATED_COLUMN: cut_tokens}
+    return EncodedRow(replace(row.request, carried=carried), row.prompt_ids, row.choice_ids, row.error)
+
+
+def _document_spans(prompt: str, template: Sequence[str | Field] | None) -> list[tuple[int, int]]:
+    """Where the document lies in a prompt row's text, [start, end) character spans: all of it, or in corpus mode
+    each of the template's fields (the text between the template's own pieces, matched in order)."""
+    if template is None:
+        return [(0, len(prompt))]
+    pattern = "".join("(.*?)" if isinstance(part, Field) else re.escape(part) for part in template)
+    found = re.fullmatch(pattern, prompt, flags=re.DOTALL)
+    return [found.span(group) for group in range(1, found.re.groups + 1)] if found else []
+
+
+def _cut_document(tokenizer, prompt: str, spans: list[tuple[int, int]], tokens: int,
+                  side: str) -> tuple[str, list[tuple[int, int]]]:
+    """`prompt` with `tokens` tokens cut from the document, from its longest span first (in corpus mode a template's
+    long field is the document, its short ones titles and labels), then the next longest; and the spans after the
+    cut. No spans: the whole document would go."""
+    spans = list(spans)
+    while tokens > 0:
+        longest = max(range(len(spans)), key=lambda i: spans[i][1] - spans[i][0])
+        start, end = spans[longest]
+        if start == end:
+            return prompt, []
+        kept, removed = _cut_text(tokenizer, prompt[start:end], tokens, side)
+        prompt = prompt[:start] + kept + prompt[end:]
+        shift = len(kept) - (end - start)
+        spans = [span if i < longest else (start, start + len(kept)) if i == longest else (span[0] + shift,
+                                                                                          span[1] + shift)
+                 for i, span in enumerate(spans)]
+        tokens -= removed
+    return prompt, spans
+
+
+def _cut_text(tokenizer, text: str, tokens: int, side: str) -> tuple[str, int]:
+    """(text with up to `tokens` of its own tokens cut from `side`, how many were cut). A fast tokenizer's offsets
+    cut the characters themselves; a slow one's kept tokens are decoded."""
+    fast = getattr(tokenizer, "is_fast", False)
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=fast, verbose=False)
+    ids = encoded["input_ids"]
+    cut = min(tokens, len(ids))
+    if cut == len(ids):
+        return "", cut
+    if fast:
+        offsets = encoded["offset_mapping"]
+        return (text[:offsets[len(ids) - cut - 1][1]] if side == "tail" else text[offsets[cut][0]:]), cut
+    kept = ids[:len(ids) - cut] if side == "tail" else ids[cut:]
+    return tokenizer.decode(kept), cut
 
 
 def _same_tokens(choices: Sequence[str], choice_ids: Sequence[tuple[int, ...]]) -> str | None:
@@ -119,7 +227,8 @@ def too_long_message(row: EncodedRow, context_length: int) -> str:
     extra = row.needed_tokens() - prompt
     what = "the longest choice" if row.is_choice else "max_new_tokens"
     return (f"prompt has {prompt} tokens; with {extra} more for {what} it needs {prompt + extra}, "
-            f"but the model's context is {context_length} tokens (batchrun never truncates a prompt)")
+            f"but the model's context is {context_length} tokens (batchrun never truncates a prompt unless asked: "
+            "--truncate head|tail cuts the document)")
 
 
 def choice_sequences(row: EncodedRow) -> list[list[int]]:

@@ -24,7 +24,7 @@ from batchrun.spec.template import Field, RowProblem, SpecError, parse_template,
 from batchrun.spec.values import (checked_choices, checked_label, checked_stop, checked_text, positive_int,
                                   refuse_unknown_keys, whole)
 
-__all__ = ["Field", "InvalidRow", "JobSpec", "Request", "SpecError", "parse_template", "read_spec"]
+__all__ = ["Field", "InvalidRow", "JobSpec", "Request", "SpecError", "SpecSettings", "parse_template", "read_spec"]
 
 CSV_DELIMITERS = {"csv": ",", "tsv": "\t"}  # the spec formats read as text with a header row (files.SPEC_FORMATS)
 NATIVE_KEYS = ("id", "custom_id", "prompt", "messages", "system", "choices", "max_new_tokens", "stop", "label",
@@ -102,26 +102,31 @@ class _Job:
     keep_columns: tuple[str, ...] | None = None  # corpus mode: input columns copied to the output; ("*",): all
 
 
-def read_spec(
-    path: str | Path,
-    *,
-    template: str | None = None,
-    id_column: str | None = None,
-    choices: Sequence[str] | None = None,
-    system: str | None = None,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    stop: Sequence[str] | str | None = None,
-    skip_invalid: bool = False,
-    label_column: str | None = None,
-    keep_columns: Sequence[str] | None = None,
-) -> JobSpec:
-    """Read and check a whole spec. Raises SpecError listing every bad row (or the file-level problem);
-    with skip_invalid=True bad rows are returned in JobSpec.invalid and the rest are kept."""
+@dataclass(frozen=True)
+class SpecSettings:
+    """How a spec's rows are read: the settings rows fall back on, corpus mode, and what to do with bad rows."""
+
+    template: str | None = None
+    id_column: str | None = None
+    choices: Sequence[str] | None = None
+    system: str | None = None
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    stop: Sequence[str] | str | None = None
+    skip_invalid: bool = False  # bad rows returned in JobSpec.invalid instead of refusing the spec
+    label_column: str | None = None
+    keep_columns: Sequence[str] | None = None
+
+
+def read_spec(path: str | Path, settings: SpecSettings | None = None, **fields) -> JobSpec:
+    """Read and check a whole spec, with `settings` (or SpecSettings' fields given by name). Raises SpecError
+    listing every bad row (or the file-level problem); with skip_invalid bad rows are returned in JobSpec.invalid
+    and the rest are kept."""
+    settings = settings if settings is not None else SpecSettings(**fields)
     path = Path(path)
     shown = str(path)
     file_format, compression = spec_format(path)
-    job = _with_corpus_columns(_job_settings(template, id_column, choices, system, max_new_tokens, stop),
-                               label_column, keep_columns)
+    job = _with_corpus_columns(_job_settings(settings), settings.label_column, settings.keep_columns)
+    skip_invalid = settings.skip_invalid
     is_parquet = file_format == "parquet"
     try:
         if not path.is_file():
@@ -153,7 +158,9 @@ def read_spec(
     return JobSpec(path=path, requests=requests, invalid=invalid, content_sha256=digest)
 
 
-def _job_settings(template, id_column, choices, system, max_new_tokens, stop) -> _Job:
+def _job_settings(settings: SpecSettings) -> _Job:
+    template, id_column, choices = settings.template, settings.id_column, settings.choices
+    system, max_new_tokens, stop = settings.system, settings.max_new_tokens, settings.stop
     parts = parse_template(template) if template is not None else None
     try:
         if id_column is not None and parts is None:

@@ -22,8 +22,8 @@ def checked_choices(value: object, what: str) -> tuple[str, ...]:
     if not value:
         raise RowProblem(f"{what} is empty; give at least one choice")
     seen: set[str] = set()
-    for choice in value:
-        checked_text(choice, f"each of {what}", allow_empty=False)
+    for position, choice in enumerate(value):
+        checked_text(choice, f"{what}[{position}]", allow_empty=False)  # by position: "" has no name to show
         if choice in seen:
             raise RowProblem(f"{what} has {show(choice)} twice")
         seen.add(choice)
