@@ -10,6 +10,7 @@ No torch at import: the executor is loaded when `submit` runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -20,6 +21,7 @@ from typing import Union
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchrun.distributed import RaySettings
 from batchrun.host import default_db_path, stored_spec
 from batchrun.job import JobOptions, plan_report
 from batchrun.output import answers_table
@@ -32,7 +34,9 @@ Spec = Union[str, os.PathLike, pa.Table, Iterable[Mapping]]
 
 
 def submit(spec: Spec, *, output: str | os.PathLike | None = None, db: str | os.PathLike | None = None,
-           force: bool = False, quiet: bool = True, options: JobOptions | None = None, **settings) -> pa.Table:
+           force: bool = False, quiet: bool = True, options: JobOptions | None = None,
+           ray_address: str | RaySettings | None = None, shared: str | os.PathLike | None = None,
+           **settings) -> pa.Table:
     """Run a spec (or resume it) and return its answers, one row per spec row in spec order.
 
     `spec`: a JSONL or Parquet path, a list of dicts (rows as in a JSONL spec) or a pyarrow Table (rows as in a
@@ -43,6 +47,9 @@ def submit(spec: Spec, *, output: str | os.PathLike | None = None, db: str | os.
     with the same spec resumes an interrupted run and recomputes nothing that is done. `quiet=False` shows a
     progress bar. Raises SpecError naming every bad row before any weight is read; rows in memory are named by
     the spec file written for them under $BATCHRUN_HOME/specs (JSONL: line N is rows[N-1]).
+
+    `ray_address` runs the rows on a Ray cluster, `shared` naming a directory every node sees (docs/distributed.md);
+    a RaySettings there sets the shards' size and snapshots too. The answers are those of a run on one machine.
 
     >>> import batchrun
     >>> rows = [
@@ -60,6 +67,11 @@ def submit(spec: Spec, *, output: str | os.PathLike | None = None, db: str | os.
 
     options = job_options(options, settings)
     db_path = Path(db) if db is not None else default_db_path()
+    cluster = ray_settings(ray_address, shared)
+    if cluster is not None:
+        from batchrun.distributed import submit_on_ray
+
+        run_job = functools.partial(submit_on_ray, cluster=cluster)
     summary = run_job(spec_path(spec), options=options, output=output, db=db_path, force=force, quiet=quiet,
                       write_output=output is not None)
     store = Store(db_path)
@@ -87,6 +99,21 @@ def plan_job(spec: Spec, *, models: Sequence[str | os.PathLike | None] | None = 
     options = job_options(options, settings)
     chosen = [None if model is None else os.fspath(model) for model in models] if models else [options.model]
     return plan_report(spec_path(spec), chosen, options)
+
+
+def ray_settings(ray_address: str | RaySettings | None, shared: str | os.PathLike | None) -> RaySettings | None:
+    """The cluster a submit runs on: None for this machine; an address needs the shared directory beside it."""
+    if isinstance(ray_address, RaySettings):
+        if shared is not None and Path(shared).expanduser().absolute() != ray_address.shared:
+            raise TypeError("shared is given twice, in RaySettings and as shared=, with different directories")
+        return ray_address
+    if ray_address is None:
+        if shared is not None:
+            raise TypeError("shared applies to a run on a Ray cluster: give ray_address too")
+        return None
+    if shared is None:
+        raise TypeError("ray_address needs shared=: a directory every node of the cluster sees at the same path")
+    return RaySettings(ray_address, Path(shared))
 
 
 def job_options(options: JobOptions | None, settings: dict) -> JobOptions:

@@ -1,6 +1,7 @@
 """The batchrun command line: thin click commands over the library."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 import signal
@@ -10,15 +11,16 @@ from pathlib import Path
 import click
 
 from batchrun import measure
+from batchrun.distributed import job_shards, shards_line
 from batchrun.errors import user_errors
 from batchrun.host import Stopped, default_db_path, stop_signals_unwind, stored_spec
-from batchrun.job import (CALIBRATION_METHODS, DEFAULT_CALIBRATION, DEFAULT_SAMPLE, JobOptions, compare_models,
-                          describe_comparison, plan_report, resolve_model)
-from batchrun.output import (check_output_writable, describe_calibration, describe_quality, job_answers, job_quality,
-                             output_format, write_results)
+from batchrun.job import (CALIBRATION_METHODS, DEFAULT_CALIBRATION, DEFAULT_PASS_MINUTES, DEFAULT_SAMPLE, JobOptions,
+                          compare_models, describe_comparison, plan_report, resolve_model)
+from batchrun.output import (check_output_writable, describe_calibration, describe_quality, encode_results,
+                             job_answers, job_provenance, job_quality, output_format, write_results)
 from batchrun.plan import format_comparison, format_duration, format_plan_table, parse_streaming
-from batchrun.spec import SpecError, kind
-from batchrun.store import JobNotFound, Store
+from batchrun.spec import TRUNCATE_SIDES, SpecError, kind
+from batchrun.store import JobNotFound, Store, check_database, describe_check, salvage_database
 
 
 def _choices_option(value: str | None) -> tuple[str, ...] | None:
@@ -111,6 +113,13 @@ def job_options(fn):
         click.option("--micro-batch", type=click.IntRange(min=1),
                      help="Sequences per prefill or choice-scoring forward call within a pass (default: planned from "
                           "memory); decode calls keep the plan's size."),
+        click.option("--pass-minutes", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_PASS_MINUTES,
+                     show_default=True, help="Plan passes to last at most this long: a crash or kill loses at most "
+                                             "the pass in flight."),
+        click.option("--truncate", type=click.Choice(TRUNCATE_SIDES),
+                     help="Cut an over-long row's document (a prompt row's text, a template's fields) from its head "
+                          "or tail to fit the context, counted in the truncated_tokens column (default: the row "
+                          "fails)."),
         click.option("--bandwidth", "bandwidth_gbps", type=click.FloatRange(min=0, min_open=True),
                      help="Declare the disk read bandwidth in GB/s instead of measuring it."),
         click.option("--trust-remote-code", is_flag=True, help="Allow a checkpoint's own Python code."),
@@ -139,7 +148,8 @@ def build_options(model: str | None, kw: dict):
                       memory_gb=kw["memory_gb"], streaming=kw["streaming"], prefetch=not kw["no_prefetch"],
                       prefetch_depth=kw["prefetch_depth"], micro_batch=kw["micro_batch"],
                       bandwidth_gbps=kw["bandwidth_gbps"], hf_token=kw["hf_token"],
-                      trust_remote_code=kw["trust_remote_code"])
+                      trust_remote_code=kw["trust_remote_code"], pass_minutes=kw["pass_minutes"],
+                      truncate=kw["truncate"])
 
 
 STDIN_SPEC = "-"
@@ -177,23 +187,90 @@ def spec_file(spec: Path, spec_format: str | None, *, output_named: bool = True)
     return stored_spec(data, "stdin", suffix)
 
 
+_COMMAND_KEY = "batchrun.command"  # ctx.meta: the subcommand named and the arguments it was given
+
+
+def ray_options(fn):
+    """`submit`'s options for running the job on a Ray cluster (docs/distributed.md)."""
+    decorators = [
+        click.option("--ray", "ray_address", metavar="ADDRESS",
+                     help="Run the job on a Ray cluster: auto, HOST:PORT, or local (one machine); needs --shared "
+                          "(pip install 'batchrun[ray]')."),
+        click.option("--shared", type=click.Path(path_type=Path, file_okay=False),
+                     help="With --ray: a directory every node sees at the same path; shards publish answers there."),
+        click.option("--shard-rows", type=click.IntRange(min=1),
+                     help="With --ray: rows per shard (default: from the job's size, its batches and the nodes)."),
+        click.option("--snapshot-every", type=click.FloatRange(min=0, min_open=True), default=300.0,
+                     show_default=True,
+                     help="With --ray: seconds between copies of a running shard's progress to --shared."),
+    ]
+    for decorator in reversed(decorators):
+        fn = decorator(fn)
+    return fn
+
+
+def ray_settings(kw: dict):
+    """The --ray options (taken out of kw) as RaySettings, or None for a run on this machine."""
+    address, shared = kw.pop("ray_address"), kw.pop("shared")
+    shard_rows, snapshot_every = kw.pop("shard_rows"), kw.pop("snapshot_every")
+    if address is None:
+        if shared is not None or shard_rows is not None:
+            raise click.UsageError("--shared and --shard-rows apply to a run on a Ray cluster: add --ray ADDRESS")
+        return None
+    if shared is None:
+        raise click.UsageError("--ray needs --shared DIR: a directory every node sees at the same path")
+    from batchrun.distributed import RaySettings
+    return RaySettings(address, shared, shard_rows=shard_rows, snapshot_every_s=snapshot_every)
+
+
 class FriendlyErrors(click.Group):
-    """Known failures print one clear line, never a traceback."""
+    """Known failures print one clear line, never a traceback. A command given --json also prints one JSON object on
+    stdout when it fails ({"error", "kind", "exit_code"}), so a script always has something to parse."""
+
+    def resolve_command(self, ctx, args):
+        name, command, rest = super().resolve_command(ctx, args)
+        ctx.meta[_COMMAND_KEY] = (name, command, list(rest))  # a copy: parsing consumes the list it is given
+        return name, command, rest
 
     def invoke(self, ctx):
         try:
             with stop_signals_unwind():
                 return super().invoke(ctx)
         except user_errors() as exc:
+            _json_failure(ctx, str(exc), type(exc).__name__, 1)
             click.echo(f"Error: {exc}", err=True)
             sys.exit(1)
+        except click.ClickException as exc:  # a usage error: click prints it and exits 2
+            _json_failure(ctx, exc.format_message(), "usage", exc.exit_code)
+            raise
         except KeyboardInterrupt as exc:
             resume = ("; committed passes are kept: run the same command again to resume"
                       if ctx.invoked_subcommand == "submit" else "")
             signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
             how = "Interrupted" if signum == signal.SIGINT else f"Stopped by {signal.Signals(signum).name}"
+            _json_failure(ctx, f"{how}{resume}", "interrupted", 128 + signum)
             click.echo(f"\n{how}{resume}.", err=True)
             sys.exit(128 + signum)  # the shell's code for a command ended by that signal (130 for Ctrl-C)
+
+
+def _json_failure(ctx: click.Context, message: str, kind: str, exit_code: int) -> None:
+    if _wants_json(ctx):
+        click.echo(json.dumps({"error": message, "kind": kind, "exit_code": exit_code}))
+
+
+def _wants_json(ctx: click.Context) -> bool:
+    """Whether the command that failed was given --json, read again from its arguments: a failure may come before
+    or while click parses them."""
+    name, command, args = ctx.meta.get(_COMMAND_KEY, (None, None, []))
+    while isinstance(command, click.Group) and args:  # `db check --json`
+        name, command, args = args[0], command.get_command(ctx, args[0]), args[1:]
+    if command is None or not any(param.name == "as_json" for param in command.params):
+        return False
+    try:
+        parsed = command.make_context(name, list(args), parent=ctx, resilient_parsing=True)
+    except click.ClickException:
+        return "--json" in args
+    return bool(parsed.params.get("as_json"))
 
 
 @click.group(cls=FriendlyErrors)
@@ -213,11 +290,13 @@ def cli():
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary at the end.")
+@ray_options
 def submit(spec, models, output, db, force, quiet, as_json, **kw):
     """Plan SPEC, run it (resuming an interrupted run of the same job), write Parquet."""
     from batchrun.job import submit as run_submit
     if len(models) > 1:
         raise click.BadParameter("submit takes one --model", param_hint="--model")
+    cluster = ray_settings(kw)
     options = build_options(models[0] if models else None, kw)
     spec = spec_file(spec, kw.pop("spec_format"), output_named=output is not None)
 
@@ -225,6 +304,9 @@ def submit(spec, models, output, db, force, quiet, as_json, **kw):
         if not quiet and not as_json:
             click.echo(format_plan_table(plan.to_json()), err=True)
 
+    if cluster is not None:
+        from batchrun.distributed import submit_on_ray
+        run_submit = functools.partial(submit_on_ray, cluster=cluster)
     summary = run_submit(spec, options=options, output=output, db=db, force=force, quiet=quiet or as_json,
                          on_plan=show_plan)
     if as_json:
@@ -265,17 +347,33 @@ def plan(spec, models, as_json, **kw):
 @click.option("--db", type=click.Path(path_type=Path), help="Progress database (default: $BATCHRUN_HOME/batchrun.db).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
-def compare(spec, models, sample, db, quiet, as_json, **kw):
+@click.option("--report", "report_path", type=click.Path(path_type=Path),
+              help="Page to write: accuracy against the wait per model (default: <spec stem>.compare.html beside "
+                   "the spec; an existing file is replaced only when batchrun wrote it).")
+def compare(spec, models, sample, db, quiet, as_json, report_path, **kw):
     """Is the bigger model worth the wait? Run SPEC's labelled rows on each --model, judge them against their
     labels, and price the whole job on each by its plan. The work is stored: a later submit reuses it."""
     options = build_options(None, kw)
     spec = spec_file(spec, kw.pop("spec_format"))
     found = compare_models(spec, [None if name == "default" else name for name in models], options, sample=sample,
-                           db=db, quiet=quiet or as_json)
+                           db=db, quiet=quiet or as_json).to_json()
+    page = _write_comparison_page(found, report_path or spec.with_name(f"{spec.stem}.compare.html"))
     if as_json:
-        click.echo(json.dumps(found.to_json(), indent=2))
-    else:
-        click.echo("\n".join(describe_comparison(found)))
+        click.echo(json.dumps({**found, "report": page and str(page)}, indent=2))
+        return
+    click.echo("\n".join(describe_comparison(found)))
+    if page:
+        click.echo(f"page: {page}")
+
+
+def _write_comparison_page(found: dict, path: Path) -> Path | None:
+    """The comparison's page, unless a file that batchrun did not write is in its place (said, not replaced)."""
+    from batchrun.report import is_report, write_comparison  # matplotlib loads only here
+    if path.exists() and not is_report(path):
+        click.echo(f"note: {path} exists and is not a batchrun page; not replaced (--report FILE names another)",
+                   err=True)
+        return None
+    return write_comparison(found, path, force=True)
 
 
 def _existing_store(db: Path | None):
@@ -296,23 +394,27 @@ def status(job, db, as_json):
     try:
         info = store.status(store.find_job(job))
         info["quality"] = _quality_if_any(store, info["id"])
+        info["shards"] = job_shards(store.path, info["id"])  # a job run on a Ray cluster
     finally:
         store.close()
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return
-    if info["rows_pending"] == 0:
+    lost = (f", {info['rows_lost']} lost (computed when its spec is submitted again)" if info.get("rows_lost")
+            else "")
+    if info["rows_pending"] == 0 and not lost:
         eta = "none, every row is finished"
     else:
         eta = format_duration(info["eta_seconds"]) if info.get("eta_seconds") else "unknown"
     running = f" (running as pid {info['running_pid']})" if info.get("running_pid") else ""
     click.echo(f"job {info['id']}: {info['state']}{running}\n"
                f"  model    {info['model']}\n  spec     {info['spec_path']}\n"
-               f"  rows     {info['rows_done']} done, {info['rows_errored']} errored, {info['rows_pending']} pending "
-               f"of {info['rows_total']}\n"
+               f"  rows     {info['rows_done']} done, {info['rows_errored']} errored, {info['rows_pending']} pending"
+               f"{lost} of {info['rows_total']}\n"
                f"  partial  {info['partial_tokens']} tokens generated in {info['partial_rows']} unfinished rows "
                f"(kept on resume)\n"
                f"  passes   {info['passes']}\n  elapsed  {format_duration(info['elapsed_seconds'])}\n  eta      {eta}"
+               + (f"\n  shards   {shards_line(info['shards'])}" if info.get("shards") else "")
                + (f"\n  failed   {info['last_error']}" if info.get("last_error") else ""))
     for line in describe_quality(info["quality"]) if info["quality"] else []:
         click.echo("  " + line)
@@ -341,40 +443,69 @@ def jobs(db, as_json):
         listing = store.jobs()
     finally:
         store.close()
+    damaged = [job for job in listing if job["state"] == "damaged"]
+    if damaged:  # the others are listed; these say why not, once
+        click.echo(f"Warning: {len(damaged)} job(s) cannot be read: {damaged[0]['last_error']}", err=True)
     if as_json:
         click.echo(json.dumps(listing, indent=2, default=str))
         return
     if not listing:
         click.echo("no jobs yet")
+        return
+    created_width = max(len(str(job["created_at"])) for job in listing)
+    click.echo(f"{'JOB':<16}  {'STATE':<11} {'DONE':>6}/{'ROWS':<6} {'CREATED':<{created_width}}  MODEL  SPEC")
     for job in listing:
-        click.echo(f"{job['id']}  {job['state']:<11} {job['rows_done']:>6}/{job['rows_total']:<6} "
-                   f"{job['created_at']}  {job['model']}  {job['spec_path']}")
+        done = "?" if job["rows_done"] is None else job["rows_done"]
+        click.echo(f"{job['id']}  {job['state']:<11} {done:>6}/{job['rows_total']:<6} "
+                   f"{job['created_at']:<{created_width}}  {job['model']}  {job['spec_path']}")
 
 
 @cli.command()
 @click.argument("job", required=False)
-@click.option("--output", "-o", type=click.Path(path_type=Path), required=True, help="File to write.")
-@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl"]),
-              help="Default: from the extension (.parquet, .pq; .jsonl, .ndjson, .json).")
+@click.option("--output", "-o", type=click.Path(path_type=Path, allow_dash=True), required=True,
+              help="File to write, or - for stdout.")
+@click.option("--format", "fmt", type=click.Choice(["parquet", "csv", "jsonl"]),
+              help="Default: from the extension (.parquet, .pq; .csv; .jsonl, .ndjson, .json); jsonl for -o -.")
 @click.option("--db", type=click.Path(path_type=Path))
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
-def results(job, output, fmt, db, force):
-    """Export JOB's answers so far (partial while it runs): Parquet, or OpenAI batch-output JSONL."""
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of what was written.")
+def results(job, output, fmt, db, force, as_json):
+    """Export JOB's answers so far (partial while it runs): Parquet (with the job's provenance in its metadata), CSV,
+    or OpenAI batch-output JSONL; to a file or to stdout."""
+    to_stdout = str(output) == "-"
+    if to_stdout and as_json:
+        raise click.UsageError("--json prints its summary on stdout, where -o - writes the answers; write them to a "
+                               "file, or leave out --json")
     store = _existing_store(db)
     try:
         job_id = store.find_job(job)
         answers = job_answers(store, job_id)
-        rows = answers.rows
-        status = store.status(job_id)
+        provenance = job_provenance(store, job_id)
     finally:
         store.close()
-    model = status["model"]
-    spec_path = Path(status["spec_path"])  # stored absolute now; an older job's relative one names no directory
-    check_output_writable(output, spec_path if spec_path.is_absolute() else None, store.path)
-    fmt = output_format(output, fmt, format_option=True)
-    path = write_results(output, rows, fmt, model=model, force=force)
-    click.echo(f"{len(rows)} rows -> {path}")
-    for line in describe_calibration(answers.calibration) + answers.notes:
+    if to_stdout:
+        fmt = fmt or "jsonl"
+        if fmt == "parquet" and sys.stdout.isatty():
+            raise click.UsageError("Parquet is binary and stdout is a terminal: redirect it (> answers.parquet, or a "
+                                   "pipe), or give --format csv or jsonl")
+        data = encode_results(answers.rows, fmt, model=provenance.model, provenance=provenance)
+        sys.stdout.flush()
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
+        where, size = "-", data.nbytes
+    else:
+        spec_path = Path(provenance.spec_path)  # stored absolute now; an older job's relative one names no directory
+        check_output_writable(output, spec_path if spec_path.is_absolute() else None, store.path)
+        fmt = output_format(output, fmt, format_option=True)
+        path = write_results(output, answers.rows, fmt, model=provenance.model, force=force, provenance=provenance)
+        where, size = str(path), path.stat().st_size
+    notes = describe_calibration(answers.calibration) + answers.notes
+    if as_json:
+        click.echo(json.dumps({"job_id": job_id, "output": where, "format": fmt, "rows": len(answers.rows),
+                               "rows_total": answers.rows_total, "bytes": size, "notes": notes}, indent=2))
+    else:
+        click.echo(f"{len(answers.rows)} rows -> {'stdout' if to_stdout else where}", err=to_stdout)
+    for line in notes:
         click.echo(f"note: {line}", err=True)
 
 
@@ -414,3 +545,60 @@ def disk(model, as_json):
         click.echo(json.dumps(result.__dict__, indent=2))
     else:
         click.echo(f"{result.bytes_per_s / 1e9:.2f} GB/s ({result.basis}): {result.how}")
+
+
+@cli.group()
+def db():
+    """Check the progress database, or copy what is readable of a damaged one into a new one."""
+
+
+def _database_path(db_path: Path | None) -> Path:
+    return Path(db_path or default_db_path(create=False))
+
+
+@db.command("check")
+@click.option("--db", "db_path", type=click.Path(path_type=Path),
+              help="Progress database (default: $BATCHRUN_HOME/batchrun.db).")
+@click.option("--quick", is_flag=True, help="SQLite's quick_check instead of the full integrity_check.")
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+def db_check(db_path, quick, as_json):
+    """SQLite's integrity check, and how many rows of each job are readable. Reads only; exit code 1 when damaged."""
+    path = _database_path(db_path)
+    found = check_database(path, quick=quick)
+    if as_json:
+        click.echo(json.dumps(found.to_json(), indent=2))
+    else:
+        click.echo(f"{path}: {'sound' if found.ok else 'DAMAGED'}")
+        for line in describe_check(found):
+            click.echo(f"  {line}")
+        if not found.ok:
+            salvaged = path.with_name(f"{path.stem}.salvaged{path.suffix or '.db'}")
+            click.echo(f"copy what is readable into a new database: batchrun db salvage --db {path} -o {salvaged}")
+    if not found.ok:
+        sys.exit(1)  # scripts tell a damaged database from a sound one by the exit code
+
+
+@db.command("salvage")
+@click.option("--db", "db_path", type=click.Path(path_type=Path),
+              help="The damaged database (default: $BATCHRUN_HOME/batchrun.db); only read.")
+@click.option("--output", "-o", type=click.Path(path_type=Path), required=True,
+              help="The new database to write; must not exist.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was kept and lost as JSON.")
+def db_salvage(db_path, output, as_json):
+    """Copy every readable job, row, run, pass and partial-token record into a new database, saying what each job
+    lost. The damaged file is left as it is."""
+    path = _database_path(db_path)
+    found = salvage_database(path, output)
+    if as_json:
+        click.echo(json.dumps(found.to_json(), indent=2))
+        return
+    kept = sum(job.rows_readable for job in found.jobs)
+    lost = sum(job.rows_lost for job in found.jobs)
+    click.echo(f"{len(found.jobs)} job(s), {kept} rows salvaged into {output}; {lost} rows lost")
+    for line in describe_check(found):
+        click.echo(f"  {line}")
+    moves = [f"mv {path} {path}.damaged"] + [f"mv {path}{suffix} {path}.damaged{suffix}" for suffix in ("-wal", "-shm")
+                                              if Path(f"{path}{suffix}").exists()]
+    click.echo(f"{path} is unchanged. To use the salvaged copy in its place: {' && '.join(moves)} && mv {output} "
+               f"{path}  (or pass --db {output}). A job that lost rows computes them when its spec is submitted "
+               "again.")

@@ -9,8 +9,8 @@ import batchrun
 
 PACKAGE = Path(batchrun.__file__).parent
 # Top to bottom. A module may import from its own layer's package and from any layer below it.
-LAYERS = ["cli", "api", "job", "report", "output", "store", "measure", "runtime", "plan", "checkpoint", "spec",
-          "quality", "host", "errors"]
+LAYERS = ["cli", "api", "distributed", "job", "report", "output", "store", "measure", "runtime", "plan", "checkpoint",
+          "spec", "quality", "host", "errors"]
 # Submodules other layers use as namespaces: fault points (`faults.reached("commit")`), and the CPU kernels that
 # measuring times, imported beside torch inside the functions that measure.
 NAMESPACES = {"batchrun.host.faults", "batchrun.runtime.linear_kernels"}

@@ -1,14 +1,17 @@
 """A job from spec to answers: options, identity (fingerprint, row keys), preparation and planning, and the
 resumable executor (`submit`, which needs torch and so is loaded on first use: `batchrun plan` stays light).
 """
+from batchrun.job.calibration import calibration_settings
 from batchrun.job.compare import DEFAULT_SAMPLE, Comparison
 from batchrun.job.compare import compare as compare_models
 from batchrun.job.compare import describe as describe_comparison
-from batchrun.job.options import CALIBRATION_METHODS, DEFAULT_CALIBRATION, JobOptions
-from batchrun.job.prepare import plan_report, resolve_model
+from batchrun.job.identity import one_row_per_key
+from batchrun.job.options import CALIBRATION_METHODS, DEFAULT_CALIBRATION, DEFAULT_PASS_MINUTES, JobOptions
+from batchrun.job.prepare import PreparedJob, nothing_runs, plan_report, plan_rows, prepare_job, resolve_model
 
-__all__ = ["CALIBRATION_METHODS", "DEFAULT_CALIBRATION", "DEFAULT_SAMPLE", "Comparison", "JobOptions",
-           "compare_models", "describe_comparison", "plan_report", "resolve_model", "submit"]
+__all__ = ["CALIBRATION_METHODS", "DEFAULT_CALIBRATION", "DEFAULT_PASS_MINUTES", "DEFAULT_SAMPLE", "Comparison", "JobOptions", "PreparedJob",
+           "calibration_settings", "compare_models", "describe_comparison", "nothing_runs", "one_row_per_key",
+           "plan_report", "plan_rows", "prepare_job", "resolve_model", "submit"]
 
 
 def __getattr__(name: str):

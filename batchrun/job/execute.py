@@ -5,6 +5,7 @@ unfinished rows are committed after every pass, so a crash costs at most the pas
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -18,8 +19,9 @@ from batchrun.errors import OutputRefused, PlanRefused
 from batchrun.host import (batch_cap_after_oom, default_db_path, faults, keep_freed_pages_below, killed_by_oom,
                            memory_cgroup_dir, oom_kill_count, stops_deferred)
 from batchrun.job.calibration import calibration_settings
-from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_row_per_key, plan_rows, prepare_job,
-                                  row_costs)
+from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_choice_caveat, one_row_per_key, plan_rows,
+                                  prepare_job, row_costs)
+from batchrun.job.progress import BAR_FORMAT, RunProgress
 from batchrun.output import (OutputError, OutputExists, check_output_writable, default_output_path, job_answers,
                              describe_calibration, output_format, quality, write_results)
 from batchrun.plan import Candidate, RowCost, without_prefix
@@ -27,7 +29,7 @@ from batchrun.report import is_report, write_report
 from batchrun.runtime import (Answer, GreedyPool, LayerReads, PoolPlan, eos_token_ids, generation_answer, open_model,
                               reads_prefix_in_place, score_choices)
 from batchrun.spec import EncodedRow, uses_chat_template
-from batchrun.store import JobNotFound, JobRow, RowResult, Store, StoreError
+from batchrun.store import JobRow, RowResult, Store, StoreError
 
 log = logging.getLogger("batchrun")
 
@@ -82,11 +84,11 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
     if output_path is not None:
         check_output_writable(output_path, spec_path, db_path)  # before any work, not after the night's run
         output_fmt = output_format(output_path)
+        if output_path.exists() and not force:  # before the spec is read: encoding a large one takes minutes
+            _refuse_existing_output(db_path, spec_path, output_path)
     prepared = prepare_job(spec_path, options)
     store = Store(db_path)
     try:
-        if output_path is not None and output_path.exists() and not force:
-            _refuse_existing_output(store, prepared.fingerprint, output_path)
         calibration = calibration_settings(prepared, lambda path, side: _side_job(path, side, db_path))
         job_id = store.ensure_job(prepared.fingerprint, spec_path=str(spec_path.resolve()), model=prepared.model.name,
                                   settings={**prepared.options.answer_settings(), **calibration},
@@ -110,7 +112,7 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
             raise
         finally:
             _release(store, job_id, state, error)
-            if output_path is not None:
+            if output_path is not None and state != "failed":  # a failed run (a full disk) is for `status` to tell
                 _write_report(store, job_id, report_path(output_path))
     finally:
         store.close()
@@ -122,7 +124,7 @@ def report_path(output_path: Path) -> Path:
 
 
 def _write_report(store: Store, job_id: str, path: Path) -> None:
-    """The job's report after every run (done, interrupted or failed: what is done so far). A file there that is
+    """The job's report after a run that finished or was stopped (what is done so far). A file there that is
     not a batchrun report is the user's and stays; a report that cannot be written costs the run nothing."""
     if path.exists() and not is_report(path):
         log.warning("the report is not written: %s exists and is not a batchrun report (batchrun report -o FILE "
@@ -155,22 +157,48 @@ def _export_command(store: Store, job_id: str) -> str:
     return f"`batchrun results {job_id}{db} -o FILE`"
 
 
-def _refuse_existing_output(store: Store, fingerprint: str, output_path: Path) -> None:
-    try:
-        job_id = store.find_job(fingerprint)
-    except JobNotFound:  # a new job: nothing recorded, nothing to point at
-        raise OutputRefused(f"{output_path} exists; pass --force to overwrite it, or -o another file") from None
-    if not store.pending_indices(job_id):
-        raise OutputRefused(f"job {job_id} is complete and {output_path} already exists, left untouched; "
-                            f"pass --force to rewrite it, or export with {_export_command(store, job_id)}")
-    raise OutputRefused(f"{output_path} exists; pass --force to overwrite it, or -o another file (answers so far "
-                        f"are kept in the database: {_export_command(store, job_id)})")
+def _refuse_existing_output(db_path: Path, spec_path: Path, output_path: Path) -> None:
+    """Refuse to overwrite, naming the job last made from this spec where the database holds one (the spec is not
+    read yet, so its job is found by the spec's path): its answers stay exportable."""
+    refusal = f"{output_path} exists; pass --force to overwrite it, or -o another file"
+    if not db_path.exists():
+        raise OutputRefused(refusal)
+    with Store(db_path) as store:
+        job = next((job for job in store.jobs() if job["spec_path"] == str(spec_path.resolve())), None)
+        if job is None:  # nothing recorded for this spec, nothing to point at
+            raise OutputRefused(refusal)
+        export = _export_command(store, job["id"])
+    if job["rows_pending"] == 0:
+        raise OutputRefused(f"job {job['id']} (the last made from {spec_path.name}) is complete and {output_path} "
+                            f"already exists, left untouched; pass --force to rewrite it, or export with {export}")
+    raise OutputRefused(f"{refusal} (answers so far are kept in the database: {export})")
 
 
 def _write_output(store: Store, job_id: str, path: Path, fmt: str, force: bool) -> Path:
+    """Write the job's answers. First the model this run read (its directory and fingerprint) and the spec's sha256
+    are recorded with the job, for this file's provenance and for any later `batchrun results` export."""
+    import hashlib
+
+    from batchrun.checkpoint import REGISTRY
+    from batchrun.errors import BatchrunError
+    from batchrun.job.identity import model_identity_parts
+    from batchrun.job.prepare import model_label, resolve_model
+    from batchrun.output import file_sha256, job_provenance
+
+    job = store.job_record(job_id)
     try:
-        return write_results(path, job_answers(store, job_id).rows, fmt, model=store.status(job_id)["model"],
-                             force=force)
+        model = next((name for name in (None, *REGISTRY) if model_label(name) == job["model"]), job["model"])
+        checkpoint = resolve_model(model, JobOptions(model=model))
+        digest = hashlib.sha256()
+        for part in model_identity_parts(checkpoint):
+            digest.update(part)
+        store.record_provenance(job_id, {"model_path": str(checkpoint.resolve()), "model_fingerprint":
+                                         digest.hexdigest(), "spec_sha256": file_sha256(Path(job["spec_path"]))})
+    except (BatchrunError, OSError) as error:  # the answers matter more than a record of where they came from
+        log.warning("the answers file does not name the model's checkpoint and fingerprint: %s", error)
+    try:
+        return write_results(path, job_answers(store, job_id).rows, fmt, model=job["model"], force=force,
+                             provenance=job_provenance(store, job_id))
     except OutputError as error:
         raise OutputError(path, f"{error.reason}. Every answer is kept in the database: "
                                 f"{_export_command(store, job_id)} writes them") from None
@@ -186,10 +214,11 @@ def _release(store: Store, job_id: str, state: str, error: str | None = None) ->
     try:
         with stops_deferred():
             store.release(job_id, state, error)
-    except StoreError:
+    except StoreError as failure:
         if state == "done":
             raise
-        log.warning("could not release job %s after the run failed; the next run will take its lock over", job_id)
+        log.warning("could not record how job %s's run ended (%s): %s; the next run will take its lock over", job_id,
+                    error or state, failure)
 
 
 def _all_row_ids(prepared: PreparedJob) -> list[JobRow]:
@@ -234,7 +263,8 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
         finished_before = status["rows_done"] + status["rows_errored"]
         # rows answered before, and those this run computes (a row repeating another is answered after the run)
         bar = tqdm(total=finished_before + sum(len(batch) for batch in batches), initial=finished_before,
-                   unit="row", disable=quiet, desc=f"batchrun {job_id[:8]} ({plan.mode})", dynamic_ncols=True)
+                   unit="row", disable=quiet, desc=f"batchrun {job_id[:8]} ({plan.mode})", dynamic_ncols=True,
+                   bar_format=BAR_FORMAT)
         commits = _Commits(store, job_id, bar, summary.pass_seconds, plan)
         _run_batches(prepared, commits, plan, batches, partial, summary)
         repeats_filled += store.fill_duplicates(job_id)
@@ -264,6 +294,7 @@ def _plan_run(prepared: PreparedJob, store: Store, job_id: str, rows: list[Encod
     prefixes = {i: len(partial[i][0]) for i in partial}
     options = _after_previous_run(prepared.options, store.previous_runs(job_id), summary.notes)
     plan = plan_rows(prepared.model, rows, options, prepared.device, prefixes)
+    summary.notes += one_choice_caveat(rows)  # the plan's caveat too: said where no plan table is shown
     cgroup = memory_cgroup_dir()
     store.record_run_plan(job_id, batch_size=plan.batch_size, planned_peak_bytes=plan.peak_memory_bytes,
                           memory_cgroup=str(cgroup) if cgroup else None,
@@ -282,8 +313,10 @@ def _plan_run(prepared: PreparedJob, store: Store, job_id: str, rows: list[Encod
 def _reuse_note(reused) -> str | None:
     if not (reused.answers or reused.partial_rows):
         return None
-    note = (f"{reused.answers} answer(s) taken from earlier job(s) {', '.join(reused.from_jobs)}: the same rows on "
-            "the same model")
+    jobs = ", ".join(reused.from_jobs[:3])  # a job rerun many times would otherwise list every earlier run
+    if len(reused.from_jobs) > 3:
+        jobs += f" and {len(reused.from_jobs) - 3} more"
+    note = f"{reused.answers} answer(s) taken from earlier job(s) {jobs}: the same rows on the same model"
     if reused.partial_rows:
         note += f"; {reused.partial_rows} row(s) resume from the tokens generated for them there"
     return note
@@ -317,9 +350,16 @@ class _Commits:
     bar: tqdm
     pass_seconds: list[float]
     plan: Candidate
+    progress: RunProgress = field(init=False)
 
     def __post_init__(self) -> None:
         self.store.record_run_estimate(self.job_id, mode=self.plan.mode, planned_seconds=self.plan.eta_seconds)
+        self.progress = RunProgress(self.store, self.job_id, self.bar, self.plan, self.pass_seconds)
+
+    def pass_started(self, rows: Callable[[], int], *, answers: bool) -> float:
+        """A pass carrying `rows()` rows starts (`answers`: it answers them all); returns when (time.monotonic)."""
+        self.progress.begin(rows, answers=answers)
+        return time.monotonic()
 
     def pass_committed(self, rows: int, started: float) -> None:
         """A pass that began at `started` (time.monotonic) is committed with `rows` answers."""
@@ -331,8 +371,7 @@ class _Commits:
         self.store.record_pass(self.job_id, seconds=seconds, rows_finished=rows,
                                peak_memory_bytes=self._peak_memory_bytes(),
                                planned_seconds=planned[number - 1] if number <= len(planned) else None)
-        self.bar.update(rows)
-        _show_rate(self.bar, self.pass_seconds)
+        self.progress.committed(rows)
 
     def _peak_memory_bytes(self) -> int | None:
         """What the plan's peak memory is measured against: the device's peak reserved memory on CUDA, else this
@@ -359,6 +398,7 @@ def _run_batches(prepared: PreparedJob, commits: _Commits, plan: Candidate, batc
                        pack_weights=plan.packs_weights)
     model = open_model(prepared.model.checkpoint, mode=plan.mode, device=prepared.device, dtype=prepared.compute_dtype,
                        trust_remote_code=options.trust_remote_code, linear_kernel=plan.linear_kernel, reads=reads)
+    model.on_turn = commits.progress.turn  # the bar and `status` follow each pass layer by layer
     tokenizer = prepared.model.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     micro_batch = prepared.options.micro_batch or plan.micro_batch_size
@@ -368,7 +408,7 @@ def _run_batches(prepared: PreparedJob, commits: _Commits, plan: Candidate, batc
         with keep_freed_pages_below(keep_below):
             for batch in batches:
                 if batch[0].is_choice:
-                    started = time.monotonic()
+                    started = commits.pass_started(functools.partial(len, batch), answers=True)
                     answers = score_choices(model, batch, pad_id, micro_batch=micro_batch)
                     faults.reached("pass")
                     ids = {r.request.index: r.request.id for r in batch}
@@ -417,9 +457,9 @@ def _run_generation(pool: GreedyPool, commits: _Commits) -> int:
     if pool.already_finished:
         store.commit_batch(job_id, [to_row_result(generation_answer(s), ids[s.row.request.index])
                                     for s in pool.already_finished], passes=0)
-        commits.bar.update(len(pool.already_finished))
+        commits.progress.committed(len(pool.already_finished))
     while not pool.done:
-        started = time.monotonic()
+        started = commits.pass_started(lambda: pool.in_flight, answers=False)
         finished = pool.step()
         faults.reached("pass")
         results = [to_row_result(generation_answer(s), ids[s.row.request.index]) for s in finished]
@@ -434,9 +474,3 @@ def generation_costs(rows: list[EncodedRow], partial: dict, shared_prefix: int) 
     prefilling the tokens an earlier run generated."""
     done = {index: len(tokens) for index, (tokens, _) in partial.items()}
     return [without_prefix(cost, shared_prefix) for cost in row_costs(rows, done)]
-
-
-def _show_rate(bar, pass_times: list[float]) -> None:
-    if pass_times:
-        median = sorted(pass_times)[len(pass_times) // 2]
-        bar.set_postfix(passes=len(pass_times), s_per_pass=f"{median:.2f}")

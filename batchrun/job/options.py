@@ -7,13 +7,16 @@ from dataclasses import asdict, dataclass, field, replace
 
 from batchrun.errors import SettingRefused
 from batchrun.plan import parse_streaming
+from batchrun.spec import TRUNCATE_SIDES
 
 # Settings that can change answers, recorded with a job. Its identity is what they do to its rows (fingerprint):
 # batch size, memory budget, streaming policy and prefetch change no row, so a job resumes whatever they are.
 ANSWER_SETTINGS = ("template", "id_column", "choices", "system", "max_new_tokens", "stop", "raw", "dtype",
-                   "label_column", "keep_columns", "calibrate")
+                   "label_column", "keep_columns", "calibrate", "truncate")
 CALIBRATION_METHODS = ("auto", "none", "batch", "content-free", "labels")
 DEFAULT_CALIBRATION = "auto"  # changes answers only where labelled rows show it helps (docs/calibration.md)
+# A crash, a kill or a power cut costs the pass in flight: passes are planned to last at most this long.
+DEFAULT_PASS_MINUTES = 10.0
 
 
 @dataclass
@@ -53,6 +56,8 @@ class JobOptions:
     label_column: str | None = None  # corpus mode: the column holding each row's expected answer
     keep_columns: tuple[str, ...] | None = None  # corpus mode: input columns copied into the output; ("*",): all
     calibrate: str = DEFAULT_CALIBRATION  # how choice probabilities are calibrated (docs/calibration.md)
+    pass_minutes: float | None = DEFAULT_PASS_MINUTES  # the longest a pass is planned to take; None: no bound
+    truncate: str | None = None  # "head" | "tail": cut an over-long row's document from that end; None: refuse it
 
     def __post_init__(self):
         """The checks the CLI's option types make, for scripts that build options themselves."""
@@ -62,10 +67,13 @@ class JobOptions:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise SettingRefused(f"{name} must be a positive integer, got {value!r}")
-        for name in ("memory_gb", "bandwidth_gbps"):
+        for name in ("memory_gb", "bandwidth_gbps", "pass_minutes"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and value > 0):
                 raise SettingRefused(f"{name} must be a positive number, got {value!r}")
+        if self.truncate not in (None, *TRUNCATE_SIDES):
+            raise SettingRefused(f"truncate {self.truncate!r}: use head or tail (or None: refuse a row over the "
+                                 "context)")
         if self.calibrate not in CALIBRATION_METHODS:
             raise SettingRefused(f"calibrate {self.calibrate!r}: use one of {', '.join(CALIBRATION_METHODS)}")
         if isinstance(self.keep_columns, str):

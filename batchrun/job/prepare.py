@@ -171,7 +171,7 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
     in_place = prepared.attends_through_sdpa and (shared > 0 or prepared.sdpa_groups_decode_queries)
     plan = make_plan(sizes, costs, request, machine_rates(prepared, options, compute_dtype, device, costs),
                      shared_prefix_tokens=shared, decode_in_place=in_place)
-    caveats = plan.caveats + _glued_choices_caveat(prepared.tokenizer, rows, options.raw) + _one_choice_caveat(rows)
+    caveats = plan.caveats + _glued_choices_caveat(prepared.tokenizer, rows, options.raw) + one_choice_caveat(rows)
     if common:
         window = min([window for window in sizes.sliding_windows if window] + [sizes.unplaced_window or math.inf])
         caveats.append(f"the rows share a {common}-token prompt head, but the longest reaches past the model's "
@@ -217,7 +217,7 @@ def _glued_choices_caveat(tokenizer, rows: Sequence[EncodedRow], raw: bool) -> l
             "with no chat template, write choices with the space a continuation begins with (\" positive\")"]
 
 
-def _one_choice_caveat(rows: Sequence[EncodedRow]) -> list[str]:
+def one_choice_caveat(rows: Sequence[EncodedRow]) -> list[str]:
     """A row with a single choice is answered with it at probability 1.0 whatever the document says."""
     alone = [row for row in rows if row.is_choice and len(row.request.choices) == 1]
     if not alone:

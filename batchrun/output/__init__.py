@@ -3,13 +3,13 @@ written to (Parquet, OpenAI Batch-format JSONL), each written atomically.
 """
 from batchrun.output.answers import (JobAnswers, OutputRow, content_free_priors, describe_calibration,
                                      describe_quality, job_answers, job_quality, output_rows, quality)
-from batchrun.output.files import (CHOICE_PROBS_TYPE, OutputError, OutputExists, OutputFormatUnknown, answers_table,
-                                   atomic_write, check_output_writable, default_output_path, openai_batch_line,
-                                   output_format, read_parquet_results, results_table, write_jsonl, write_parquet,
-                                   write_results)
+from batchrun.output.files import (CHOICE_PROBS_TYPE, OutputError, OutputExists, OutputFormatUnknown, Provenance,
+                                   answers_table, atomic_write, check_output_writable, default_output_path,
+                                   encode_results, file_sha256, job_provenance, openai_batch_line, output_format,
+                                   read_parquet_results, results_table, write_jsonl, write_parquet, write_results)
 
 __all__ = ["CHOICE_PROBS_TYPE", "JobAnswers", "OutputError", "OutputExists", "OutputFormatUnknown", "OutputRow",
-           "answers_table", "atomic_write", "check_output_writable", "content_free_priors", "default_output_path",
-           "describe_calibration", "describe_quality", "job_answers", "job_quality", "openai_batch_line",
-           "output_format", "output_rows", "quality", "read_parquet_results", "results_table", "write_jsonl",
-           "write_parquet", "write_results"]
+           "Provenance", "answers_table", "atomic_write", "check_output_writable", "content_free_priors",
+           "default_output_path", "describe_calibration", "describe_quality", "encode_results", "file_sha256",
+           "job_answers", "job_provenance", "job_quality", "openai_batch_line", "output_format", "output_rows",
+           "quality", "read_parquet_results", "results_table", "write_jsonl", "write_parquet", "write_results"]

@@ -1,14 +1,21 @@
-"""Answers out: Parquet (the default) and OpenAI Batch-format JSONL, each written atomically.
+"""Answers out: Parquet (the default, carrying where its answers come from in its metadata), CSV and OpenAI
+Batch-format JSONL, each written atomically.
 
 A write goes to a hidden temp file beside the target, is fsynced, then renamed over it, so a reader
 sees the old file or the new one, never half of either, and a failed write leaves the old file as it was.
 """
 from __future__ import annotations
 
+import csv
+import errno
 import glob
+import hashlib
+import io
 import json
 import os
 import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -16,8 +23,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.errors import BatchrunError
-from batchrun.host import HOST, faults, pid_alive
+from batchrun.host import HOST, disk_free_bytes, faults, package_version, pid_alive
 from batchrun.output.answers import OutputRow, job_answers, output_rows
+from batchrun.plan import format_bytes
 from batchrun.store import RowResult, Store
 
 CHOICE_PROBS_TYPE = pa.map_(pa.string(), pa.float64())
@@ -44,7 +52,44 @@ class OutputFormatUnknown(BatchrunError, ValueError):
 
 
 FORMATS_BY_SUFFIX = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
-                     ".json": "jsonl"}
+                     ".json": "jsonl", ".csv": "csv"}
+FORMAT_SUFFIXES = {"parquet": ".parquet", "jsonl": ".jsonl", "csv": ".csv"}
+PROVENANCE_PREFIX = "batchrun."  # the Parquet key-value metadata keys this package writes
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a file's answers come from, written into a Parquet file's key-value metadata as `batchrun.<field>`
+    (settings as JSON text). None: not known for this job (its output was never written by a run)."""
+    job_id: str
+    job_fingerprint: str
+    model: str  # the label jobs and plans show
+    model_path: str | None  # the checkpoint directory the run read
+    model_fingerprint: str | None  # sha256 of what the job's identity reads of the model
+    spec_path: str
+    spec_sha256: str | None
+    settings: dict  # the job's answer settings, calibration included
+    batchrun_version: str | None
+    written_at: str
+
+    def metadata(self) -> dict[str, str]:
+        fields = {**asdict(self), "settings": json.dumps(self.settings, sort_keys=True)}
+        return {PROVENANCE_PREFIX + name: str(value) for name, value in fields.items() if value is not None}
+
+
+def job_provenance(store: Store, job_id: str) -> Provenance:
+    """The job's provenance as recorded, stamped now."""
+    job = store.job_record(job_id)
+    recorded = job["provenance"]
+    return Provenance(job["id"], job["fingerprint"], job["model"], recorded.get("model_path"),
+                      recorded.get("model_fingerprint"), job["spec_path"], recorded.get("spec_sha256"),
+                      job["settings"], package_version("batchrun"),
+                      datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def default_output_path(spec_path: Path) -> Path:
@@ -54,17 +99,18 @@ def default_output_path(spec_path: Path) -> Path:
 
 
 def output_format(path: Path, fmt: str | None = None, *, format_option: bool = False) -> str:
-    """'parquet' or 'jsonl': `fmt` if given, else the extension's (any case); an unknown one is refused rather than
-    written as Parquet under a name that says otherwise. `format_option`: the command has --format to suggest."""
+    """'parquet', 'csv' or 'jsonl': `fmt` if given, else the extension's (any case); an unknown one is refused rather
+    than written as Parquet under a name that says otherwise. `format_option`: the command has --format to suggest."""
     found = FORMATS_BY_SUFFIX.get(Path(path).suffix.lower())
     if fmt:
         if found not in (None, fmt):  # JSONL under a .parquet name would fool every reader that trusts the name
             raise OutputFormatUnknown(f"{path}: the name says {found} but --format {fmt} was given; name the file "
-                                      f"for the format (.{'parquet' if fmt == 'parquet' else 'jsonl'})")
+                                      f"for the format ({FORMAT_SUFFIXES[fmt]})")
         return fmt
     if found is None:
-        raise OutputFormatUnknown(f"{path}: cannot tell the format from the extension; name it .parquet or .jsonl "
-                                  "(OpenAI batch-output lines)" + (", or give --format" if format_option else ""))
+        raise OutputFormatUnknown(f"{path}: cannot tell the format from the extension; name it .parquet, .csv or "
+                                  ".jsonl (OpenAI batch-output lines)"
+                                  + (", or give --format" if format_option else ""))
     return found
 
 
@@ -98,10 +144,41 @@ def check_output_writable(path: Path, spec_path: Path | None = None, db_path: Pa
 
 
 def write_results(path: Path, results: Sequence[RowResult | OutputRow], fmt: str, *, model: str,
-                  force: bool = False) -> Path:
+                  force: bool = False, provenance: Provenance | None = None) -> Path:
+    """The answers in `fmt` at `path`, atomically; a Parquet file carries `provenance` in its metadata."""
+    return _write_bytes(path, encode_results(results, fmt, model=model, provenance=provenance), force)
+
+
+def encode_results(results: Sequence[RowResult | OutputRow], fmt: str, *, model: str = "",
+                   provenance: Provenance | None = None) -> memoryview:
+    """The bytes of an answers file in `fmt` (for a file, or for stdout)."""
     if fmt == "jsonl":
-        return write_jsonl(path, results, model=model, force=force)
-    return write_parquet(path, results, force=force)
+        return memoryview(_jsonl_text(results, model).encode("utf-8"))
+    if fmt == "csv":
+        return memoryview(_csv_text(results_table(results)).encode("utf-8"))
+    table = results_table(results)
+    if provenance is not None:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **provenance.metadata()})
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return memoryview(sink.getvalue())
+
+
+def _write_bytes(path: Path, data: memoryview, force: bool) -> Path:
+    """`data` written atomically at `path`; a full disk is named, with what the file needs and what is free."""
+    try:
+        return atomic_write(Path(path), lambda temp: Path(temp).write_bytes(data), force=force)
+    except OutputError as error:
+        reason = error.reason
+        if not (isinstance(reason, OSError) and reason.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)):
+            raise
+        directory = Path(path).absolute().parent
+        try:
+            free = format_bytes(disk_free_bytes(directory))
+        except OSError:
+            free = "an unknown amount"
+        raise OutputError(path, f"{reason.strerror or reason}: the disk holding {directory} has {free} free and "
+                                f"the file needs {format_bytes(data.nbytes)}") from None
 
 
 def atomic_write(path: Path, write: Callable[[Path], None], *, force: bool = False) -> Path:
@@ -213,9 +290,33 @@ def carried_columns(results: Sequence[RowResult]) -> dict[str, pa.Array]:
     return columns
 
 
-def write_parquet(path: Path, rows: Sequence[RowResult | OutputRow], *, force: bool = False) -> Path:
-    table = results_table(rows)
-    return atomic_write(Path(path), lambda temp: pq.write_table(table, temp), force=force)
+def write_parquet(path: Path, rows: Sequence[RowResult | OutputRow], *, force: bool = False,
+                  provenance: Provenance | None = None) -> Path:
+    return write_results(path, rows, "parquet", model="", force=force, provenance=provenance)
+
+
+def _csv_text(table: pa.Table) -> str:
+    """The Parquet columns as CSV: probabilities and other nested values as JSON text, booleans as true/false, a
+    missing value as an empty field."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(table.column_names)
+    columns = [[_csv_value(value, pa.types.is_map(column.type)) for value in column.to_pylist()]
+               for column in table.columns]
+    writer.writerows(zip(*columns))
+    return out.getvalue()
+
+
+def _csv_value(value, is_map: bool) -> str:
+    if value is None:
+        return ""
+    if is_map:  # Arrow gives a map as key/value pairs
+        return json.dumps(dict(value), ensure_ascii=False)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
 
 
 def read_parquet_results(path: Path) -> list[dict]:
@@ -280,16 +381,13 @@ def _line_metadata(result: RowResult) -> dict | None:
 
 
 def write_jsonl(path: Path, rows: Sequence[RowResult | OutputRow], *, model: str, force: bool = False) -> Path:
+    return write_results(path, rows, "jsonl", model=model, force=force)
+
+
+def _jsonl_text(rows: Sequence[RowResult | OutputRow], model: str) -> str:
     created = int(time.time())
-    ordered = as_output_rows(rows)
-
-    def write(temp: Path) -> None:
-        with open(temp, "w", encoding="utf-8") as out:
-            for result in ordered:
-                out.write(json.dumps(openai_batch_line(result, model=model, created=created), ensure_ascii=False))
-                out.write("\n")
-
-    return atomic_write(Path(path), write, force=force)
+    return "".join(json.dumps(openai_batch_line(row, model=model, created=created), ensure_ascii=False) + "\n"
+                   for row in as_output_rows(rows))
 
 
 def _fsync_path(path: Path) -> None:

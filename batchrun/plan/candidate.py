@@ -63,6 +63,10 @@ class Candidate:
     linear_kernel: str = "aten"  # what computes the nn.Linear layers (measure.linear_kernel; a CPU choice)
     packs_weights: bool = False  # long streamed prefills multiply packed weights (measure.packs_weights)
     compute_dtype_reason: str | None = None  # why --dtype auto chose compute_dtype (host/compute_dtype.py; the CPU)
+    pass_bound_seconds: float | None = None  # the longest a pass may be planned to take; None: no bound
+    longest_pass_seconds: float | None = None
+    unbounded_passes: int | None = None  # passes without the bound (None: no bound applied)
+    bound_cost_seconds: float | None = None  # what the bound adds to the passes' time: more passes, more weight reads
 
     @property
     def fits(self) -> bool:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
+from batchrun.host import disk_free_bytes, state_dir
+
 
 def format_bytes(count: float | None) -> str:
     """Binary units with about three significant digits: "512 B", "1.25 GiB", "131 GiB"."""
@@ -118,15 +120,44 @@ def _candidate_table(report: Mapping) -> str:
         ("per pass", f"{format_duration(report['seconds_per_pass'])} (reads "
                      f"{format_duration(report['io_seconds_per_pass'])}, compute "
                      f"{format_duration(report['compute_seconds_per_pass'])})"),
+        *([("pass bound", _pass_bound(report))] if report.get("pass_bound_seconds") else []),
         ("ETA", f"{format_duration(report['eta_seconds'])}; first answer after "
                 f"{format_duration(report['first_answer_seconds'])}; "
                 f"{_per_hour(report['answers_per_hour'])} answers/hour"),
         ("disk", f"needs {format_bytes(report['disk_needed_bytes'])}; "
-                 f"{format_bytes(report['disk_free_bytes'])} free"),
+                 f"{format_bytes(report['disk_free_bytes'])} free at the checkpoint, {_state_disk_free()}"),
     ]
     width = max(len(label) for label, _ in lines)
     text = [f"{label:<{width}}  {value}" for label, value in lines]
     return "\n".join(text + _listed("blockers", report["blockers"]) + _listed("caveats", report["caveats"]))
+
+
+def _state_disk_free() -> str:
+    """Free space where the progress database lives: commits, partial tokens and the answers fill it as a job runs."""
+    directory = state_dir(create=False)
+    try:
+        free = format_bytes(disk_free_bytes(directory))
+    except OSError:
+        free = "unknown"
+    return f"{free} free in the state directory {directory} (progress database)"
+
+
+def _pass_bound(report: Mapping) -> str:
+    """How long a pass may take (what a crash loses at most), and what holding passes to it costs the job."""
+    bound = f"at most {format_duration(report['pass_bound_seconds'])} a pass"
+    if report.get("unbounded_passes") is None:
+        return bound + " (not applied: pass times unknown)"
+    bound += f" (longest planned {format_duration(report['longest_pass_seconds'])})"
+    extra_passes = report["passes"] - report["unbounded_passes"]
+    if extra_passes <= 0:
+        return bound + "; no pass cut"
+    total = (report.get("eta_seconds") or 0) - (report.get("load_seconds") or 0)
+    cost, unbounded = report["bound_cost_seconds"], total - report["bound_cost_seconds"]
+    what = ("each extra pass reads every layer again" if report["mode"] == "streamed"
+            else "the weights stay in memory: only each pass's fixed costs")
+    spent = (f"{format_duration(cost)}, {cost / unbounded:.1%} of the job" if unbounded > 0 and cost / unbounded >= 5e-4
+             else "no measurable time")
+    return f"{bound}; {report['passes']:,} passes instead of {report['unbounded_passes']:,} cost {spent} ({what})"
 
 
 def _read_ahead(report: Mapping) -> str:

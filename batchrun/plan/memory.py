@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from batchrun.checkpoint import CheckpointSizes, kv_bytes_for_sequence, kv_bytes_per_token_per_layer
-from batchrun.plan.batching import RowCost, batch_shape, prefill_call_count, prefill_calls
+from batchrun.plan.batching import RowCost, batch_shape, prefill_calls
 
 # Activations of one sequence at prefill, the peak of a batch (checked against RSS in benchmarks/plan_accuracy.py):
 HIDDEN_STATE_COPIES = 4  # residual stream, normed input, attention output, MLP output live together
@@ -81,20 +81,40 @@ def activation_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, de
 def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
                 batch: Sequence[int], micro_sequences: int | None = None,
                 prefilling: Sequence[int] | None = None) -> int:
-    """KV cache at the batch's longest sequence (none for choice rows) plus activations at its longest prefill, for
-    every sequence; with micro-batches, activations for one micro-batch and held hidden states for the others; and
-    the prefill's suspended forward calls: those of `prefilling`, the rows whose prompts the pass prefills (a
-    refilled pass: the rows it admits; None: the whole batch)."""
+    """KV cache at the batch's longest sequence (none for choice rows) and kept log-probabilities (every call's stay
+    until the pass ends), for every sequence; activations at its longest prefill for every sequence, or with
+    micro-batches for one micro-batch and held hidden states for the others; and the prefill's suspended forward
+    calls: those of `prefilling`, the rows whose prompts the pass prefills (a refilled pass: the rows it admits;
+    None: the whole batch).
+
+    A whole batch's prefill cut into several calls (always on a CPU: prefill_calls) holds one call's activations at
+    a time: 1,500 choice rows of SmolLM2 resident in 13 calls measured 1.97 GB peak RSS where counting every
+    sequence's activations at once planned 4.97 GB (batch_cut_bytes)."""
     sequences, longest, prefill, positions = batch_shape(rows, batch)
     holds_cache = any(rows[i].holds_cache for i in batch)
     kv = kv_bytes_for_sequence(sizes, compute_bytes, longest) if holds_cache else 0
-    activations = activation_bytes_for_sequence(sizes, compute_bytes, device, prefill, positions)
+    logits = positions * sizes.vocab_size * LOGIT_BYTES
+    activations = activation_bytes_for_sequence(sizes, compute_bytes, device, prefill, 0)
     prefilled = batch if prefilling is None else prefilling
-    calls = (prefill_call_count(rows, prefilled, micro_sequences, device) if prefilled else 0) * PREFILL_CALL_BYTES
+    cut = prefill_calls(rows, prefilled, micro_sequences, device) if prefilled else ()
+    calls = len(cut) * PREFILL_CALL_BYTES
+    if prefilling is None and len(cut) > 1:
+        return batch_cut_bytes(sizes, compute_bytes, device, (sequences, prefill, logits), kv, cut) + calls
     if micro_sequences is None or micro_sequences >= sequences:
-        return sequences * (kv + activations) + calls
+        return sequences * (kv + activations + logits) + calls
     held = prefill * sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
-    return sequences * (kv + held) + micro_sequences * activations + calls
+    return sequences * (kv + held + logits) + micro_sequences * activations + calls
+
+
+def batch_cut_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, shape: tuple[int, int, int], kv: int,
+                    cut: Sequence[Sequence[int]]) -> int:
+    """A batch prefilled in the calls `cut` (each call's prefill lengths), `shape` (sequences, longest prefill, kept
+    log-probability bytes a sequence): the largest call's activations, the other calls' held hidden states, and
+    every sequence's KV cache and kept log-probabilities."""
+    sequences, prefill, logits = shape
+    live = max(len(call) * activation_bytes_for_sequence(sizes, compute_bytes, device, max(call), 0) for call in cut)
+    held = prefill * sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
+    return sequences * (kv + held + logits) + live
 
 
 def largest_turn_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
@@ -190,8 +210,8 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     Sequences are sized so typical (median-length) rows fill the budget; the token budget then keeps longer rows from
     overflowing it. When the job's sequences do not all fit with their activations live at once (padded to the
     longest row), the pass is split into micro-batches: activations are bought for one micro-batch (a share of the
-    budget, or what holding a smaller job's every row leaves), KV and held hidden states for every sequence of the
-    pass."""
+    budget, or what holding a smaller job's every row leaves), KV, held hidden states and kept logits for every
+    sequence of the pass (every call's log-probabilities stay until the pass ends)."""
     longest_prefill = max(row.prefill_length() for row in rows)
     kv_per_token = (kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers
                     if any(row.holds_cache for row in rows) else 0)
@@ -213,12 +233,12 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
 
     # A micro-batch is cut from sequences sorted by length, so the last one holds the longest rows: its activations
     # are bought at the longest prefill, as the peak counts them (batch_bytes), not at the median length.
-    micro_per_sequence = longest_prefill * activation_per_token + per_sequence
+    micro_per_sequence = longest_prefill * activation_per_token
     micro_sequences = max(int(free_bytes * MICRO_BATCH_MEMORY_SHARE // micro_per_sequence), 1)
     held_per_token = kv_per_token + sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
     # Each forward call (micro-batch) is held suspended (PREFILL_CALL_BYTES), shared by its sequences.
     max_sequences = ((free_bytes - micro_sequences * micro_per_sequence)
-                     // (typical_length * held_per_token + PREFILL_CALL_BYTES / micro_sequences))
+                     // (typical_length * held_per_token + per_sequence + PREFILL_CALL_BYTES / micro_sequences))
     if max_sequences > wanted:
         # The job needs fewer sequences than memory holds. Every row is held at the longest row's length, so the
         # token budget packs them all into one batch, and the micro-batch gets what that leaves (at least one
@@ -226,10 +246,10 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
         # usually more than the fixed share, and larger micro-batches run faster (float32 on 2 cores, one layer
         # over 3,100 tokens: 186 GFLOP/s in micro-batches of 485 tokens, 214 of 1,067, 233 in one).
         max_sequences = wanted
-        leftover = free_bytes - wanted * longest * held_per_token
+        leftover = free_bytes - wanted * (longest * held_per_token + per_sequence)
 
         def micro_fitting(room: float) -> int:
-            return max(1, min(int(wanted) - 1, int(room // (longest * activation_per_token + per_sequence))))
+            return max(1, min(int(wanted) - 1, int(room // (longest * activation_per_token))))
 
         micro_sequences = micro_fitting(leftover)
         micro_sequences = micro_fitting(leftover - _calls_bytes(wanted, micro_sequences))  # room for its calls
@@ -237,7 +257,7 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     if max_sequences <= micro_sequences:  # micro-batches gain nothing: the whole batch in one forward call
         max_sequences = max(int(min(all_live, wanted)), 1)
         return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
-    max_tokens = max(int((free_bytes - micro_sequences * micro_per_sequence
+    max_tokens = max(int((free_bytes - micro_sequences * micro_per_sequence - max_sequences * per_sequence
                           - _calls_bytes(max_sequences, micro_sequences)) // held_per_token), 1)
     return max_sequences, max_tokens, micro_sequences
 

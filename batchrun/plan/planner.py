@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 from batchrun.checkpoint import CheckpointSizes, kv_bytes_for_sequence, kv_bytes_per_token_per_layer
 from batchrun.plan.batching import (RowCost, batch_shape, inside_windows, lower_bound_passes, pack_batches, without_prefix)
-from batchrun.plan.formatting import format_bytes, format_rate
+from batchrun.plan.formatting import format_bytes, format_duration, format_rate
 from batchrun.plan.candidate import Candidate
 from batchrun.plan.memory import (batch_limits, PREFILL_CALL_BYTES, Calls, activation_bytes_for_sequence,
                                   attention_scratch_bytes, batch_bytes, decode_group_size, decode_pass_bytes,
@@ -42,6 +42,13 @@ IO_EFFICIENCY = {True: 1.0, False: 0.70}
 MEMORY_HEADROOM_SHARE = 0.10
 # With no rows to size, memory is reported for one sequence of this many tokens (or the context, if shorter).
 DEFAULT_SIZING_TOKENS = 4096
+# Passes over the bound are cut by the share the bound is of the longest, a little more (a pass's fixed costs do not
+# shrink with its rows), and timed again, at most this many times (a pass's time is about linear in its tokens: two
+# rounds usually).
+BOUND_MARGIN = 0.95
+BOUND_ROUNDS = 12
+# Past this share of the job's time the bound's extra passes are called out: a larger bound would cost less.
+BOUND_COST_NOTED = 0.10
 
 
 def parse_streaming(value: str | None, env: Mapping[str, str] = os.environ) -> str:
@@ -129,6 +136,16 @@ class _Peak:
 
 
 @dataclass(frozen=True)
+class _Bound:
+    """The pass bound: what was asked, what passes are held to, and the passes and their time without it."""
+    seconds: float
+    target: float  # the bound, or what a pass cannot be shorter than where that is longer
+    held_by: str | None  # why the target is longer: "read" (a streamed pass reads every layer), "row" (one row a pass)
+    unbounded_passes: int
+    unbounded_seconds: float
+
+
+@dataclass(frozen=True)
 class _Time:
     """How long the job takes: loading what stays resident, reading the layers a pass, every pass, the ETA."""
     load_seconds: float | None
@@ -151,12 +168,13 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], request: PlanRequ
     planned, sizing_rows = _plannable_rows(rows, request.context_length or sizes.max_position_embeddings,
                                            job.caveats, job.blockers)
     fixed = _fixed_memory(job, sizing_rows)
-    batching = _batches(job, fixed, planned, sizing_rows)
+    batching, bound, timed = _bound_passes(job, fixed, _batches(job, fixed, planned, sizing_rows))
     schedule = _schedule(job, batching)
     peak = _peak(job, fixed, batching, schedule)
-    time = _time(job, fixed.mode, batching, schedule, peak)
+    time = _time(job, fixed.mode, batching, schedule, peak, timed)
+    _bound_notes(job, fixed.mode, bound, time)
     _check_disk(job)
-    return _candidate(job, fixed, batching, schedule, peak, time)
+    return _candidate(job, fixed, batching, schedule, peak, time, bound)
 
 
 def compare_modes(sizes: CheckpointSizes, rows: Sequence[RowCost], request: PlanRequest, rates: Rates,
@@ -254,6 +272,85 @@ def _batches(job: _Job, fixed: _Fixed, planned: list[int], sizing_rows: Sequence
     return _Batching(planned, prefix_bytes, free_bytes, max_sequences, max_tokens, micro_sequences, batches)
 
 
+def _bound_passes(job: _Job, fixed: _Fixed,
+                  batching: _Batching) -> tuple[_Batching, _Bound | None, Timeline | None]:
+    """Batches small enough that no pass is planned longer than the request's bound (a crash loses the pass in
+    flight), with the bound and the timeline of those batches. A pass cannot be shorter than a streamed pass's read
+    of every layer, nor than one row a pass takes: where the bound is shorter, passes are held to that instead (any
+    smaller would cost more passes and save nothing)."""
+    bound = job.request.pass_seconds
+    if bound is None or not batching.batches:
+        return batching, None, None
+    io_seconds = _read_times(job, fixed.mode)[1]
+    unbounded = _trial_timeline(job, fixed.mode, batching, io_seconds)
+    if not unbounded.known:
+        job.caveats.append("pass times unknown: passes are not held to the pass bound")
+        return batching, None, unbounded
+    read = io_seconds or 0.0
+    found = _Bound(bound, max(bound, read), "read" if read > bound else None, len(unbounded.pass_seconds),
+                   sum(unbounded.pass_seconds))
+    bounded, timeline = _shrunk_to(job, fixed.mode, (batching, unbounded), found.target, io_seconds)
+    longest = max(timeline.pass_seconds)
+    if longest > found.target and bounded.max_sequences == 1:
+        found = replace(found, target=longest, held_by="row")
+        bounded, timeline = _shrunk_to(job, fixed.mode, (batching, unbounded), longest, io_seconds)
+    return bounded, found, timeline
+
+
+def _shrunk_to(job: _Job, mode: str, start: tuple[_Batching, Timeline], target: float,
+               io_seconds: float | None) -> tuple[_Batching, Timeline]:
+    """From `start` (batches and their timeline), limits cut round by round by the share `target` is of the longest
+    pass (a little more: a pass's fixed costs do not shrink with its rows) until no pass is longer, or one row a
+    pass."""
+    batching, timeline = start
+    for _ in range(BOUND_ROUNDS):
+        longest = max(timeline.pass_seconds)
+        if longest <= target or batching.max_sequences == 1:
+            break
+        batching = _shrunk(job, batching, target / longest * BOUND_MARGIN)
+        timeline = _trial_timeline(job, mode, batching, io_seconds)
+    return batching, timeline
+
+
+def _shrunk(job: _Job, batching: _Batching, scale: float) -> _Batching:
+    """The batches repacked under limits `scale` times the current ones (at least one sequence fewer)."""
+    max_sequences = max(1, min(batching.max_sequences - 1, int(batching.max_sequences * scale)))
+    max_tokens = max(1, int(batching.max_tokens * scale))
+    micro = batching.micro_sequences
+    own_rows, planned = job.own_rows, batching.planned
+    packed = pack_batches([own_rows[i] for i in planned], max_sequences, max_tokens)
+    return replace(batching, max_sequences=max_sequences, max_tokens=max_tokens,
+                   micro_sequences=micro if micro is not None and micro < max_sequences else None,
+                   batches=[[planned[i] for i in batch] for batch in packed])
+
+
+def _trial_timeline(job: _Job, mode: str, batching: _Batching, io_seconds: float | None) -> Timeline:
+    """The job's passes timed as _time times them, for batches the plan weighs."""
+    return _timeline(job, mode, _schedule(job, batching), _decode_calls(job, batching), io_seconds)
+
+
+def _bound_notes(job: _Job, mode: str, bound: _Bound | None, time: _Time) -> None:
+    """What the bound could not do, and what it costs where that is much."""
+    if bound is None or not time.timeline.known:
+        return
+    passes = time.timeline.pass_seconds
+    held = {"read": f"a streamed pass reads every layer ({format_duration(bound.target)})",
+            "row": f"one row a pass takes up to {format_duration(bound.target)}"}.get(bound.held_by)
+    if held:
+        job.caveats.append(f"{held}, longer than the {format_duration(bound.seconds)} pass bound: passes are held "
+                           "to that instead")
+    over = [seconds for seconds in passes if seconds > bound.target]
+    if over:
+        job.caveats.append(f"{len(over)} pass(es) are planned longer than the {format_duration(bound.target)} bound "
+                           f"(the longest {format_duration(max(over))})")
+    extra = sum(passes) - bound.unbounded_seconds
+    if bound.unbounded_seconds and extra > BOUND_COST_NOTED * bound.unbounded_seconds:
+        reads = " reading every layer again" if mode == "streamed" else ""
+        job.caveats.append(f"the pass bound adds {extra / bound.unbounded_seconds:.0%} to the job's time (passes "
+                           f"{bound.unbounded_passes:,} -> {len(passes):,}{reads}): a larger --pass-minutes costs "
+                           "less, and a crash loses more")
+
+
 def _schedule(job: _Job, batching: _Batching) -> _Schedule:
     """Generation rows run as one queue whose passes refill the places of finished rows (refill.py); choice rows as
     their batches, one pass each. A pass holds its decoding rows and the rows it admits at once: sized as one batch.
@@ -325,15 +422,15 @@ def _turn_bytes(job: _Job, schedule: _Schedule, calls: Calls) -> int:
                + [turn(held, admitted) for held, admitted in schedule.held_together], default=0)
 
 
-def _time(job: _Job, mode: str, batching: _Batching, schedule: _Schedule, peak: _Peak) -> _Time:
-    """Load what stays resident once, then each pass takes the slower of reading the layers and computing."""
+def _time(job: _Job, mode: str, batching: _Batching, schedule: _Schedule, peak: _Peak,
+          timed: Timeline | None = None) -> _Time:
+    """Load what stays resident once, then each pass takes the slower of reading the layers and computing.
+    `timed`: these batches' timeline, where the pass bound timed them already."""
     load_seconds, io_seconds = _read_seconds(job, mode)
     if job.rates.compute_flops_per_s is None:
         job.caveats.append("compute rate unknown: " + ("pass times count reads only" if mode == "streamed"
                                                        else "no ETA for a resident run"))
-    timeline = job_timeline(_pricing(job, mode, peak.calls), job.rows, schedule.choice_batches, io_seconds,
-                            shared_prefix=job.shared, schedule=schedule.passes, schedule_prefix=schedule.prefix,
-                            decode_merges=schedule.decode_merges)
+    timeline = timed or _timeline(job, mode, schedule, peak.calls, io_seconds)
     passes = len(schedule.choice_batches) + len(schedule.passes)
     if mode == "streamed" and timeline.compute_bound_passes:
         job.caveats.append(f"{timeline.compute_bound_passes} of {passes} passes are compute-bound (long prefills): "
@@ -352,14 +449,26 @@ def _time(job: _Job, mode: str, batching: _Batching, schedule: _Schedule, peak: 
     return _Time(load_seconds, io_seconds, timeline, eta, first_answer)
 
 
+def _timeline(job: _Job, mode: str, schedule: _Schedule, calls: Calls, io_seconds: float | None) -> Timeline:
+    return job_timeline(_pricing(job, mode, calls), job.rows, schedule.choice_batches, io_seconds,
+                        shared_prefix=job.shared, schedule=schedule.passes, schedule_prefix=schedule.prefix,
+                        decode_merges=schedule.decode_merges, own_rows=job.own_rows)
+
+
 def _read_seconds(job: _Job, mode: str) -> tuple[float | None, float | None]:
-    """(seconds to load what stays resident, seconds to read the streamed layers once a pass)."""
+    """(seconds to load what stays resident, seconds to read the streamed layers once a pass), with what the plan
+    says of the bandwidth they assume."""
     bandwidth = job.rates.bandwidth
     bytes_per_s = bandwidth.bytes_per_s
     if mode == "streamed" and bytes_per_s is None:
         job.blockers.append("read bandwidth unknown: measure it (`batchrun disk`) or declare it (--bandwidth)")
     if bandwidth.basis == "assumed" and bytes_per_s is not None:
         job.caveats.append(f"ETA uses an assumed read bandwidth of {format_rate(bytes_per_s)} ({bandwidth.how})")
+    return _read_times(job, mode)
+
+
+def _read_times(job: _Job, mode: str) -> tuple[float | None, float | None]:
+    bytes_per_s = job.rates.bandwidth.bytes_per_s
     sizes = job.sizes
     load_bytes = sizes.checkpoint_bytes if mode == "resident" else sizes.non_decoder_bytes
     load_seconds = load_bytes / bytes_per_s if bytes_per_s else None
@@ -394,10 +503,11 @@ def _disk_needed(job: _Job) -> int:
 
 
 def _candidate(job: _Job, fixed: _Fixed, batching: _Batching, schedule: _Schedule, peak: _Peak,
-               time: _Time) -> Candidate:
+               time: _Time, bound: _Bound | None) -> Candidate:
     """The steps' results as the one record the CLI prints and the executor runs by."""
     sizes, request, rates = job.sizes, job.request, job.rates
     planned, eta, timeline = batching.planned, time.eta, time.timeline
+    bounded = bound is not None and timeline.known
     return Candidate(
         model=request.model, mode=fixed.mode, reason=fixed.reason, device=request.device, prefetch=request.prefetch,
         checkpoint_bytes=sizes.checkpoint_bytes, layers=sizes.num_layers,
@@ -422,6 +532,10 @@ def _candidate(job: _Job, fixed: _Fixed, batching: _Batching, schedule: _Schedul
         prefetch_depth=peak.read_ahead,
         decode_in_place=job.decode_in_place, decode_prefetch_depth=peak.decode_depth,
         pass_seconds=timeline.pass_seconds, packs_weights=rates.packs_weights and fixed.mode == "streamed",
+        pass_bound_seconds=request.pass_seconds,
+        longest_pass_seconds=max(timeline.pass_seconds) if timeline.known and timeline.pass_seconds else None,
+        unbounded_passes=bound.unbounded_passes if bounded else None,
+        bound_cost_seconds=sum(timeline.pass_seconds) - bound.unbounded_seconds if bounded else None,
     )
 
 

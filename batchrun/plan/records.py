@@ -19,7 +19,8 @@ class PlanRequest:
 
     streaming: the policy word (planner.parse_streaming). prefetch_depth: layers a streamed prefill reads ahead.
     batch_size: most sequences in a batch (None: as many as memory holds). context_length: the longest sequence the
-    model takes (None: the checkpoint's own). checkpoint_is_local: read in place, so no download needs disk."""
+    model takes (None: the checkpoint's own). checkpoint_is_local: read in place, so no download needs disk.
+    pass_seconds: the longest a pass may be planned to take, so a crash loses at most that (None: no bound)."""
     model: str
     device: str
     compute_dtype: str
@@ -30,6 +31,7 @@ class PlanRequest:
     batch_size: int | None = None
     context_length: int | None = None
     checkpoint_is_local: bool = True
+    pass_seconds: float | None = None
 
 
 @dataclass(frozen=True)

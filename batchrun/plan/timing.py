@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from batchrun.checkpoint import CheckpointSizes, attended_positions, kv_bytes_for_sequence
-from batchrun.plan.batching import RowCost, batch_shape, prefill_call_count, prefill_groups, without_prefix
+from batchrun.plan.batching import (RowCost, batch_shape, prefill_call_count, prefill_calls, prefill_groups,
+                                    without_prefix)
 from batchrun.plan.refill import ScheduledPass
 
 # A decode pass streams every weight from RAM once, so below a few dozen sequences it runs at the speed of memory,
@@ -159,11 +160,22 @@ def with_layer_calls(compute_seconds: float | None, sizes: CheckpointSizes, call
 
 
 def batch_prefill_flops(sizes: CheckpointSizes, rows: Sequence[RowCost], batch: Sequence[int],
-                        shared_prefix: int = 0) -> int:
-    """FLOPs of a batch's prefill: every prompt (a shared prefix once), padded to the batch's longest."""
-    sequences, _, prefill, positions = batch_shape(rows, batch)
-    own = prefill_flops(sizes, sequences, prefill, positions, shared_prefix)
-    return own + shared_prefix_flops(sizes, shared_prefix)
+                        shared_prefix: int = 0, cut: tuple[int | None, str] | None = None) -> int:
+    """FLOPs of a batch's prefill: every prompt (a shared prefix once), padded to the batch's longest, or with `cut`
+    (sequences per call, device) to the longest of each forward call as the executor cuts them (prefill_calls)."""
+    return own_prefill_flops(sizes, rows, batch, shared_prefix, cut) + shared_prefix_flops(sizes, shared_prefix)
+
+
+def own_prefill_flops(sizes: CheckpointSizes, rows: Sequence[RowCost], batch: Sequence[int], context_before: int,
+                      cut: tuple[int | None, str] | None) -> int:
+    """The prefill's FLOPs beside a shared prefix. A CPU cuts even an unplanned prefill by length, so padding to the
+    batch's longest overcounted: 1,500 of SmolLM2's choice rows pad to 79,500 tokens, cut into 13 calls to 65,755."""
+    positions = batch_shape(rows, batch)[3]
+    if cut is None:
+        sequences, _, prefill, _ = batch_shape(rows, batch)
+        return prefill_flops(sizes, sequences, prefill, positions, context_before)
+    return sum(prefill_flops(sizes, len(call), max(call), positions, context_before)
+               for call in prefill_calls(rows, batch, *cut))
 
 
 @dataclass(frozen=True)
@@ -180,15 +192,18 @@ class Timeline:
 
 def job_timeline(pricing: PassPricing, rows: Sequence[RowCost], batches: Sequence[Sequence[int]],
                  io_seconds: float | None, *, shared_prefix: int = 0, schedule: Sequence[ScheduledPass] = (),
-                 schedule_prefix: int = 0, decode_merges: bool = True) -> Timeline:
+                 schedule_prefix: int = 0, decode_merges: bool = True,
+                 own_rows: Sequence[RowCost] | None = None) -> Timeline:
     """Seconds of every pass of the job, in run order: each batch of `batches` (choice rows: one pass each, no
     decoding), then the generation rows' `schedule` (refill.refill_schedule). A batch of several sequences computes
     `shared_prefix` prompt tokens once (prefill.SharedPrefix), one sequence alone its whole prompt; the scheduled
     passes share `schedule_prefix` tokens (score.GreedyPool: 0 where a pass holds one row), computed by their first
     pass. `decode_merges` False: the scheduled passes' micro-batches cannot merge for decoding (sliding-window caches of
     rows longer than the window, prefill.merge_for_decode), so each admission's prefill micro-batches decode in a
-    call of their own for as long as one of their rows lives."""
-    own_rows = [without_prefix(row, shared_prefix) for row in rows]
+    call of their own for as long as one of their rows lives. `own_rows`: the rows without the shared prefix, where
+    the caller has them."""
+    if own_rows is None:
+        own_rows = [without_prefix(row, shared_prefix) for row in rows]
     computes = [_batch_pass_seconds(pricing, rows, own_rows, batch, shared_prefix) for batch in batches]
     first_answer = 1 if batches else 0
     steps: dict[int, int] = {}  # live row -> tokens it has after the pass before
@@ -220,7 +235,7 @@ def _batch_pass_seconds(pricing: PassPricing, rows: Sequence[RowCost], own_rows:
     """A batch's one pass (choice rows): its prefill, the shared prefix once where several sequences share it."""
     shared = shared_prefix if batch_shape(rows, batch)[0] > 1 else 0
     costs = own_rows if shared else rows  # a shared prefix: the rows' own tokens, the prefix once
-    flops = batch_prefill_flops(pricing.sizes, costs, batch, shared)
+    flops = batch_prefill_flops(pricing.sizes, costs, batch, shared, (pricing.micro_batches[0], pricing.device))
     return prefill_seconds(pricing, costs, batch, flops, shared, computes_prefix=shared > 0)
 
 
@@ -234,8 +249,7 @@ def _scheduled_pass_seconds(pricing: PassPricing, rows: Sequence[RowCost], sched
     seconds = []
     if scheduled.admitted:
         batch = scheduled.admitted
-        sequences, _, prefill, positions = batch_shape(rows, batch)
-        flops = (prefill_flops(sizes, sequences, prefill, positions, shared_prefix)
+        flops = (own_prefill_flops(sizes, rows, batch, shared_prefix, (pricing.micro_batches[0], pricing.device))
                  + (shared_prefix_flops(sizes, shared_prefix) if computes_prefix else 0))
         seconds.append(prefill_seconds(pricing, rows, batch, flops, shared_prefix,
                                        computes_prefix=computes_prefix and shared_prefix > 0))

@@ -13,6 +13,7 @@ from batchrun.host import glibc, keep_heap_flat, return_freed_memory
 from batchrun.runtime.devices import resolve_dtype
 from batchrun.runtime.linear_kernels import route_linears
 from batchrun.runtime.stream import LayerReads, StreamedModel, find_decoder_stack, text_config
+from batchrun.runtime.turns import PassProgress, TurnCallback
 
 
 class ResidentModel(TokenizerOnDemand):
@@ -40,15 +41,22 @@ class ResidentModel(TokenizerOnDemand):
         self._in_pass = False
         self._micro = 0
         self._before_layer = None
+        self.on_turn: TurnCallback | None = None  # told of each layer turn of a pass (turns.PassProgress)
+        self._progress: PassProgress | None = None
         self._hooks = [self.model.register_forward_pre_hook(self._count_pass)]
         self._hooks += [layer.register_forward_pre_hook(self._make_layer_hook(i))
                         for i, layer in enumerate(self.layers)]
+        self._hooks += [layer.register_forward_hook(self._turn_done) for layer in self.layers]
         if self.device.type == "cpu":  # see host.heap.keep_heap_flat
             self._hooks += [layer.register_forward_hook(_return_freed_memory) for layer in self.layers]
 
     def _count_pass(self, module, args):
         if not self._in_pass:
             self.passes += 1
+
+    def _turn_done(self, module, args, output) -> None:
+        if self._progress is not None:
+            self._progress.turn_done()
 
     def _make_layer_hook(self, index: int):
         def hook(module, args):
@@ -61,6 +69,7 @@ class ResidentModel(TokenizerOnDemand):
         computes: `light` and `rows` matter only to a streamed model)."""
         self.passes += 1
         self._in_pass, self._before_layer = True, before_layer
+        self._progress = PassProgress.of(self.on_turn, len(calls), len(self.layers))
         try:
             results = []
             for micro, call in enumerate(calls):
@@ -69,7 +78,7 @@ class ResidentModel(TokenizerOnDemand):
                     results.append(call())
             return results
         finally:
-            self._in_pass, self._before_layer, self._micro = False, None, 0
+            self._in_pass, self._before_layer, self._micro, self._progress = False, None, 0, None
 
     @property
     def max_seq_len(self) -> int | None:

@@ -129,6 +129,7 @@ class GreedyPool:
         self.prefix = (SharedPrefix(handle.model, list(rows[self.queue[0]].prompt_ids[:shared]), handle.device)
                        if shared and shares_prefix(len(self.queue), plan.limits[0]) else None)
         self.windows_as_full = plan.windows_as_full
+        self.in_flight = 0  # rows the pass in flight carries: those decoding and those it admits
         # Where they cannot merge (windowed caches of longer rows), every admission beside live rows would add a
         # decode call, each reading every layer's weights from RAM once more: rows then wait until the pool is
         # empty, batch after batch (refill.refill_schedule's refill_while_live, as the plan schedules them).
@@ -146,6 +147,7 @@ class GreedyPool:
                                             windows_as_full=self.windows_as_full)
         decoding = self.states
         tokens = {i: self.sequences[i].generated[-1] for i in self.live}
+        self.in_flight = len(tokens) + len(admitted)
         # after this pass, at most the longest remaining answer less one more passes: the room caches keep
         after = max((self._left(i) for i in [*self.live, *admitted]), default=1) - 1
         calls = decode_calls(self.handle, decoding, tokens, after) if decoding else []

@@ -24,7 +24,7 @@ from batchrun.runtime.devices import default_device, resolve_dtype
 from batchrun.runtime.linear_kernels import (PACK_MIN_ROWS, drop_packed_weights, pack_weights, packing_available,
                                              route_linears, routed_weight_names, sharing_tiles)
 from batchrun.runtime.loader import LayerLoader, LayerWeights, SlotPool
-from batchrun.runtime.turns import LayerTurns, PassGroup, run_interleaved
+from batchrun.runtime.turns import LayerTurns, PassGroup, PassProgress, TurnCallback, run_interleaved
 from batchrun.runtime.weights import Recipe, build_recipes, read_into, realize, tensor_from_bytes
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,8 @@ class StreamedModel(TokenizerOnDemand):
         self._active: dict[int, LayerWeights] = {}
         self.passes = 0
         self._group: PassGroup | None = None
+        self.on_turn: TurnCallback | None = None  # told of each layer turn of a pass (turns.PassProgress)
+        self._progress: PassProgress | None = None
         self._hooks = []
         self._install_hooks()
         self._closed = False
@@ -259,6 +261,8 @@ class StreamedModel(TokenizerOnDemand):
                 faults.reached("layer")
             if self.device.type == "cpu":
                 return_freed_memory()  # before the next turn: its activations are the next resident ones
+            if self._progress is not None:
+                self._progress.turn_done()
             if group is not None:
                 group.turns.advance(index, group.micro)
         return hook
@@ -279,18 +283,22 @@ class StreamedModel(TokenizerOnDemand):
         self._narrow = light
         self._pack = self.packs_weights(rows) and not light
         self._use_depth(self.decode_prefetch_depth if light else self.prefetch_depth)
+        self._progress = PassProgress.of(self.on_turn, len(calls), self.num_layers)
         with self._leaving_a_core(light):
-            if len(calls) == 1 and before_layer is None:
-                with torch.inference_mode():
-                    return [calls[0]()]
-            self._start_pass()
-            self._group = PassGroup(LayerTurns(len(calls)), before_layer)
             try:
-                return run_interleaved(self._group, calls, torch.inference_mode)
+                if len(calls) == 1 and before_layer is None:
+                    with torch.inference_mode():
+                        return [calls[0]()]
+                self._start_pass()
+                self._group = PassGroup(LayerTurns(len(calls)), before_layer)
+                try:
+                    return run_interleaved(self._group, calls, torch.inference_mode)
+                finally:
+                    self._group = None
+                    for index in list(self._active):  # after a failure, nothing stays materialised
+                        self._release(index)
             finally:
-                self._group = None
-                for index in list(self._active):  # after a failure, nothing stays materialised
-                    self._release(index)
+                self._progress = None
 
     @contextlib.contextmanager
     def _leaving_a_core(self, light: bool):

@@ -15,6 +15,28 @@ from typing import Callable
 import greenlet
 
 
+# A pass's progress, as each forward call finishes its turn at a decoder layer: on_turn(turns done, turns in the pass).
+TurnCallback = Callable[[int, int], None]
+
+
+@dataclass
+class PassProgress:
+    """The layer turns of the pass in flight (every forward call's turn at every decoder layer), told to `report` as
+    each ends: how a caller sees a long pass move (a pass commits nothing until it ends)."""
+
+    total: int
+    report: TurnCallback
+    done: int = 0
+
+    @classmethod
+    def of(cls, report: TurnCallback | None, calls: int, layers: int) -> PassProgress | None:
+        return cls(calls * layers, report) if report is not None else None
+
+    def turn_done(self) -> None:
+        self.done += 1
+        self.report(min(self.done, self.total), self.total)
+
+
 class PassAborted(RuntimeError):
     """Another micro-batch of the pass failed; this one stops too."""
 

@@ -1,6 +1,10 @@
-"""Progress in SQLite: jobs, rows, runs and locks, numbered migrations, answers reused across jobs.
+"""Progress in SQLite: jobs, rows, runs and locks, numbered migrations, answers reused across jobs, and what a damaged
+database still holds (check, salvage).
 """
-from batchrun.store.database import JobLocked, JobNotFound, Store, StoreError
+from batchrun.store.database import DatabaseDamaged, JobLocked, JobNotFound, Store, StoreError
 from batchrun.store.rows import JobRow, RowResult
+from batchrun.store.salvage import (DatabaseCheck, DatabaseUnreadable, check_database, describe_check,
+                                    salvage_database)
 
-__all__ = ["JobLocked", "JobNotFound", "JobRow", "RowResult", "Store", "StoreError"]
+__all__ = ["DatabaseCheck", "DatabaseDamaged", "DatabaseUnreadable", "JobLocked", "JobNotFound", "JobRow",
+           "RowResult", "Store", "StoreError", "check_database", "describe_check", "salvage_database"]

@@ -18,17 +18,20 @@ import sqlite_utils
 from batchrun.errors import BatchrunError
 from batchrun.host import faults
 from batchrun.store import migrations as store_migrations
-from batchrun.store.files import describe_failure, orphaned_log_message
+from batchrun.store.files import SpaceReserve, describe_failure, is_damage, is_disk_full, orphaned_log_message
 from batchrun.store.locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, eta_seconds, job_summary, lock_holder_alive,
-                                  mark_alive, process_identity, run_seconds)
+                                  log, mark_alive, process_identity, run_seconds)
 from batchrun.store.reuse import Reused, fill_duplicates, reuse_answers
 from batchrun.store.rows import ROW_UPDATE_SQL, JobRow, RowResult, row_result_from_db, row_update_params
 
-__all__ = ["JobLocked", "JobNotFound", "RowResult", "Store", "StoreError", "integrity_ok"]
+__all__ = ["DatabaseDamaged", "JobLocked", "JobNotFound", "RowResult", "Store", "StoreError", "integrity_ok"]
 
 BUSY_TIMEOUT_S = 30.0  # how long a reader (`status`) or a second writer waits for a running job's commit
 JOB_STATES = ("pending", "running", "interrupted", "done", "failed")
 RUN_END_STATES = ("done", "interrupted", "failed")  # what a run says as it ends; one that could not is 'died'
+# What a running job tells of its pass in flight (record_progress; migrations.m012_pass_progress).
+PROGRESS_COLUMNS = ("pass_no", "passes_planned", "turns_done", "turns_total", "rows_in_flight", "eta_seconds",
+                    "started_at")
 
 # (database path, job id) pairs whose lock this process holds: tells "our own pid, still running here"
 # apart from "our pid, left behind by an earlier process that had the same pid".
@@ -45,6 +48,11 @@ class JobLocked(BatchrunError, RuntimeError):
 
 class StoreError(BatchrunError, RuntimeError):
     """The progress database could not be read or written (disk full, I/O error, not a database)."""
+
+
+class DatabaseDamaged(StoreError):
+    """SQLite reports the database file malformed: pages torn, truncated or overwritten. `batchrun db salvage` copies
+    what is still readable into a new database."""
 
 
 class JobNotFound(BatchrunError, LookupError):
@@ -70,6 +78,7 @@ class Store:
         self.path = Path(path)
         self._lock_key_prefix = str(self.path.resolve())
         self._current_run: dict[str, int] = {}  # job id -> run_no this Store opened in acquire()
+        self._reserves: dict[str, SpaceReserve] = {}  # job id -> the disk space its run keeps to record its end
         if (orphaned := orphaned_log_message(self.path)) is not None:
             raise StoreError(orphaned)
         with self._translate_errors("open the progress database"):
@@ -92,6 +101,8 @@ class Store:
         # later acquire here takes them over (the rows stay for other processes to see until then).
         for job_id in self._current_run:
             _HELD_IN_THIS_PROCESS.discard(self._lock_key(job_id))
+        for reserve in self._reserves.values():
+            reserve.free()
         self.db.close()
 
     def __enter__(self) -> Store:
@@ -124,25 +135,25 @@ class Store:
                         f"job id {job_id} in {self.path} already belongs to fingerprint {existing[0]}, "
                         f"not {fingerprint}"
                     )
+                _restore_lost_rows(conn, job_id, rows)
                 return job_id
             conn.execute(
                 "insert into jobs (id, fingerprint, spec_path, model, settings_json, created_at, state, "
                 "total_rows, passes_done) values (?, ?, ?, ?, ?, ?, 'pending', ?, 0)",
                 (job_id, fingerprint, str(spec_path), model, json.dumps(settings, sort_keys=True), _now(), len(rows)),
             )
-            conn.executemany(
-                "insert into rows (job_id, idx, id_json, row_key, label, carried_json, state) "
-                "values (?, ?, ?, ?, ?, ?, 'pending')",
-                ((job_id, row.idx, json.dumps(row.id), row.key, row.label,
-                  None if row.carried is None else json.dumps(row.carried, sort_keys=True))
-                 for row in map(lambda fields: JobRow(*fields), rows)),
-            )
+            conn.executemany("insert" + _PENDING_ROW_SQL, _pending_row_values(job_id, rows))
         return job_id
 
     def reuse_answers(self, job_id: str) -> Reused:
-        """Give this job's pending rows the answers (or tokens so far) other jobs have for the same rows."""
-        with self._write("take answers from earlier jobs") as conn:
-            return reuse_answers(conn, job_id)
+        """Give this job's pending rows the answers (or tokens so far) other jobs have for the same rows. Another job's
+        damaged pages cost only the reuse: this job's rows are computed instead."""
+        try:
+            with self._write("take answers from earlier jobs") as conn:
+                return reuse_answers(conn, job_id)
+        except DatabaseDamaged as damaged:
+            log.warning("no answers taken from earlier jobs: %s", damaged)
+            return Reused()
 
     def fill_duplicates(self, job_id: str) -> int:
         """Answer pending rows that repeat a finished row of the same job exactly; returns how many."""
@@ -262,6 +273,8 @@ class Store:
             conn.execute("update jobs set state = 'running' where id = ?", (job_id,))
         self._current_run[job_id] = run_no
         _HELD_IN_THIS_PROCESS.add(self._lock_key(job_id))
+        self._reserves[job_id] = SpaceReserve(self.path, job_id)
+        self._reserves[job_id].hold()
 
     def record_run_plan(self, job_id: str, *, batch_size: int, planned_peak_bytes: int,
                         memory_cgroup: str | None = None, oom_kills_at_start: int | None = None,
@@ -302,28 +315,59 @@ class Store:
             )
         return pass_no
 
+    def record_progress(self, job_id: str, progress: Mapping[str, object]) -> None:
+        """The current run's pass in flight (PROGRESS_COLUMNS: pass_no, turns_done, ...), replacing what the job said
+        before, for `status` (another process). It commits no answer, so no fault point sits in it; the caller
+        decides what a failed write costs."""
+        unknown = set(progress) - set(PROGRESS_COLUMNS)
+        if unknown:
+            raise ValueError(f"unknown progress fields {sorted(unknown)}; known: {', '.join(PROGRESS_COLUMNS)}")
+        values = {**progress, "job_id": job_id, "run_no": self._require_current_run(job_id), "updated_at": _now()}
+        conn = self.db.conn
+        with self._translate_errors("record the pass in flight"):
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.execute(f"insert or replace into pass_progress ({', '.join(values)}) "
+                             f"values ({', '.join('?' * len(values))})", tuple(values.values()))
+                conn.execute("COMMIT")
+            except BaseException:
+                _rollback_quietly(conn)
+                raise
+
     def release(self, job_id: str, end_state: str, error: str | None = None) -> None:
         """Close this process's run with end_state (and, for a failure, why), drop its lock, and set the job state
         to end_state."""
         _check_choice("run end state", end_state, RUN_END_STATES)
         run_no = self._current_run.pop(job_id, None)
-        now = _now()
+        reserve = self._reserves.pop(job_id, None)
         try:
-            with self._write("release the job") as conn:
-                if run_no is not None:
-                    conn.execute(
-                        "update runs set end_state = ?, ended_at = ?, last_active_at = ?, error = ? "
-                        "where job_id = ? and run_no = ?",
-                        (end_state, now, now, error, job_id, run_no),
-                    )
-                conn.execute(
-                    "delete from locks where job_id = ? and pid = ? and host = ?", (job_id, os.getpid(), HOST)
-                )
-                # If another process took the lock over meanwhile, the job's state is its to set.
-                if conn.execute("select 1 from locks where job_id = ?", (job_id,)).fetchone() is None:
-                    conn.execute("update jobs set state = ? where id = ?", (end_state, job_id))
+            try:
+                self._close_run(job_id, run_no, end_state, error)
+            except StoreError as failure:
+                # On a full disk the reserve's blocks make room for this last write.
+                if not (is_disk_full(failure.__cause__) and reserve is not None and reserve.free()):
+                    raise
+                self._close_run(job_id, run_no, end_state, error)
         finally:
             _HELD_IN_THIS_PROCESS.discard(self._lock_key(job_id))
+            if reserve is not None:
+                reserve.free()
+
+    def _close_run(self, job_id: str, run_no: int | None, end_state: str, error: str | None) -> None:
+        now = _now()
+        with self._write("release the job") as conn:
+            if run_no is not None:
+                conn.execute(
+                    "update runs set end_state = ?, ended_at = ?, last_active_at = ?, error = ? "
+                    "where job_id = ? and run_no = ?",
+                    (end_state, now, now, error, job_id, run_no),
+                )
+            conn.execute(
+                "delete from locks where job_id = ? and pid = ? and host = ?", (job_id, os.getpid(), HOST)
+            )
+            # If another process took the lock over meanwhile, the job's state is its to set.
+            if conn.execute("select 1 from locks where job_id = ?", (job_id,)).fetchone() is None:
+                conn.execute("update jobs set state = ? where id = ?", (end_state, job_id))
 
     def previous_runs(self, job_id: str) -> list[dict]:
         """Every run before the current one, oldest first; end_state 'died' for one whose process ended without
@@ -348,7 +392,7 @@ class Store:
 
     def status(self, job_id: str) -> dict:
         """jobs()'s summary plus partial progress, elapsed time, ETA and the live holder's pid."""
-        with self._read() as conn:
+        with self._read(f"read job {job_id}") as conn:
             job = self._require_job(conn, job_id)
             counts = dict(conn.execute("select state, count(*) from rows where job_id = ? group by state", (job_id,)))
             partial_rows, partial_token_count = conn.execute(
@@ -356,18 +400,25 @@ class Store:
             ).fetchone()
             runs = list(self.db.query("select * from runs where job_id = ?", (job_id,)))
             lock = self._lock_row(job_id)
+            progress = next(iter(self.db.query("select * from pass_progress where job_id = ?", (job_id,))), None)
         live_run_no = self._live_run_no(job_id, lock)
         now = datetime.now(timezone.utc)
         elapsed = sum(run_seconds(run, live=run["run_no"] == live_run_no, now=now) for run in runs)
         summary = job_summary(job, counts, live=live_run_no is not None)
         live = next((run for run in runs if run["run_no"] == live_run_no), None)
+        in_pass = _in_pass(progress, live, now)
         last = max(runs, key=lambda run: run["run_no"], default=None)
         return {
             **summary,
+            # rows the job has but its database lost (salvaged from damage): recorded again when it next runs
+            "rows_lost": max(summary["rows_total"] - sum(counts.values()), 0),
             "partial_rows": partial_rows,
             "partial_tokens": partial_token_count,
             "elapsed_seconds": elapsed,
-            "eta_seconds": eta_seconds(summary, elapsed, live, now),
+            # the running job's own ETA where it gave one: from the plan until its first pass ends, then its pace
+            "eta_seconds": (in_pass["eta_seconds"] if in_pass and in_pass["eta_seconds"] is not None
+                            else eta_seconds(summary, elapsed, live, now)),
+            "in_pass": in_pass,
             "last_error": last.get("error") if last and last["end_state"] == "failed" else None,
             "running_pid": lock["pid"] if live_run_no is not None else None,
             "running_host": lock["host"] if live_run_no is not None else None,
@@ -398,18 +449,65 @@ class Store:
             return json.loads(self._require_job(conn, job_id)["settings_json"] or "{}")
 
     def jobs(self) -> list[dict]:
-        """One summary per job, newest first."""
+        """One summary per job, newest first, with its last run's reason where that run failed. A job whose rows sit
+        on damaged pages is listed with state 'damaged' and why, its counts None: the others list as usual."""
         with self._read() as conn:
             jobs = list(self.db.query("select * from jobs order by created_at desc, rowid desc"))
-            counts: dict[str, dict[str, int]] = {}
-            for job_id, state, count in conn.execute("select job_id, state, count(*) from rows group by job_id, state"):
-                counts.setdefault(job_id, {})[state] = count
             locks = {lock["job_id"]: lock for lock in self.db.query("select * from locks")}
-        return [
-            job_summary(job, counts.get(job["id"], {}),
-                         live=self._live_run_no(job["id"], locks.get(job["id"])) is not None)
-            for job in jobs
-        ]
+            failures = dict(conn.execute(
+                "select job_id, error from runs where end_state = 'failed' and run_no = "
+                "(select max(run_no) from runs last where last.job_id = runs.job_id)"))
+        counts = self._row_counts([job["id"] for job in jobs])
+        listed = []
+        for job in jobs:
+            found = counts[job["id"]]
+            if isinstance(found, DatabaseDamaged):
+                summary = job_summary(job, {}, live=False)
+                summary.update(state="damaged", rows_done=None, rows_errored=None, rows_pending=None,
+                               last_error=str(found))
+            else:
+                summary = job_summary(job, found, live=self._live_run_no(job["id"], locks.get(job["id"])) is not None)
+                summary["last_error"] = failures.get(job["id"])
+            listed.append(summary)
+        return listed
+
+    def _row_counts(self, job_ids: list[str]) -> dict[str, dict[str, int] | DatabaseDamaged]:
+        """Job id -> rows by state: one scan, or where a page is damaged, job by job, so one job's damaged rows
+        cost only that job its counts."""
+        try:
+            with self._read() as conn:
+                counts: dict[str, dict[str, int]] = {job_id: {} for job_id in job_ids}
+                for job_id, state, count in conn.execute(
+                        "select job_id, state, count(*) from rows group by job_id, state"):
+                    counts.setdefault(job_id, {})[state] = count
+                return counts
+        except DatabaseDamaged:
+            pass
+        found: dict[str, dict[str, int] | DatabaseDamaged] = {}
+        for job_id in job_ids:
+            try:
+                with self._read(f"read job {job_id}") as conn:
+                    found[job_id] = dict(conn.execute(
+                        "select state, count(*) from rows where job_id = ? group by state", (job_id,)))
+            except DatabaseDamaged as damaged:
+                found[job_id] = damaged
+        return found
+
+    def job_record(self, job_id: str) -> dict:
+        """The job as recorded: id, fingerprint, spec path, model, settings, creation time, and the provenance its
+        output was last written with (provenance_json: model checkpoint and fingerprint, spec sha256)."""
+        with self._read(f"read job {job_id}") as conn:
+            job = self._require_job(conn, job_id)
+        job["settings"] = json.loads(job.pop("settings_json") or "{}")
+        job["provenance"] = json.loads(job.pop("provenance_json", None) or "{}")
+        return job
+
+    def record_provenance(self, job_id: str, values: Mapping[str, object]) -> None:
+        """Merge `values` (JSON values) into what the job's outputs say of where they came from."""
+        with self._write("record where the job's answers come from") as conn:
+            known = json.loads(self._require_job(conn, job_id).get("provenance_json") or "{}")
+            conn.execute("update jobs set provenance_json = ? where id = ?",
+                         (json.dumps({**known, **values}, sort_keys=True), job_id))
 
     def find_job(self, ref: str | None) -> str:
         """A job id from a full id, a unique prefix of the id or fingerprint, or None for the job run last (or
@@ -442,7 +540,8 @@ class Store:
         try:
             yield
         except (sqlite3.DatabaseError, OSError) as exc:
-            raise StoreError(describe_failure(self.path, action, exc)) from exc
+            error_class = DatabaseDamaged if is_damage(exc) else StoreError
+            raise error_class(describe_failure(self.path, action, exc)) from exc
 
     @contextmanager
     def _write(self, action: str) -> Iterator[sqlite3.Connection]:
@@ -460,10 +559,10 @@ class Store:
                 raise
 
     @contextmanager
-    def _read(self) -> Iterator[sqlite3.Connection]:
+    def _read(self, action: str = "read the progress database") -> Iterator[sqlite3.Connection]:
         """A read transaction: several queries see one snapshot even while a job commits (WAL)."""
         conn = self.db.conn
-        with self._translate_errors("read the progress database"):
+        with self._translate_errors(action):
             conn.execute("BEGIN")
             try:
                 yield conn
@@ -502,6 +601,39 @@ class Store:
     def _missing_rows(self, job_id: str, results: Sequence[RowResult]) -> list[int]:
         known = {idx for (idx,) in self.db.conn.execute("select idx from rows where job_id = ?", (job_id,))}
         return sorted({r.idx for r in results} - known)
+
+
+def _restore_lost_rows(conn: sqlite3.Connection, job_id: str, rows: Sequence[tuple]) -> None:
+    """Record again, as pending, rows a known job no longer has (lost from a damaged database, the rest salvaged):
+    without them a resumed job would end without ever answering them."""
+    (recorded,) = conn.execute("select count(*) from rows where job_id = ?", (job_id,)).fetchone()
+    if recorded >= len(rows):
+        return
+    conn.executemany("insert or ignore" + _PENDING_ROW_SQL, _pending_row_values(job_id, rows))
+
+
+_PENDING_ROW_SQL = (" into rows (job_id, idx, id_json, row_key, label, carried_json, state) "
+                    "values (?, ?, ?, ?, ?, ?, 'pending')")
+
+
+def _pending_row_values(job_id: str, rows: Sequence[tuple]) -> Iterator[tuple]:
+    for row in map(lambda fields: JobRow(*fields), rows):
+        yield (job_id, row.idx, json.dumps(row.id), row.key, row.label,
+               None if row.carried is None else json.dumps(row.carried, sort_keys=True))
+
+
+def _in_pass(progress: dict | None, live: dict | None, now: datetime) -> dict | None:
+    """The live run's pass in flight as the job last told it; None without a live run, or once that pass committed
+    (the run's committed passes caught up with it)."""
+    if progress is None or live is None or progress["run_no"] != live["run_no"] or progress["pass_no"] <= live["passes"]:
+        return None
+    age = max((now - datetime.fromisoformat(progress["updated_at"])).total_seconds(), 0.0)
+    eta = progress["eta_seconds"]
+    return {"pass": progress["pass_no"], "passes_planned": progress["passes_planned"],
+            "turns_done": progress["turns_done"], "turns_total": progress["turns_total"],
+            "rows_in_flight": progress["rows_in_flight"],
+            "seconds_in_pass": max((now - datetime.fromisoformat(progress["started_at"])).total_seconds(), 0.0),
+            "eta_seconds": None if eta is None else max(eta - age, 0.0), "told_seconds_ago": age}
 
 
 def _describe_job(job: dict) -> str:

@@ -187,6 +187,36 @@ def m010_row_labels_and_carried_values(db: sqlite_utils.Database) -> None:
     db["rows"].add_column("choice_tokens_json", str)
 
 
+@migration
+def m011_job_provenance(db: sqlite_utils.Database) -> None:
+    # Where a job's answers come from beyond what the job row says (the model's checkpoint directory and fingerprint,
+    # the spec's sha256), recorded as its output is written: `results` writes them into a later export's metadata.
+    db["jobs"].add_column("provenance_json", str)
+
+
+@migration
+def m012_pass_progress(db: sqlite_utils.Database) -> None:
+    # The pass in flight as the running job last told it (every few seconds at most), one row a job: `status` shows a
+    # long pass moving, and its ETA, before the pass commits anything.
+    db["pass_progress"].create(
+        {
+            "job_id": str,
+            "run_no": int,
+            "pass_no": int,  # 1, 2, ... within its run, as passes.pass_no will number it once committed
+            "passes_planned": int,
+            "turns_done": int,  # forward calls' turns at decoder layers done in the pass
+            "turns_total": int,
+            "rows_in_flight": int,
+            "eta_seconds": float,  # time left for the job as the running process saw it, where known
+            "started_at": str,  # when the pass began
+            "updated_at": str,
+        },
+        pk="job_id",
+        foreign_keys=[("job_id", "jobs", "id")],
+        not_null=["run_no", "pass_no", "turns_done", "turns_total", "rows_in_flight", "started_at", "updated_at"],
+    )
+
+
 def applied_migrations(db: sqlite_utils.Database) -> set[str]:
     if not db[MIGRATIONS_TABLE].exists():
         return set()

@@ -97,7 +97,7 @@ def test_an_unwritable_output_is_refused_before_the_run(tmp_path, spec, model):
     for output, reason in ((blocker / "answers.parquet", f"{blocker} is a file, not a directory"),
                            (blocker / "deeper" / "answers.parquet", f"{blocker} is a file, not a directory"),
                            (tmp_path, "it is a directory"), (spec, "it is the job spec itself"),
-                           (tmp_path / "answers.csv", "cannot tell the format from the extension")):
+                           (tmp_path / "answers.xlsx", "cannot tell the format from the extension")):
         result = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db", "--output", output)
         assert result.exit_code == 1 and result.stderr.startswith(f"Error: {output}"[:7]), result.output
         assert reason in result.stderr and "Traceback" not in result.output
@@ -349,7 +349,7 @@ def test_status_and_jobs_of_a_finished_job(tmp_path, spec, model):
     assert "eta      none, every row is finished" in text.stdout
 
     listing = invoke("jobs", "--db", db)
-    assert re.match(rf"{job_id}\s+done\s+6/6\s", listing.stdout)
+    assert re.search(rf"^{job_id}\s+done\s+6/6\s", listing.stdout, re.M)
     assert [job["id"] for job in json.loads(invoke("jobs", "--db", db, "--json").stdout)] == [job_id]
 
 
@@ -413,8 +413,9 @@ def test_results_export_parquet_and_openai_batch_jsonl(tmp_path, model):
     # the extension decides in any case; one that names no format is refused, not written as Parquet
     assert invoke("results", "--db", db, "--output", tmp_path / "b.NDJSON").exit_code == 0
     assert json.loads((tmp_path / "b.NDJSON").read_text().splitlines()[0])["custom_id"] == "a"
-    csv = invoke("results", "--db", db, "--output", tmp_path / "b.csv")
-    assert csv.exit_code == 1 and "name it .parquet or .jsonl" in csv.stderr and not (tmp_path / "b.csv").exists()
+    xlsx = invoke("results", "--db", db, "--output", tmp_path / "b.xlsx")
+    assert xlsx.exit_code == 1 and "name it .parquet, .csv or .jsonl" in xlsx.stderr
+    assert not (tmp_path / "b.xlsx").exists()
 
 
 # ---- disk ----------------------------------------------------------------------------------------------

@@ -217,6 +217,6 @@ def test_without_batchrun_home_jobs_and_submit_use_the_users_cache_directory(tmp
     assert (state / "batchrun.db").is_file() and not elsewhere.exists()
 
     listing = invoke("jobs")
-    assert listing.exit_code == 0 and re.match(rf"{job}\s+done\s+7/7\s", listing.stdout), listing.output
+    assert listing.exit_code == 0 and re.search(rf"^{job}\s+done\s+7/7\s", listing.stdout, re.M), listing.output
     status = invoke("status")
     assert status.exit_code == 0 and f"job {job}: done" in status.stdout

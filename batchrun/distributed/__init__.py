@@ -1,0 +1,19 @@
+"""The same job on a Ray cluster: the driver cuts the rows into shards, a worker on each node runs them through
+batchrun's own executor (its progress database on the node's local disk), each finished shard is published once to
+a directory every node sees, and the driver merges them into the job's database and writes the usual output.
+
+Nothing here imports Ray until a job runs on a cluster (`submit_on_ray`), so `batchrun status` can show a job's
+shards (`job_shards`) without it.
+"""
+from batchrun.distributed.layout import job_shards, shards_line
+from batchrun.distributed.settings import RaySettings
+
+__all__ = ["RaySettings", "job_shards", "shards_line", "submit_on_ray"]
+
+
+def __getattr__(name: str):
+    if name == "submit_on_ray":
+        from batchrun.distributed.driver import submit_on_ray
+
+        return submit_on_ray
+    raise AttributeError(f"module 'batchrun.distributed' has no attribute {name!r}")

@@ -1,0 +1,151 @@
+"""What the Ray path costs against a plain `batchrun submit`, and that it answers the same (run by hand; about 5
+minutes on 2 cores).
+
+The ready review job (jobs/review-sentiment.jsonl, 60 choice rows) widened to --rows rows (each review again with a
+copy number, so no row repeats another), run on the default model three ways, each from a fresh database:
+
+  plain   `batchrun submit` on this machine
+  ray-1   `batchrun submit --ray` on a local one-node Ray cluster holding both cores
+  ray-2   the same on two local nodes of one core each
+
+Every way must give the answers of the plain run (probabilities to 1e-5). On a 2-core machine the two nodes share
+the cores the plain run has alone, so two nodes cannot be faster here: what this measures is the Ray path's
+overhead (connecting, actors starting, shards each opening the model, publishing and merging) and its correctness.
+On N real machines the answers per hour grow about N times, less that overhead (docs/distributed.md).
+
+    .venv/bin/python -m benchmarks.distributed [--rows 240] [--model PATH]
+
+Prints a Markdown table and writes benchmarks/results/distributed-<machine class>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from benchmarks import harness
+
+REVIEW_JOB = harness.REPO_ROOT / "jobs" / "review-sentiment.jsonl"
+DEFAULT_MODEL = Path.home() / ".cache/batchrun-tests/default-home/models/SmolLM2-135M-Instruct"
+TOLERANCE = 1e-5
+OBJECT_STORE_BYTES = 100 << 20
+
+
+def widened_job(path: Path, rows: int) -> Path:
+    """The review job's rows, repeated with a copy number in each review until there are `rows` of them."""
+    base = [json.loads(line) for line in REVIEW_JOB.read_text().splitlines() if line.strip()]
+    lines = []
+    for number in range(rows):
+        row = dict(base[number % len(base)])
+        copy = number // len(base)
+        if copy:
+            row["id"] = f"{row['id']}-{copy}"
+            row["prompt"] = row["prompt"].replace("Review: ", f"Review (copy {copy}): ", 1)
+        lines.append(json.dumps(row))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def submit(spec: Path, model: Path, work: Path, name: str, home: Path, *ray: str) -> dict:
+    """One measured `batchrun submit` into a fresh database and output; its wall time, peak RSS and answers."""
+    output = work / f"{name}.parquet"
+    command = [sys.executable, "-m", "batchrun", "submit", str(spec), "--model", str(model), "--db",
+               str(work / f"{name}.db"), "-o", str(output), "--json", *ray]
+    run = harness.run_measured(command, env={"BATCHRUN_HOME": str(home), "HF_HUB_OFFLINE": "1"}, cwd=harness.REPO_ROOT)
+    if run.returncode != 0:
+        raise SystemExit(f"{name} failed ({run.returncode}):\n{run.stderr[-3000:]}")
+    summary = json.loads(run.stdout)
+    return {"way": name, "wall_seconds": run.wall_seconds, "peak_rss_bytes": run.peak_rss_bytes,
+            "rows": summary["rows_total"], "passes": summary["passes_now"], "notes": summary["notes"],
+            "answers": pq.read_table(output).to_pylist()}
+
+
+def same_answers(got: list[dict], want: list[dict]) -> float:
+    """The largest probability difference; raises where an id, answer or error differs."""
+    worst = 0.0
+    for mine, theirs in zip(got, want, strict=True):
+        if (mine["id"], mine["answer"], mine["error"]) != (theirs["id"], theirs["answer"], theirs["error"]):
+            raise SystemExit(f"row {theirs['id']}: {mine['answer']!r} against {theirs['answer']!r}")
+        for (_, p), (_, q) in zip(mine["choice_probs"] or [], theirs["choice_probs"] or []):
+            worst = max(worst, abs(p - q))
+    if worst > TOLERANCE:
+        raise SystemExit(f"probabilities differ by {worst:.2e}, more than {TOLERANCE}")
+    return worst
+
+
+def on_cluster(nodes: list[int], home: Path, work: Path, run) -> tuple[dict, float]:
+    """`run(address, shared)` on a fresh local cluster of len(nodes) nodes with those CPUs, each node's state
+    directory a copy of `home`'s measurements; (its result, seconds the cluster took to start)."""
+    from ray.cluster_utils import Cluster
+
+    homes = []
+    for number in range(len(nodes)):
+        node_home = work / f"node-{len(nodes)}-{number}"
+        node_home.mkdir()
+        for measured in home.glob("*.json"):
+            shutil.copy(measured, node_home / measured.name)
+        homes.append(node_home)
+    started = time.monotonic()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": nodes[0], "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False,
+        "env_vars": {"BATCHRUN_HOME": str(homes[0])}})
+    try:
+        for cpus, node_home in zip(nodes[1:], homes[1:]):
+            cluster.add_node(num_cpus=cpus, object_store_memory=OBJECT_STORE_BYTES,
+                             env_vars={"BATCHRUN_HOME": str(node_home)})
+        startup = time.monotonic() - started
+        shared = work / f"shared-{len(nodes)}"
+        shared.mkdir()
+        return run(cluster.address, shared), startup
+    finally:
+        cluster.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=240)
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    args = parser.parse_args()
+    if not (args.model / "config.json").is_file():
+        raise SystemExit(f"no checkpoint at {args.model}: run the tests once (they convert the default model) or "
+                         "pass --model")
+    with tempfile.TemporaryDirectory(prefix="batchrun-distributed-") as temp, harness.exclusive_machine():
+        work = Path(temp)
+        home = work / "home"
+        home.mkdir()
+        spec = widened_job(work / "reviews.jsonl", args.rows)
+        submit(widened_job(work / "warm.jsonl", 8), args.model, work, "warm-up", home)  # measures, warms the cache
+        plain = submit(spec, args.model, work, "plain", home)
+        results = [plain]
+        for nodes in ([2], [1, 1]):
+            name = f"ray-{len(nodes)}"
+            result, startup = on_cluster(nodes, home, work, lambda address, shared, name=name: submit(
+                spec, args.model, work, name, home, "--ray", address, "--shared", str(shared)))
+            result["cluster_start_seconds"] = startup
+            result["max_probability_difference"] = same_answers(result["answers"], plain["answers"])
+            results.append(result)
+    table = []
+    for result in results:
+        result["answers_per_hour"] = result["rows"] / result["wall_seconds"] * 3600
+        result["overhead"] = result["wall_seconds"] / plain["wall_seconds"] - 1
+        table.append({"way": result["way"], "nodes": {"plain": 1, "ray-1": 1, "ray-2": 2}[result["way"]],
+                      "rows": result["rows"], "wall s": f"{result['wall_seconds']:.1f}",
+                      "answers/hour": f"{result['answers_per_hour']:,.0f}",
+                      "overhead": f"{result['overhead']:+.0%}" if result is not plain else "",
+                      "driver peak RSS MB": f"{result['peak_rss_bytes'] / 1e6:.0f}",
+                      "max |dp|": f"{result.get('max_probability_difference', 0.0):.1e}"})
+        del result["answers"]
+    harness.print_table(table, list(table[0]))
+    path = harness.save_results("distributed", {"model": str(args.model), "rows": args.rows, "results": results,
+                                                "cores": "2 shared by every node: overhead, not speed-up"})
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
