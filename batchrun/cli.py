@@ -416,6 +416,11 @@ def status(job, db, as_json):
                f"  passes   {info['passes']}\n  elapsed  {format_duration(info['elapsed_seconds'])}\n  eta      {eta}"
                + (f"\n  shards   {shards_line(info['shards'])}" if info.get("shards") else "")
                + (f"\n  failed   {info['last_error']}" if info.get("last_error") else ""))
+    if info.get("in_pass"):  # a pass commits nothing until it ends: how far the one in flight is
+        now = info["in_pass"]
+        click.echo(f"  in pass  {now['pass']} of {now['passes_planned']}: {now['turns_done'] / now['turns_total']:.0%} "
+                   f"of its layer turns, {now['rows_in_flight']:,} rows in flight, running "
+                   f"{format_duration(now['seconds_in_pass'])}")
     for line in describe_quality(info["quality"]) if info["quality"] else []:
         click.echo("  " + line)
 

@@ -2,10 +2,11 @@
 minutes on 2 cores).
 
 The ready review job (jobs/review-sentiment.jsonl, 60 choice rows) widened to --rows rows (each review again with a
-copy number, so no row repeats another), run on the default model three ways, each from a fresh database:
+copy number, so no row repeats another), run on the default model three ways, each from a fresh database and each
+with the same passes (--batch-size rows a pass, a shard a pass), so that only the path differs:
 
   plain   `batchrun submit` on this machine
-  ray-1   `batchrun submit --ray` on a local one-node Ray cluster holding both cores
+  ray-1   `batchrun submit --ray` on a local one-node Ray cluster holding both cores: the shards one after another
   ray-2   the same on two local nodes of one core each
 
 Every way must give the answers of the plain run (probabilities to 1e-5). On a 2-core machine the two nodes share
@@ -13,7 +14,7 @@ the cores the plain run has alone, so two nodes cannot be faster here: what this
 overhead (connecting, actors starting, shards each opening the model, publishing and merging) and its correctness.
 On N real machines the answers per hour grow about N times, less that overhead (docs/distributed.md).
 
-    .venv/bin/python -m benchmarks.distributed [--rows 240] [--model PATH]
+    .venv/bin/python -m benchmarks.distributed [--rows 240] [--batch-size 60] [--model PATH]
 
 Prints a Markdown table and writes benchmarks/results/distributed-<machine class>.json.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -52,11 +54,13 @@ def widened_job(path: Path, rows: int) -> Path:
     return path
 
 
-def submit(spec: Path, model: Path, work: Path, name: str, home: Path, *ray: str) -> dict:
-    """One measured `batchrun submit` into a fresh database and output; its wall time, peak RSS and answers."""
+def submit(spec: Path, model: Path, work: Path, name: str, home: Path, *options: str) -> dict:
+    """One measured `batchrun submit` into a fresh database and output, on a quiet machine; its wall time, peak RSS
+    and answers."""
     output = work / f"{name}.parquet"
     command = [sys.executable, "-m", "batchrun", "submit", str(spec), "--model", str(model), "--db",
-               str(work / f"{name}.db"), "-o", str(output), "--json", *ray]
+               str(work / f"{name}.db"), "-o", str(output), "--json", *options]
+    harness.wait_for_quiet()
     run = harness.run_measured(command, env={"BATCHRUN_HOME": str(home), "HF_HUB_OFFLINE": "1"}, cwd=harness.REPO_ROOT)
     if run.returncode != 0:
         raise SystemExit(f"{name} failed ({run.returncode}):\n{run.stderr[-3000:]}")
@@ -110,6 +114,7 @@ def on_cluster(nodes: list[int], home: Path, work: Path, run) -> tuple[dict, flo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=240)
+    parser.add_argument("--batch-size", type=int, default=60)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     args = parser.parse_args()
     if not (args.model / "config.json").is_file():
@@ -120,13 +125,15 @@ def main() -> None:
         home = work / "home"
         home.mkdir()
         spec = widened_job(work / "reviews.jsonl", args.rows)
+        batch = ("--batch-size", str(args.batch_size))
         submit(widened_job(work / "warm.jsonl", 8), args.model, work, "warm-up", home)  # measures, warms the cache
-        plain = submit(spec, args.model, work, "plain", home)
+        plain = submit(spec, args.model, work, "plain", home, *batch)
         results = [plain]
         for nodes in ([2], [1, 1]):
             name = f"ray-{len(nodes)}"
             result, startup = on_cluster(nodes, home, work, lambda address, shared, name=name: submit(
-                spec, args.model, work, name, home, "--ray", address, "--shared", str(shared)))
+                spec, args.model, work, name, home, *batch, "--shard-rows", str(args.batch_size), "--ray", address,
+                "--shared", str(shared)))
             result["cluster_start_seconds"] = startup
             result["max_probability_difference"] = same_answers(result["answers"], plain["answers"])
             results.append(result)
@@ -142,8 +149,13 @@ def main() -> None:
                       "max |dp|": f"{result.get('max_probability_difference', 0.0):.1e}"})
         del result["answers"]
     harness.print_table(table, list(table[0]))
-    path = harness.save_results("distributed", {"model": str(args.model), "rows": args.rows, "results": results,
-                                                "cores": "2 shared by every node: overhead, not speed-up"})
+    shards = -(-args.rows // args.batch_size)
+    per_shard = (results[1]["wall_seconds"] - plain["wall_seconds"]) / shards
+    print(f"the Ray path's overhead on one node: {per_shard:.1f} s a shard of {args.batch_size} rows ({shards} shards)")
+    path = harness.save_results("distributed", {
+        "model": str(args.model), "rows": args.rows, "batch_size": args.batch_size, "shards": shards,
+        "overhead_seconds_per_shard_one_node": per_shard, "results": results,
+        "cores": f"{os.cpu_count()} shared by every node: the overhead is the point, not a speed-up"})
     print(f"saved {path}")
 
 

@@ -135,7 +135,8 @@ def _run_shards(prepared: PreparedJob, store: Store, job_id: str, layout: Shared
     store.fill_duplicates(job_id)
     # Rows that cannot run (invalid, too long, refused by the chat template) are answered with their error by the
     # executor's finishing run, as on one machine: no shard carries them.
-    unrunnable = {bad.index for bad in prepared.spec.invalid} | {row.request.index for row in prepared.rows if row.error}
+    unrunnable = ({bad.index for bad in prepared.spec.invalid}
+                  | {row.request.index for row in prepared.rows if row.error})
     left = [index for index in store.pending_indices(job_id) if index not in unrunnable]
     if left:
         raise pool.ShardFailed(f"{len(left)} row(s) of job {job_id} have no answer after every shard was merged "

@@ -9,6 +9,7 @@ Ray Data would recompute a lost block from its start, pack small inputs into one
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,13 +24,14 @@ from batchrun.host import HOST
 from batchrun.store import JobLocked
 
 from batchrun.distributed.settings import RaySettings
-from batchrun.distributed.worker import ShardOutcome, ShardTask, run_shard
+from batchrun.distributed.worker import ShardOutcome, ShardRefused, ShardTask, run_shard
 
 log = logging.getLogger("batchrun")
 
 LOCAL_OBJECT_STORE_BYTES = 100 << 20  # "local": shards carry no data through the object store
 LOCKED_RETRY_S = 5.0  # a shard still held by a worker of a dead driver: Ray ends that worker within seconds
 LOCKED_RETRIES = 60
+PROBE_TIMEOUT_S = 10.0
 NO_NODE_WAIT_S = 120.0  # how long the driver waits for a node with CPUs to join before it gives up
 ACTOR_FAILURES_PER_NODE = 2  # a node whose workers die this often (not the node itself) gets no more
 
@@ -43,6 +45,7 @@ def connect(address: str) -> bool:
     if ray.is_initialized():
         return False
     quiet = {"logging_level": logging.WARNING, "log_to_driver": False}
+    _probe(address)
     try:
         if address == "local":
             ray.init(object_store_memory=LOCAL_OBJECT_STORE_BYTES, include_dashboard=False, **quiet)
@@ -52,6 +55,18 @@ def connect(address: str) -> bool:
         raise SettingRefused(f"cannot connect to the Ray cluster at {address}: {_first_line(error)} (start one with "
                              "`ray start --head`, or give --ray local)") from None
     return True
+
+
+def _probe(address: str) -> None:
+    """Refuse a HOST:PORT nobody listens on at once: ray.init retries such an address for minutes."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return  # auto or local: ray.init finds (or starts) the cluster, or says at once that there is none
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as error:
+        raise SettingRefused(f"cannot connect to the Ray cluster at {address} ({error.strerror or error}); start one "
+                             "with `ray start --head`, or give --ray local") from None
 
 
 def disconnect() -> None:
@@ -218,10 +233,10 @@ def _settle(ref, task: ShardTask, node_id: str, pool: _Pool, retries: _Retries, 
         if isinstance(cause, JobLocked):
             retries.held_elsewhere(task)
             return
-        if isinstance(cause, BatchrunError):
+        if isinstance(cause, ShardRefused):  # it names the node already
             raise cause from None
-        raise ShardFailed(f"shard {task.shard.id} failed on node {node_id[:8]}: {type(cause).__name__}: "
-                          f"{cause}") from None
+        what = str(cause) if isinstance(cause, BatchrunError) else f"{type(cause).__name__}: {cause}"
+        raise ShardFailed(f"shard {task.shard.id} failed on node {node_id[:8]}: {what}") from None
     except ActorUnschedulableError:  # the node went before the actor started: nothing of the shard ran
         pool.drop(node_id)
         queue.appendleft(task)

@@ -161,8 +161,6 @@ def _refuse_existing_output(db_path: Path, spec_path: Path, output_path: Path) -
     """Refuse to overwrite, naming the job last made from this spec where the database holds one (the spec is not
     read yet, so its job is found by the spec's path): its answers stay exportable."""
     refusal = f"{output_path} exists; pass --force to overwrite it, or -o another file"
-    if not db_path.exists():
-        raise OutputRefused(refusal)
     with Store(db_path) as store:
         job = next((job for job in store.jobs() if job["spec_path"] == str(spec_path.resolve())), None)
         if job is None:  # nothing recorded for this spec, nothing to point at

@@ -105,7 +105,9 @@ class RunProgress:
         eta = f"ETA {format_duration(self.eta_seconds(current.fraction if current else 0.0))}"
         if current is None:
             done = len(self.pass_seconds)
-            median = sorted(self.pass_seconds)[done // 2] if done else None
+            if not done:
+                return f"{self.plan.passes} passes planned, {eta}"
+            median = sorted(self.pass_seconds)[done // 2]
             return f"{done} of {self.plan.passes} passes, {format_duration(median)} a pass, {eta}"
         return (f"pass {current.number} of {self.plan.passes} {current.fraction:.0%}, {current.rows():,} rows in "
                 f"flight, {eta}")

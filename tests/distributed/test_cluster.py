@@ -17,6 +17,7 @@ from tests.support import invoke
 pytest.importorskip("ray")
 
 from batchrun.distributed import RaySettings  # noqa: E402 - needs Ray
+from batchrun.distributed.pool import ShardFailed  # noqa: E402
 
 TOLERANCE = 1e-5
 WAIT_S = 120.0  # only stops a hung test: each wait below ends on an event, not on time
@@ -124,6 +125,17 @@ def test_a_bad_row_errors_only_its_own_row(start_cluster, tiny_checkpoint, tmp_p
     assert "prompt must be a string" in errors["bad"] and "context is 256 tokens" in errors["long"]
     plan = json.loads((job_dir(cluster.shared) / "plan.json").read_text())
     assert sum(shard["rows"] for shard in plan["shards"]) == 22  # no shard carries a row that cannot run
+
+
+def test_a_shard_that_fails_on_its_node_fails_the_run_and_names_the_node(start_cluster, tiny_checkpoint, tmp_path):
+    cluster = start_cluster()
+    spec = write_rows(tmp_path / "jobs.jsonl", mixed_rows(8))
+    settings = RaySettings(cluster.address, cluster.shared, shard_rows=4, report_every_s=0.2)
+    with pytest.raises(ShardFailed, match=r"failed on node \w{8}: the plan refuses this job"):
+        batchrun.submit(spec, db=tmp_path / "ray.db", model=str(tiny_checkpoint("llama")), ray_address=settings,
+                        memory_gb=0.001)  # no node can hold the model in a megabyte
+    status = invoke("status", "--db", tmp_path / "ray.db")
+    assert "failed   ShardFailed: shard" in status.output and "0 done, 0 errored, 8 pending" in status.output
 
 
 def test_a_killed_driver_reruns_without_computing_a_published_shard_again(start_cluster, tiny_checkpoint, tmp_path,
