@@ -61,7 +61,7 @@ def test_a_job_of_labelled_choices_generations_and_errors_is_reported_in_full(tm
     summary, _ = run_job(spec, tmp_path, default_checkpoint, "mixed", calibrate="batch", skip_invalid=True)
     with Store(tmp_path / "mixed.db") as store:
         passes, runs = store.passes(summary.job_id), store.runs(summary.job_id)
-        report = write_report(store, summary.job_id, tmp_path / "mixed.report.html")
+        report = write_report(store, summary.job_id, tmp_path / "mixed.report.html", force=True)  # submit wrote one
     # every pass of the run is recorded with its rows, time and the plan's estimate; the run with its mode and ETA
     assert [p["pass_no"] for p in passes] == list(range(1, summary.passes_now + 1))
     assert sum(p["rows_finished"] for p in passes) == summary.rows_computed_now == 15
