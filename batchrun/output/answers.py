@@ -108,7 +108,7 @@ def quality(answers: JobAnswers) -> dict:
     found = {"choice": _metrics(choice, "accuracy"), "generation": _metrics(generation, "exact_match"),
              "labelled_errored": len(labelled) - len(answered),
              "calibration": answers.calibration.to_json(), "notes": answers.notes}
-    if answers.calibration.method != "none" and choice:
+    if answers.calibration.probs and choice:  # calibration changed something: the model's own figure beside it
         found["choice_uncalibrated"] = _metrics([replace(row, answer=row.result.answer) for row in choice],
                                                 "accuracy")
     return {key: value.to_json() if isinstance(value, LabelMetrics) else value for key, value in found.items()}
