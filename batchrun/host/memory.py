@@ -116,6 +116,17 @@ def disk_free_bytes(path: Path) -> int:
     return shutil.disk_usage(existing).free
 
 
+def peak_resident_bytes() -> int | None:
+    """This process's peak resident memory (VmHWM: its own, not a parent's carried across exec as ru_maxrss is);
+    None where the system does not say."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            hwm = next(line for line in status if line.startswith("VmHWM:"))
+        return int(hwm.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 def resident_bytes() -> int | None:
     """This process's resident memory now (Linux /proc), None where the system does not say."""
     try:

@@ -129,8 +129,8 @@ def _model_result(model: str | None, job_id: str, db: Path, plan: dict) -> Model
     found = quality(answers)
     metric = "accuracy" if found["choice"] else "exact_match"
     judged = found["choice"] or found["generation"]
-    raw = found.get("choice_uncalibrated") if found.get("choice_uncalibrated") else judged
-    calibrated = judged if found.get("choice_uncalibrated") else None
+    own = found.get("choice_uncalibrated")  # present only where calibration changed something
+    raw, calibrated = (own, judged) if own else (judged, None)
     chosen = {tuple(item["choices"]): item["values"] for item in found["calibration"]["chosen"]}
     how = found["calibration"]["method"] + (f" ({', '.join(sorted(set(chosen.values())))})" if chosen else "")
     return ModelResult(model_label(model), job_id, metric, raw, calibrated, how, plan.get("passes"),

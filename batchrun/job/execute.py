@@ -17,13 +17,14 @@ from transformers.utils import logging as transformers_logging
 
 from batchrun.errors import OutputRefused, PlanRefused
 from batchrun.host import (batch_cap_after_oom, default_db_path, faults, keep_freed_pages_below, killed_by_oom,
-                           memory_cgroup_dir, oom_kill_count, stops_deferred)
+                           memory_cgroup_dir, oom_kill_count, peak_resident_bytes, stops_deferred)
 from batchrun.job.calibration import calibration_settings
 from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_choice_caveat, one_row_per_key, plan_rows,
                                   prepare_job, row_costs)
 from batchrun.job.progress import BAR_FORMAT, RunProgress
-from batchrun.output import (OutputError, OutputExists, check_output_writable, default_output_path, job_answers,
-                             describe_calibration, output_format, quality, write_results)
+from batchrun.output import (JobAnswers, OutputError, OutputExists, check_output_writable, default_output_path,
+                             describe_calibration, job_answers, job_provenance, output_format, quality,
+                             write_results)
 from batchrun.plan import Candidate, RowCost, without_prefix
 from batchrun.report import is_report, write_report
 from batchrun.runtime import (Answer, GreedyPool, LayerReads, PoolPlan, eos_token_ids, generation_answer, open_model,
@@ -93,15 +94,20 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
         job_id = store.ensure_job(prepared.fingerprint, spec_path=str(spec_path.resolve()), model=prepared.model.name,
                                   settings={**prepared.options.answer_settings(), **calibration},
                                   rows=_all_row_ids(prepared))
+        # where the answers come from, for the output's provenance and any later `batchrun results` export
+        store.record_provenance(job_id, {"model_path": str(prepared.model.checkpoint.resolve()),
+                                         "model_fingerprint": prepared.model_fingerprint,
+                                         "spec_sha256": prepared.spec.content_sha256})
         store.acquire(job_id)
         state, error = "failed", None
         try:
             with store.heartbeat_while_running(job_id):
                 summary = _run(prepared, store, job_id, quiet=quiet, on_plan=on_plan)
             state = "done"  # every answer is committed; a failed write below loses none of them
-            _judge(store, job_id, summary)
+            answers = job_answers(store, job_id)
+            _judge(answers, summary)
             if output_path is not None:
-                summary.output = str(_write_output(store, job_id, output_path, output_fmt, force))
+                summary.output = str(_write_output(store, job_id, answers, output_path, (output_fmt, force)))
             return summary
         except KeyboardInterrupt:
             if state != "done":  # stopped while writing the output: every answer is in, the job is done
@@ -142,9 +148,8 @@ def _side_job(spec_path: Path, options: JobOptions, db_path: Path) -> str:
     return submit(spec_path, options=options, db=db_path, write_output=False).job_id
 
 
-def _judge(store: Store, job_id: str, summary: RunSummary) -> None:
+def _judge(answers: JobAnswers, summary: RunSummary) -> None:
     """Accuracy over the labelled rows and the calibration used, where the job has either."""
-    answers = job_answers(store, job_id)
     if answers.calibration.method == "none" and not any(row.result.label is not None for row in answers.rows):
         return
     summary.quality = quality(answers)
@@ -172,30 +177,12 @@ def _refuse_existing_output(db_path: Path, spec_path: Path, output_path: Path) -
     raise OutputRefused(f"{refusal} (answers so far are kept in the database: {export})")
 
 
-def _write_output(store: Store, job_id: str, path: Path, fmt: str, force: bool) -> Path:
-    """Write the job's answers. First the model this run read (its directory and fingerprint) and the spec's sha256
-    are recorded with the job, for this file's provenance and for any later `batchrun results` export."""
-    import hashlib
-
-    from batchrun.checkpoint import REGISTRY
-    from batchrun.errors import BatchrunError
-    from batchrun.job.identity import model_identity_parts
-    from batchrun.job.prepare import model_label, resolve_model
-    from batchrun.output import file_sha256, job_provenance
-
+def _write_output(store: Store, job_id: str, answers: JobAnswers, path: Path, how: tuple[str, bool]) -> Path:
+    """Write the job's answers; `how`: the format and whether to overwrite."""
+    fmt, force = how
     job = store.job_record(job_id)
     try:
-        model = next((name for name in (None, *REGISTRY) if model_label(name) == job["model"]), job["model"])
-        checkpoint = resolve_model(model, JobOptions(model=model))
-        digest = hashlib.sha256()
-        for part in model_identity_parts(checkpoint):
-            digest.update(part)
-        store.record_provenance(job_id, {"model_path": str(checkpoint.resolve()), "model_fingerprint":
-                                         digest.hexdigest(), "spec_sha256": file_sha256(Path(job["spec_path"]))})
-    except (BatchrunError, OSError) as error:  # the answers matter more than a record of where they came from
-        log.warning("the answers file does not name the model's checkpoint and fingerprint: %s", error)
-    try:
-        return write_results(path, job_answers(store, job_id).rows, fmt, model=job["model"], force=force,
+        return write_results(path, answers.rows, fmt, model=job["model"], force=force,
                              provenance=job_provenance(store, job_id))
     except OutputError as error:
         raise OutputError(path, f"{error.reason}. Every answer is kept in the database: "
@@ -373,17 +360,12 @@ class _Commits:
 
     def _peak_memory_bytes(self) -> int | None:
         """What the plan's peak memory is measured against: the device's peak reserved memory on CUDA, else this
-        process's peak resident memory (VmHWM: its own, not a parent's carried across exec as ru_maxrss is)."""
+        process's peak resident memory."""
         if self.plan.device.startswith("cuda"):
             import torch
 
             return int(torch.cuda.max_memory_reserved(self.plan.device))
-        try:
-            with open("/proc/self/status", encoding="ascii") as status:
-                hwm = next(line for line in status if line.startswith("VmHWM:"))
-            return int(hwm.split()[1]) * 1024
-        except (OSError, StopIteration, ValueError, IndexError):
-            return None  # not Linux: left unknown rather than guessed
+        return peak_resident_bytes()
 
 
 def _run_batches(prepared: PreparedJob, commits: _Commits, plan: Candidate, batches: list[list[EncodedRow]],

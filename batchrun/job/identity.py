@@ -26,13 +26,19 @@ def model_identity_parts(checkpoint: Path) -> list[bytes]:
     return parts
 
 
+def model_digest(model_identity: Sequence[bytes]):
+    """The sha256 of the model as a job's identity sees it; its hexdigest is the model's fingerprint."""
+    digest = hashlib.sha256()
+    for part in model_identity:
+        digest.update(part)
+    return digest
+
+
 def row_keys(model_identity: Sequence[bytes], compute_dtype: str,
              rows: Sequence[EncodedRow]) -> dict[int, str | None]:
     """Row index -> what its answer depends on, the row's share of the fingerprint without its id and place: the
     same key in another job of the database is the same answer (store/reuse.py). None for a row that cannot run."""
-    model = hashlib.sha256()
-    for part in model_identity:
-        model.update(part)
+    model = model_digest(model_identity)
     model.update(compute_dtype.encode())
     keys: dict[int, str | None] = {}
     for row in rows:

@@ -14,7 +14,7 @@ from batchrun import measure
 from batchrun.checkpoint import (DEFAULT_REGISTRY_MODEL, CheckpointError, CheckpointSizes, checkpoint_sizes,
                                  default_model, load_config, load_tokenizer, registry_label, resolve_checkpoint)
 from batchrun.host import auto_compute_dtype, available_memory_bytes, cpu_auto_reason, disk_free_bytes, resident_bytes
-from batchrun.job.identity import fingerprint, model_identity_parts, one_row_per_key, row_keys
+from batchrun.job.identity import fingerprint, model_digest, model_identity_parts, one_row_per_key, row_keys
 from batchrun.job.options import JobOptions
 from batchrun.plan import (Bandwidth, Candidate, PlanRequest, Rates, RowCost, make_plan, parse_streaming,
                            shared_prefix_tokens, windows_allow_sharing)
@@ -49,6 +49,7 @@ class PreparedJob:
     device: str
     compute_dtype: str
     row_keys: dict[int, str | None]  # row index -> what its answer depends on (store/reuse.py)
+    model_fingerprint: str = ""  # sha256 of the model as the job's identity sees it (the output's provenance)
 
 
 def names_default_model(model: str | None) -> bool:
@@ -246,8 +247,8 @@ def prepare_job(spec_path: Path, options: JobOptions) -> PreparedJob:
     dtype = compute_dtype_for(options, device, prepared.sizes.storage_dtype)
     model_identity = model_identity_parts(prepared.checkpoint)
     return PreparedJob(spec, options, prepared, rows, fingerprint(spec, model_identity, dtype, rows, options.calibrate),
-                       device, dtype,
-                       row_keys(model_identity, dtype, rows))
+                       device, dtype, row_keys(model_identity, dtype, rows),
+                       model_digest(model_identity).hexdigest())
 
 
 def encode_rows(prepared: PreparedModel, spec: JobSpec, options: JobOptions) -> list[EncodedRow]:

@@ -5,11 +5,11 @@ from batchrun.output.answers import (JobAnswers, OutputRow, content_free_priors,
                                      describe_quality, job_answers, job_quality, output_rows, quality)
 from batchrun.output.files import (CHOICE_PROBS_TYPE, OutputError, OutputExists, OutputFormatUnknown, Provenance,
                                    answers_table, atomic_write, check_output_writable, default_output_path,
-                                   encode_results, file_sha256, job_provenance, openai_batch_line, output_format,
+                                   encode_results, job_provenance, openai_batch_line, output_format,
                                    read_parquet_results, results_table, write_jsonl, write_parquet, write_results)
 
 __all__ = ["CHOICE_PROBS_TYPE", "JobAnswers", "OutputError", "OutputExists", "OutputFormatUnknown", "OutputRow",
            "Provenance", "answers_table", "atomic_write", "check_output_writable", "content_free_priors",
-           "default_output_path", "describe_calibration", "describe_quality", "encode_results", "file_sha256",
+           "default_output_path", "describe_calibration", "describe_quality", "encode_results",
            "job_answers", "job_provenance", "job_quality", "openai_batch_line", "output_format", "output_rows",
            "quality", "read_parquet_results", "results_table", "write_jsonl", "write_parquet", "write_results"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import errno
 import glob
-import hashlib
 import io
 import json
 import os
@@ -85,11 +84,6 @@ def job_provenance(store: Store, job_id: str) -> Provenance:
                       recorded.get("model_fingerprint"), job["spec_path"], recorded.get("spec_sha256"),
                       job["settings"], package_version("batchrun"),
                       datetime.now(timezone.utc).isoformat(timespec="seconds"))
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def default_output_path(spec_path: Path) -> Path:
