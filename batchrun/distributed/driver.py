@@ -46,6 +46,7 @@ class _ClusterWork:
     passes: int = 0
     nodes: set[str] = field(default_factory=set)
     modes: set[str] = field(default_factory=set)
+    models_opened: int = 0  # by the shards: once per worker while its shards ask for the model the same way
 
 
 def submit_on_ray(spec_path: str | Path, options: JobOptions | None, cluster: RaySettings, *,
@@ -74,7 +75,7 @@ def submit_on_ray(spec_path: str | Path, options: JobOptions | None, cluster: Ra
         if connected:
             pool.disconnect()
     note = (f"{work.shards} shard(s) computed on {len(work.nodes)} node(s) of the Ray cluster "
-            f"({cluster.address})" + (f"; {work.published_before} published before this run were merged"
+            f"({cluster.address}), the model opened {work.models_opened} time(s)" + (f"; {work.published_before} published before this run were merged"
                                       if work.published_before else ""))
     modes = "/".join(sorted(work.modes)) or summary.mode
     return replace(summary, rows_computed_now=work.rows, passes_now=work.passes, mode=modes,
@@ -162,6 +163,7 @@ def _run_on_cluster(prepared: PreparedJob, store: Store, job_id: str, layout: Sh
         work.rows += rows
         work.passes += outcome.passes if not outcome.already_published else passes
         work.nodes.add(outcome.node)
+        work.models_opened += outcome.model_opened
         if outcome.mode:
             work.modes.add(outcome.mode)
 

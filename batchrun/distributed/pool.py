@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from batchrun.errors import BatchrunError, SettingRefused
 from batchrun.host import HOST
+from batchrun.job import keep_models_open
 from batchrun.store import JobLocked
 
 from batchrun.distributed.settings import RaySettings
@@ -86,6 +87,7 @@ class ShardWorker:
 
     def __init__(self):
         self.node = f"{HOST}/{ray.get_runtime_context().get_node_id()[:8]}"
+        keep_models_open()  # the model is opened by the first shard and kept for the next ones
 
     def ready(self) -> str:
         return self.node

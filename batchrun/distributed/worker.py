@@ -57,6 +57,7 @@ class ShardOutcome:
     mode: str | None = None
     resumed_from: str | None = None  # "local", "snapshot", or None for a start from nothing
     already_published: bool = False
+    model_opened: bool = False  # the shard opened the model; False: it ran on the one its worker kept open
 
 
 def local_db_path(job_id: str, shard_id: str) -> Path:
@@ -94,7 +95,7 @@ def run_shard(task: ShardTask, node: str) -> ShardOutcome:
     _remove_database(db_path)
     layout.snapshot(shard.id).unlink(missing_ok=True)
     return ShardOutcome(shard.id, len(shard.indices), node, summary.passes_now, time.monotonic() - started,
-                        summary.mode, resumed_from)
+                        summary.mode, resumed_from, model_opened=bool(summary.passes_now) and not summary.model_reused)
 
 
 def _check_shared_dir(layout: SharedLayout, fingerprint: str, node: str) -> None:

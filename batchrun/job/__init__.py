@@ -6,11 +6,13 @@ from batchrun.job.compare import DEFAULT_SAMPLE, Comparison
 from batchrun.job.compare import compare as compare_models
 from batchrun.job.compare import describe as describe_comparison
 from batchrun.job.identity import one_row_per_key
+from batchrun.job.models import keep_models_open
 from batchrun.job.options import CALIBRATION_METHODS, DEFAULT_CALIBRATION, DEFAULT_PASS_MINUTES, JobOptions
 from batchrun.job.prepare import PreparedJob, nothing_runs, plan_report, plan_rows, prepare_job, resolve_model
 
-__all__ = ["CALIBRATION_METHODS", "DEFAULT_CALIBRATION", "DEFAULT_PASS_MINUTES", "DEFAULT_SAMPLE", "Comparison", "JobOptions", "PreparedJob",
-           "calibration_settings", "compare_models", "describe_comparison", "nothing_runs", "one_row_per_key",
+__all__ = ["CALIBRATION_METHODS", "DEFAULT_CALIBRATION", "DEFAULT_PASS_MINUTES", "DEFAULT_SAMPLE", "Comparison",
+           "JobOptions", "PreparedJob", "calibration_settings", "compare_models", "describe_comparison",
+           "keep_models_open", "nothing_runs", "one_row_per_key",
            "plan_report", "plan_rows", "prepare_job", "resolve_model", "submit"]
 
 

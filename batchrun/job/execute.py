@@ -21,7 +21,9 @@ from batchrun.host import (batch_cap_after_oom, default_db_path, faults, keep_fr
 from batchrun.job.calibration import calibration_settings
 from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_choice_caveat, one_row_per_key, plan_rows,
                                   prepare_job, row_costs)
+from batchrun.job.models import ModelKey, kept_models
 from batchrun.job.progress import BAR_FORMAT, RunProgress
+from batchrun.measure import dispute_compute_rate
 from batchrun.output import (JobAnswers, OutputError, OutputExists, check_output_writable, default_output_path,
                              describe_calibration, job_answers, job_provenance, output_format, quality,
                              write_results)
@@ -33,6 +35,12 @@ from batchrun.spec import EncodedRow, uses_chat_template
 from batchrun.store import JobRow, RowResult, Store, StoreError
 
 log = logging.getLogger("batchrun")
+
+# A resident choice pass is all prefill compute, priced at the cached compute rate: one at least this long (timed
+# well past the machine's noise) taking under 1/RATE_DISPUTED_BEYOND or over RATE_DISPUTED_BEYOND times its planned
+# seconds says the rate was measured under other conditions (a busy moment), so the next plan measures it again.
+JUDGED_PASS_MIN_SECONDS = 2.0
+RATE_DISPUTED_BEYOND = 1.5
 
 
 @dataclass
@@ -52,6 +60,7 @@ class RunSummary:
     bytes_read: int = 0  # weight bytes read from the checkpoint by this run (streamed mode)
     pass_seconds: list[float] = field(default_factory=list)  # wall time of each pass of this run
     empty_answers: int = 0  # generated answers of this run that stopped before any text
+    model_reused: bool = False  # the run took a model an earlier run of this process kept open (job.models)
     quality: dict | None = None  # accuracy over labelled rows and the calibration used (output.quality)
 
     @property
@@ -336,6 +345,8 @@ class _Commits:
     pass_seconds: list[float]
     plan: Candidate
     progress: RunProgress = field(init=False)
+    _choice_pass: bool = False
+    _rate_judged: bool = False
 
     def __post_init__(self) -> None:
         self.store.record_run_estimate(self.job_id, mode=self.plan.mode, planned_seconds=self.plan.eta_seconds)
@@ -344,6 +355,7 @@ class _Commits:
     def pass_started(self, rows: Callable[[], int], *, answers: bool) -> float:
         """A pass carrying `rows()` rows starts (`answers`: it answers them all); returns when (time.monotonic)."""
         self.progress.begin(rows, answers=answers)
+        self._choice_pass = answers
         return time.monotonic()
 
     def pass_committed(self, rows: int, started: float) -> None:
@@ -353,10 +365,25 @@ class _Commits:
         self.pass_seconds.append(seconds)
         planned = self.plan.pass_seconds
         number = len(self.pass_seconds)
+        planned_seconds = planned[number - 1] if number <= len(planned) else None
         self.store.record_pass(self.job_id, seconds=seconds, rows_finished=rows,
-                               peak_memory_bytes=self._peak_memory_bytes(),
-                               planned_seconds=planned[number - 1] if number <= len(planned) else None)
+                               peak_memory_bytes=self._peak_memory_bytes(), planned_seconds=planned_seconds)
         self.progress.committed(rows)
+        self._judge_compute_rate(seconds, planned_seconds)
+
+    def _judge_compute_rate(self, seconds: float, planned: float | None) -> None:
+        """The run's first long resident choice pass against the compute rate its plan was priced at
+        (JUDGED_PASS_MIN_SECONDS, RATE_DISPUTED_BEYOND)."""
+        if (self._rate_judged or not self._choice_pass or self.plan.mode != "resident" or not planned
+                or planned < JUDGED_PASS_MIN_SECONDS):
+            return
+        self._rate_judged = True
+        if 1 / RATE_DISPUTED_BEYOND <= seconds / planned <= RATE_DISPUTED_BEYOND:
+            return
+        evidence = {"job": self.job_id, "pass_seconds": round(seconds, 3), "planned_seconds": round(planned, 3)}
+        if dispute_compute_rate(self.plan.compute_dtype, self.plan.device, evidence):
+            log.info("a pass took %.1f s where the plan priced it at %.1f s: this machine's compute rate is measured "
+                     "again at the next plan", seconds, planned)
 
     def _peak_memory_bytes(self) -> int | None:
         """What the plan's peak memory is measured against: the device's peak reserved memory on CUDA, else this
@@ -373,17 +400,14 @@ def _run_batches(prepared: PreparedJob, commits: _Commits, plan: Candidate, batc
     """Open the model the plan chose, run the choice batches (a pass each) and then the generation rows (one
     refilled queue), committing every pass."""
     transformers_logging.disable_progress_bar()  # ours is the progress bar that matters
-    options = prepared.options
-    reads = LayerReads(prefetch=options.prefetch, depth=options.prefetch_depth, decode_depth=plan.decode_prefetch_depth,
-                       pack_weights=plan.packs_weights)
-    model = open_model(prepared.model.checkpoint, mode=plan.mode, device=prepared.device, dtype=prepared.compute_dtype,
-                       trust_remote_code=options.trust_remote_code, linear_kernel=plan.linear_kernel, reads=reads)
+    model, read_before = _open(prepared, plan, summary)
     model.on_turn = commits.progress.turn  # the bar and `status` follow each pass layer by layer
     tokenizer = prepared.model.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     micro_batch = prepared.options.micro_batch or plan.micro_batch_size
     # A --micro-batch of the user's own makes calls the plan did not size: trim after every turn then.
     keep_below = None if prepared.options.micro_batch else plan.peak_memory_bytes - plan.turn_bytes
+    failed = True
     try:
         with keep_freed_pages_below(keep_below):
             for batch in batches:
@@ -406,11 +430,34 @@ def _run_batches(prepared: PreparedJob, commits: _Commits, plan: Candidate, batc
                                   prefixes={r.request.index: partial[r.request.index] for r in generation
                                             if r.request.index in partial})
                 summary.empty_answers += _run_generation(pool, commits)
+        failed = False
     finally:
         commits.bar.close()
         summary.passes_now = len(commits.pass_seconds)
-        summary.bytes_read = model.bytes_read
-        model.close()
+        summary.bytes_read = model.bytes_read - read_before
+        kept = kept_models()
+        if kept is None:
+            model.close()
+        elif failed:  # a pass stopped halfway may leave the model mid-pass: the next run opens its own
+            kept.close()
+
+
+def _open(prepared: PreparedJob, plan: Candidate, summary: RunSummary) -> tuple[object, int]:
+    """(the model as the plan runs it, the bytes it had read before this run): opened now, or kept open by an
+    earlier run of this process (a Ray worker's previous shard: job.models)."""
+    options = prepared.options
+    reads = LayerReads(prefetch=options.prefetch, depth=options.prefetch_depth, decode_depth=plan.decode_prefetch_depth,
+                       pack_weights=plan.packs_weights)
+    opener = functools.partial(open_model, prepared.model.checkpoint, mode=plan.mode, device=prepared.device,
+                               dtype=prepared.compute_dtype, trust_remote_code=options.trust_remote_code,
+                               linear_kernel=plan.linear_kernel, reads=reads)
+    kept = kept_models()
+    if kept is None:
+        return opener(), 0
+    key = ModelKey(str(prepared.model.checkpoint.resolve()), plan.mode, prepared.device, prepared.compute_dtype,
+                   options.trust_remote_code, plan.linear_kernel, reads if plan.mode == "streamed" else None)
+    model, summary.model_reused = kept.open(key, opener)
+    return model, model.bytes_read if summary.model_reused else 0
 
 
 def _decode_micro_batch(model, plan: Candidate, micro_batch: int | None, summary: RunSummary) -> int | None:

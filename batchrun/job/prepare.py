@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
@@ -270,8 +271,11 @@ def nothing_runs(rows: Sequence[EncodedRow], invalid_rows: int = 0) -> str | Non
 
 
 def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptions) -> dict:
-    """What `batchrun plan` prints: the spec's token totals and one candidate per model."""
+    """What `batchrun plan` prints: the spec's token totals and one candidate per model, each with the seconds
+    `submit` takes to start before its passes (with_start_seconds)."""
+    began = time.monotonic()
     spec = read_job_spec(spec_path, options)
+    read_seconds = time.monotonic() - began
     device = detect_device(options)
     report: dict = {"spec": str(spec_path), "rows": spec.total_rows, "invalid_rows": len(spec.invalid),
                     "device": device, "candidates": []}
@@ -283,7 +287,9 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
                                          "reason": "the checkpoint cannot be used", "blockers": [str(exc)],
                                          "caveats": []})
             continue
+        began = time.monotonic()
         rows = encode_rows(prepared, spec, options)
+        encode_seconds = time.monotonic() - began
         runnable = [r for r in rows if not r.error]
         distinct = one_row_per_key(runnable, row_keys(model_identity_parts(prepared.checkpoint),
                                                       compute_dtype_for(options, device, prepared.sizes.storage_dtype),
@@ -300,5 +306,17 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
             candidate["blockers"].append(refusal)
             candidate["fits"] = False
         candidate["model"] = model_label(model)
-        report["candidates"].append(candidate)
+        report["candidates"].append(with_start_seconds(candidate, read_seconds + encode_seconds))
     return report
+
+
+def with_start_seconds(candidate: dict, spec_seconds: float) -> dict:
+    """`candidate` with what `submit` spends before its first pass counted in its ETA and first answer: importing
+    the runtime (measure.runtime_import_seconds) and reading and encoding the spec (`spec_seconds`, as this process
+    just did). On 2 cores that start is ~5 s, more than the passes of a small job."""
+    start = (measure.runtime_import_seconds() or 0.0) + spec_seconds
+    candidate["start_seconds"] = start
+    for key in ("eta_seconds", "first_answer_seconds"):
+        if candidate.get(key) is not None:
+            candidate[key] += start
+    return candidate

@@ -1,6 +1,7 @@
 """The measurements file: state_dir()/measurements.json, one section per kind of figure, each entry with the
 identity of what it measured (host.machine). A figure whose identity differs from this machine's is measured
-again; a damaged file is simply replaced by the next measurement.
+again, and so is one a run disputed (dispute: the run's passes disagreed with it); a damaged file is simply replaced
+by the next measurement.
 """
 from __future__ import annotations
 
@@ -30,7 +31,22 @@ def load() -> dict:
 def cached(section: str, key: str) -> dict | None:
     """A figure cached for `key`, if it was measured on what this process runs on (host.machine)."""
     entry = load().get(section, {}).get(key)
-    return entry if entry is not None and entry.get("machine") == identity(section, key) else None
+    if entry is None or entry.get("disputed") or entry.get("machine") != identity(section, key):
+        return None
+    return entry
+
+
+def dispute(section: str, key: str, evidence: dict) -> bool:
+    """Mark the cached figure as contradicted by what a run observed (`evidence`, kept with it until it is measured
+    again): the next plan measures it afresh instead of trusting a figure taken, say, while the machine was busy.
+    False when there is no such figure to dispute."""
+    measurements = load()
+    entry = measurements.get(section, {}).get(key)
+    if entry is None or entry.get("disputed"):
+        return False
+    entry["disputed"] = {**evidence, "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    _write(measurements)
+    return True
 
 
 def identity(section: str, key: str) -> dict:
@@ -65,6 +81,10 @@ def store(section: str, key: str, entry: dict) -> None:
     entry = {**entry, "machine": identity(section, key),
              "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     measurements.setdefault(section, {})[key] = entry
+    _write(measurements)
+
+
+def _write(measurements: dict) -> None:
     file = state_dir() / MEASUREMENTS_FILE
     temporary = file.with_suffix(f".{os.getpid()}.tmp")
     try:

@@ -12,11 +12,16 @@ import time
 from typing import Sequence
 
 from batchrun.measure import layer_rates
-from batchrun.measure.cache import SHAPES_SEPARATOR, cached, compute_key, store
+from batchrun.measure.cache import SHAPES_SEPARATOR, cached, compute_key, dispute, store
 
-# A matmul shaped like a batch of a few hundred tokens through a 2k-wide layer (median of COMPUTE_REPEATS).
+# A matmul shaped like a batch of a few hundred tokens through a 2k-wide layer (median of COMPUTE_REPEATS or more).
 COMPUTE_SHAPE = (256, 2048, 2048)
 COMPUTE_REPEATS = 9
+# Rounds go on until they span this long: nine rounds of COMPUTE_SHAPE take ~0.1 s on 2 cores, and a burst of other
+# work that long on this shared machine once halved a cached rate (107 GFLOP/s against 210 a minute later), which
+# every later plan then priced its passes at.
+MEASURE_MIN_SECONDS = 1.0
+MEASURE_MAX_ROUNDS = 500
 PACKED = "packed"  # the packed-weight kernel's name among those timed (linear_kernels.packed_weight_linear)
 # A decode step: a few sequences through weights much larger than the CPU caches, so the matmul runs at the speed
 # the weights stream from RAM, not at COMPUTE_SHAPE's rate. Several matrices in turn, so none is cached on a repeat.
@@ -82,16 +87,21 @@ def _median(times: list[float]) -> float:
 
 
 def _interleaved_seconds(works: dict, wait) -> dict[str, list[float]]:
-    """Wall times of each of `works` (name -> callable), timed in turn round by round (COMPUTE_REPEATS rounds,
-    after one untimed run of each), so a stretch of noise on this shared machine slows every kernel alike instead
-    of whichever was being timed. Timed one after another, the packed kernel read 906 GFLOP/s against the plain
-    one's 989 in 2 of 12 fresh processes (1,026-1,098 against 891-1,059 otherwise), and one such run left packing
-    off: its classification pass took 23.3 s against 19.6-20.6 s packed."""
+    """Wall times of each of `works` (name -> callable), timed in turn round by round (COMPUTE_REPEATS rounds or as
+    many as MEASURE_MIN_SECONDS takes, after one untimed run of each), so a stretch of noise on this shared machine
+    slows every kernel alike instead of whichever was being timed, and the median outlasts a short burst. Timed
+    one after another, the packed kernel read 906 GFLOP/s against the plain one's 989 in 2 of 12 fresh processes
+    (1,026-1,098 against 891-1,059 otherwise), and one such run left packing off: its classification pass took
+    23.3 s against 19.6-20.6 s packed."""
     for work in works.values():
         work()
         wait()
     seconds: dict = {name: [] for name in works}
-    for _ in range(COMPUTE_REPEATS):
+    began = time.perf_counter()
+    rounds = 0
+    while rounds < COMPUTE_REPEATS or (time.perf_counter() - began < MEASURE_MIN_SECONDS
+                                       and rounds < MEASURE_MAX_ROUNDS):
+        rounds += 1
         for name, work in works.items():
             start = time.perf_counter()
             work()
@@ -123,6 +133,14 @@ def compute_rate(dtype: str, device: str = "cpu") -> float:
     """The cached compute rate for dtype on device, measured now if there is none."""
     entry = _compute_entry(dtype, device)
     return entry["flops_per_s"] if entry else measure_compute_rate(dtype, device)
+
+
+def dispute_compute_rate(dtype: str, device: str, evidence: dict) -> bool:
+    """A run's prefill passes disagreed with the cached compute rate (`evidence`: what it observed): the next plan
+    measures the rate again (measure.cache.dispute). False where no cached rate was left to dispute."""
+    import torch
+
+    return dispute("compute", compute_key(dtype, device, torch.get_num_threads()), evidence)
 
 
 def linear_kernel(dtype: str, device: str = "cpu") -> str:

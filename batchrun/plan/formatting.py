@@ -121,7 +121,7 @@ def _candidate_table(report: Mapping) -> str:
                      f"{format_duration(report['io_seconds_per_pass'])}, compute "
                      f"{format_duration(report['compute_seconds_per_pass'])})"),
         *([("pass bound", _pass_bound(report))] if report.get("pass_bound_seconds") else []),
-        ("ETA", f"{format_duration(report['eta_seconds'])}; first answer after "
+        ("ETA", f"{format_duration(report['eta_seconds'])}{_start(report)}; first answer after "
                 f"{format_duration(report['first_answer_seconds'])}; "
                 f"{_per_hour(report['answers_per_hour'])} answers/hour"),
         ("disk", f"needs {format_bytes(report['disk_needed_bytes'])}; "
@@ -130,6 +130,14 @@ def _candidate_table(report: Mapping) -> str:
     width = max(len(label) for label, _ in lines)
     text = [f"{label:<{width}}  {value}" for label, value in lines]
     return "\n".join(text + _listed("blockers", report["blockers"]) + _listed("caveats", report["caveats"]))
+
+
+def _start(report: Mapping) -> str:
+    """What of the ETA `submit` spends before its first pass (job.prepare.with_start_seconds), where it is counted."""
+    start = report.get("start_seconds")
+    if not start or report.get("eta_seconds") is None:
+        return ""
+    return f" from submit ({format_duration(start)} of it to start: importing the runtime, reading and encoding the spec)"
 
 
 def _state_disk_free() -> str:
@@ -151,7 +159,7 @@ def _pass_bound(report: Mapping) -> str:
     extra_passes = report["passes"] - report["unbounded_passes"]
     if extra_passes <= 0:
         return bound + "; no pass cut"
-    total = (report.get("eta_seconds") or 0) - (report.get("load_seconds") or 0)
+    total = (report.get("eta_seconds") or 0) - (report.get("load_seconds") or 0) - (report.get("start_seconds") or 0)
     cost, unbounded = report["bound_cost_seconds"], total - report["bound_cost_seconds"]
     what = ("each extra pass reads every layer again" if report["mode"] == "streamed"
             else "the weights stay in memory: only each pass's fixed costs")

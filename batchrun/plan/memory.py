@@ -80,7 +80,7 @@ def activation_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, de
 
 def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
                 batch: Sequence[int], micro_sequences: int | None = None,
-                prefilling: Sequence[int] | None = None) -> int:
+                prefilling: Sequence[int] | None = None, *, interleaved: bool = True) -> int:
     """KV cache at the batch's longest sequence (none for choice rows) and kept log-probabilities (every call's stay
     until the pass ends), for every sequence; activations at its longest prefill for every sequence, or with
     micro-batches for one micro-batch and held hidden states for the others; and the prefill's suspended forward
@@ -89,7 +89,13 @@ def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: S
 
     A whole batch's prefill cut into several calls (always on a CPU: prefill_calls) holds one call's activations at
     a time: 1,500 choice rows of SmolLM2 resident in 13 calls measured 1.97 GB peak RSS where counting every
-    sequence's activations at once planned 4.97 GB (batch_cut_bytes)."""
+    sequence's activations at once planned 4.97 GB (batch_cut_bytes).
+
+    `interleaved`: the calls take turns at each layer (a streamed model reads each layer once for all of them), so
+    every call but the one computing waits suspended with its hidden states. A resident model runs its calls one
+    after another through the whole stack: a call not yet begun holds only its tokens, one finished only its kept
+    log-probabilities (9,089 choice rows of SmolLM2 in one pass: 9.3 GB planned with held hidden states, where the
+    run measured PEAK_MEASURED)."""
     sequences, longest, prefill, positions = batch_shape(rows, batch)
     holds_cache = any(rows[i].holds_cache for i in batch)
     kv = kv_bytes_for_sequence(sizes, compute_bytes, longest) if holds_cache else 0
@@ -97,23 +103,24 @@ def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: S
     activations = activation_bytes_for_sequence(sizes, compute_bytes, device, prefill, 0)
     prefilled = batch if prefilling is None else prefilling
     cut = prefill_calls(rows, prefilled, micro_sequences, device) if prefilled else ()
-    calls = len(cut) * PREFILL_CALL_BYTES
+    calls = len(cut) * PREFILL_CALL_BYTES if interleaved else 0
     if prefilling is None and len(cut) > 1:
-        return batch_cut_bytes(sizes, compute_bytes, device, (sequences, prefill, logits), kv, cut) + calls
+        return batch_cut_bytes(sizes, compute_bytes, device, (sequences, prefill, logits), kv, cut,
+                               interleaved=interleaved) + calls
     if micro_sequences is None or micro_sequences >= sequences:
         return sequences * (kv + activations + logits) + calls
-    held = prefill * sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
+    held = prefill * sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES if interleaved else 0
     return sequences * (kv + held + logits) + micro_sequences * activations + calls
 
 
 def batch_cut_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, shape: tuple[int, int, int], kv: int,
-                    cut: Sequence[Sequence[int]]) -> int:
+                    cut: Sequence[Sequence[int]], *, interleaved: bool = True) -> int:
     """A batch prefilled in the calls `cut` (each call's prefill lengths), `shape` (sequences, longest prefill, kept
-    log-probability bytes a sequence): the largest call's activations, the other calls' held hidden states, and
-    every sequence's KV cache and kept log-probabilities."""
+    log-probability bytes a sequence): the largest call's activations, the other calls' held hidden states where
+    the calls take turns (`interleaved`, batch_bytes), and every sequence's KV cache and kept log-probabilities."""
     sequences, prefill, logits = shape
     live = max(len(call) * activation_bytes_for_sequence(sizes, compute_bytes, device, max(call), 0) for call in cut)
-    held = prefill * sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
+    held = prefill * sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES if interleaved else 0
     return sequences * (kv + held + logits) + live
 
 
@@ -211,7 +218,12 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     overflowing it. When the job's sequences do not all fit with their activations live at once (padded to the
     longest row), the pass is split into micro-batches: activations are bought for one micro-batch (a share of the
     budget, or what holding a smaller job's every row leaves), KV, held hidden states and kept logits for every
-    sequence of the pass (every call's log-probabilities stay until the pass ends)."""
+    sequence of the pass (every call's log-probabilities stay until the pass ends).
+
+    Batches are sized as if their calls took turns at each layer (held hidden states and suspended calls, as a
+    streamed pass holds them) in either mode: a resident pass then holds less than it was sized for (batch_bytes
+    counts what it holds). Sized without them, a resident job's batch would buy one huge forward call with the
+    memory they free, a trade of memory for speed that has not been measured."""
     longest_prefill = max(row.prefill_length() for row in rows)
     kv_per_token = (kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers
                     if any(row.holds_cache for row in rows) else 0)
@@ -236,9 +248,10 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     micro_per_sequence = longest_prefill * activation_per_token
     micro_sequences = max(int(free_bytes * MICRO_BATCH_MEMORY_SHARE // micro_per_sequence), 1)
     held_per_token = kv_per_token + sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
+    call_bytes = PREFILL_CALL_BYTES
     # Each forward call (micro-batch) is held suspended (PREFILL_CALL_BYTES), shared by its sequences.
     max_sequences = ((free_bytes - micro_sequences * micro_per_sequence)
-                     // (typical_length * held_per_token + per_sequence + PREFILL_CALL_BYTES / micro_sequences))
+                     // (typical_length * held_per_token + per_sequence + call_bytes / micro_sequences))
     if max_sequences > wanted:
         # The job needs fewer sequences than memory holds. Every row is held at the longest row's length, so the
         # token budget packs them all into one batch, and the micro-batch gets what that leaves (at least one
@@ -252,16 +265,16 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
             return max(1, min(int(wanted) - 1, int(room // (longest * activation_per_token))))
 
         micro_sequences = micro_fitting(leftover)
-        micro_sequences = micro_fitting(leftover - _calls_bytes(wanted, micro_sequences))  # room for its calls
+        micro_sequences = micro_fitting(leftover - _calls_bytes(wanted, micro_sequences, call_bytes))  # its calls
     max_sequences = max(int(max_sequences), 1)
     if max_sequences <= micro_sequences:  # micro-batches gain nothing: the whole batch in one forward call
         max_sequences = max(int(min(all_live, wanted)), 1)
         return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
     max_tokens = max(int((free_bytes - micro_sequences * micro_per_sequence - max_sequences * per_sequence
-                          - _calls_bytes(max_sequences, micro_sequences)) // held_per_token), 1)
+                          - _calls_bytes(max_sequences, micro_sequences, call_bytes)) // held_per_token), 1)
     return max_sequences, max_tokens, micro_sequences
 
 
-def _calls_bytes(sequences: int, micro_sequences: int) -> int:
+def _calls_bytes(sequences: int, micro_sequences: int, call_bytes: int) -> int:
     """The suspended forward calls of a pass, one per micro-batch (the plan's peak counts the executor's cut)."""
-    return math.ceil(sequences / micro_sequences) * PREFILL_CALL_BYTES
+    return math.ceil(sequences / micro_sequences) * call_bytes

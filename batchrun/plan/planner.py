@@ -382,7 +382,8 @@ def _peak(job: _Job, fixed: _Fixed, batching: _Batching, schedule: _Schedule) ->
     (3 GB bf16 Llama under a 1.55 GB cap, 32 sequences, 12 new tokens, page cache dropped): median decode pass 2.27 s
     reading one layer ahead, 2.03 s reading two (3 runs each); as planned, 1.98 -> 1.88 s (3 alternating pairs, each
     pair faster reading two), peak RSS 1.05 -> 1.17 GB."""
-    peak_batch_bytes = _largest_batch_bytes(job, batching, schedule, default=fixed.largest_row_bytes)
+    peak_batch_bytes = _largest_batch_bytes(job, batching, schedule, default=fixed.largest_row_bytes,
+                                            interleaved=fixed.mode == "streamed")
     calls = _decode_calls(job, batching)
     request = job.request
     read_ahead = request.prefetch_depth if fixed.mode == "streamed" and request.prefetch else 0
@@ -395,11 +396,15 @@ def _peak(job: _Job, fixed: _Fixed, batching: _Batching, schedule: _Schedule) ->
     return _Peak(peak_batch_bytes, calls, read_ahead, decode_depth, _turn_bytes(job, schedule, calls))
 
 
-def _largest_batch_bytes(job: _Job, batching: _Batching, schedule: _Schedule, default: int) -> int:
-    """The most a choice batch or a pass that admits rows holds (its sequences, the shared prefix once)."""
+def _largest_batch_bytes(job: _Job, batching: _Batching, schedule: _Schedule, default: int,
+                         interleaved: bool) -> int:
+    """The most a choice batch or a pass that admits rows holds (its sequences, the shared prefix once);
+    `interleaved`: its calls take turns at each layer (a streamed model: plan.memory.batch_bytes)."""
     micro, prefix_bytes = batching.micro_sequences, batching.prefix_bytes
-    return max([_batch_peak_bytes(job, b, micro, prefix_bytes) for b in schedule.choice_batches]
-               + [_batch_peak_bytes(job, held, micro, prefix_bytes, shares=bool(schedule.prefix), prefilling=admitted)
+    return max([_batch_peak_bytes(job, b, micro, prefix_bytes, interleaved=interleaved)
+                for b in schedule.choice_batches]
+               + [_batch_peak_bytes(job, held, micro, prefix_bytes, shares=bool(schedule.prefix), prefilling=admitted,
+                                    interleaved=interleaved)
                   for held, admitted in schedule.held_together],
                default=default)
 
@@ -568,15 +573,16 @@ def _choose_mode(policy: str, resident_fits: bool, resident_sum: str, budget: in
 
 
 def _batch_peak_bytes(job: _Job, batch: Sequence[int], micro_sequences: int | None, prefix_bytes: int,
-                      shares: bool | None = None, prefilling: Sequence[int] | None = None) -> int:
+                      shares: bool | None = None, prefilling: Sequence[int] | None = None, *,
+                      interleaved: bool = True) -> int:
     """A batch of several sequences shares the prefix (own tokens + the prefix once); one sequence has it all.
     `shares`: whether these rows share it whatever their number (a refilled pass, score.GreedyPool).
     `prefilling`: the rows whose prompts the pass prefills (plan.memory.batch_bytes)."""
     sizes, compute_bytes, device, rows = job.sizes, job.compute_bytes, job.device, job.rows
     if prefix_bytes and (batch_shape(rows, batch)[0] > 1 if shares is None else shares):
-        return (batch_bytes(sizes, compute_bytes, device, job.own_rows, batch, micro_sequences, prefilling)
-                + prefix_bytes)
-    return batch_bytes(sizes, compute_bytes, device, rows, batch, micro_sequences, prefilling)
+        return (batch_bytes(sizes, compute_bytes, device, job.own_rows, batch, micro_sequences, prefilling,
+                            interleaved=interleaved) + prefix_bytes)
+    return batch_bytes(sizes, compute_bytes, device, rows, batch, micro_sequences, prefilling, interleaved=interleaved)
 
 
 def _padded_tokens(rows: Sequence[RowCost], batch: Sequence[int]) -> int:

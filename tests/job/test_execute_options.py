@@ -176,3 +176,29 @@ def test_a_job_none_of_whose_rows_can_run_is_refused_naming_why(tmp_path, tiny_c
         submit(spec, options=options, output=tmp_path / "o.parquet", db=tmp_path / "j.db")
     assert not (tmp_path / "o.parquet").exists()
     assert "indexing errors" not in capfd.readouterr().err
+
+
+def test_a_run_whose_pass_disagrees_with_the_cached_compute_rate_has_the_rate_measured_again(tmp_path, tiny_checkpoint,
+                                                                                          monkeypatch):
+    """A compute rate cached while the machine was busy prices every later pass too long: the run's resident choice
+    pass, far quicker than planned, marks it disputed, and the next plan measures it again."""
+    import torch
+
+    from batchrun import measure
+    from batchrun.measure import cache
+    from tests.support import choice_spec
+
+    key = cache.compute_key("float32", "cpu", torch.get_num_threads())
+    entry = cache.cached("compute", key)
+    cache.store("compute", key, {**entry, "flops_per_s": entry["flops_per_s"] / 1e5})  # a badly disturbed figure
+    planned = []
+    run_job(choice_spec(tmp_path), tmp_path, tiny_checkpoint("llama"), "slow", streaming="never",
+            on_plan=lambda plan: planned.append(plan.pass_seconds[0]))
+    disputed = cache.load()["compute"][key]["disputed"]
+    assert disputed["planned_seconds"] == pytest.approx(planned[0], rel=1e-3) and planned[0] >= 2.0
+    assert disputed["pass_seconds"] < planned[0] / 1.5
+    remeasured = []
+    monkeypatch.setattr(measure.compute, "measure_compute_rate",
+                        lambda dtype, device: remeasured.append(dtype) or entry["flops_per_s"])
+    run_job(choice_spec(tmp_path), tmp_path, tiny_checkpoint("llama"), "next", streaming="never")
+    assert remeasured  # the next plan measured the rate instead of trusting the disputed one

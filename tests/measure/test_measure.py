@@ -117,6 +117,30 @@ def test_runtime_overhead_is_measured_in_a_subprocess_and_cached(monkeypatch):
     assert cached_measurements()["runtime_overhead"][sys.executable]["bytes"] == measured
     monkeypatch.setattr(overhead.subprocess, "run", lambda *a, **k: pytest.fail("probe ran again"))
     assert measure.runtime_overhead_bytes() == measured
+    assert 0.1 < measure.runtime_import_seconds() < 120  # the same probe timed its imports: torch takes a while
+
+
+def test_a_rate_is_timed_over_enough_rounds_to_outlast_a_burst_of_other_work(monkeypatch):
+    monkeypatch.setattr(compute, "MEASURE_MIN_SECONDS", 0.2)
+    rounds = compute._interleaved_seconds({"work": lambda: compute.time.sleep(0.002)}, lambda: None)["work"]
+    assert len(rounds) > 2 * compute.COMPUTE_REPEATS  # ~100 rounds of 2 ms, not the 9 a quick matmul would give
+    assert sum(rounds) >= 0.19
+
+
+def test_a_disputed_rate_is_measured_again_and_the_new_figure_is_trusted(monkeypatch):
+    import torch
+
+    key = f"cpu:float32:threads={torch.get_num_threads()}"
+    cache.store("compute", key, {"flops_per_s": 1e9, "linear_kernel": "aten", "packs_weights": False})
+    assert measure.compute_rate("float32", "cpu") == 1e9
+    assert measure.dispute_compute_rate("float32", "cpu", {"pass_seconds": 1.0, "planned_seconds": 9.0})
+    entry = cached_measurements()["compute"][key]
+    assert entry["flops_per_s"] == 1e9 and entry["disputed"]["planned_seconds"] == 9.0  # the evidence is kept
+    assert not measure.dispute_compute_rate("float32", "cpu", {})  # already disputed: nothing more to mark
+    monkeypatch.setattr(compute, "measure_compute_rate",
+                        lambda dtype, device: cache.store("compute", key, {"flops_per_s": 5e10}) or 5e10)
+    assert measure.compute_rate("float32", "cpu") == 5e10
+    assert "disputed" not in cached_measurements()["compute"][key]
 
 
 def test_memory_read_rate_is_measured_once_and_then_read_from_the_cache(monkeypatch):
@@ -171,8 +195,9 @@ def test_the_layer_probe_times_on_one_thread_and_gives_the_others_back(monkeypat
 
 def test_a_runtime_overhead_measured_by_an_older_probe_is_measured_again(monkeypatch):
     cache.store("runtime_overhead", sys.executable, {"bytes": 123, "probe": "an older probe"})
-    monkeypatch.setattr(overhead.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": "456789\n"})())
+    monkeypatch.setattr(overhead.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": "456789 3.25\n"})())
     assert measure.runtime_overhead_bytes() == 456789
+    assert measure.runtime_import_seconds() == 3.25
     assert cached_measurements()["runtime_overhead"][sys.executable]["bytes"] == 456789
 
 
@@ -236,7 +261,7 @@ def test_a_bandwidth_measured_on_another_mount_or_machine_is_not_used(tmp_path):
 
 
 def test_the_runtime_overhead_is_measured_again_when_a_native_cache_setting_changes(monkeypatch):
-    answers = iter(["456789\n", "567890\n"])
+    answers = iter(["456789 3.0\n", "567890 3.0\n"])
     monkeypatch.setattr(overhead.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": next(answers)})())
     assert measure.runtime_overhead_bytes() == 456789
     assert measure.runtime_overhead_bytes() == 456789  # cached

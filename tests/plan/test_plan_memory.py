@@ -258,3 +258,32 @@ def test_a_turn_is_sized_by_the_largest_forward_call_not_the_whole_batch():
     assert candidate.turn_bytes < batch_bytes(GEMMA_1B, 4, "cpu", rows, range(32), micro_sequences=None)
     fixed = candidate.weights_bytes + candidate.runtime_overhead_bytes
     assert fixed + candidate.turn_bytes <= candidate.peak_memory_bytes
+
+
+def test_a_resident_pass_runs_its_calls_one_after_another_so_none_waits_holding_hidden_states():
+    """A streamed pass's calls take turns at each layer, so every call but the one computing waits with its hidden
+    states; a resident model runs each call through the whole stack before the next begins. 3,000 choice rows of
+    SmolLM2's shapes, cut into calls by length: resident, a pass holds every row's kept log-probabilities and the
+    largest call's activations, nothing more."""
+    smollm2 = sizes_from_config({"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+                                 "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30,
+                                 "vocab_size": 49152, "max_position_embeddings": 8192, "tie_word_embeddings": True},
+                                "F32")
+    rows = [RowCost(40 + i % 60, 0, (1, 1)) for i in range(3000)]
+    batch = range(len(rows))
+    streamed = batch_bytes(smollm2, 4, "cpu", rows, batch)
+    resident = batch_bytes(smollm2, 4, "cpu", rows, batch, interleaved=False)
+    kept = len(rows) * 2 * smollm2.vocab_size * plan_memory.LOGIT_BYTES
+    calls = plan_memory.prefill_calls(rows, batch, None, "cpu")
+    largest_call = max(len(call) * activation_bytes_for_sequence(smollm2, 4, "cpu", max(call), 0) for call in calls)
+    assert len(calls) > 1 and resident == kept + largest_call
+    longest_prefill = plan_memory.batch_shape(rows, batch)[2]
+    held = len(rows) * longest_prefill * smollm2.hidden_size * 4 * plan_memory.HELD_HIDDEN_COPIES
+    assert streamed == resident + held + len(calls) * PREFILL_CALL_BYTES
+    candidates = {mode: plan(smollm2, rows, streaming=mode, compute_dtype="float32", memory_budget_bytes=64 * GiB)
+                  for mode in ("never", "always")}
+    assert [sorted(b) for b in candidates["never"].batches] == [list(batch)]  # one batch either way
+    assert candidates["never"].batches == candidates["always"].batches
+    resident_batch = candidates["never"].peak_memory_bytes - candidates["never"].weights_bytes
+    streamed_batch = candidates["always"].peak_memory_bytes - candidates["always"].weights_bytes
+    assert resident_batch < streamed_batch - held // 2
