@@ -164,6 +164,16 @@ class _BusyDuring:
         self.cores = (busy - self._start[0]) / max(total - self._start[1], 1) * (os.cpu_count() or 1)
 
 
+def _earlier_parts(parts: set[str]) -> dict:
+    """The saved results of the parts this run leaves out (each with the time it was measured), kept beside it."""
+    saved = harness.RESULTS_DIR / f"{harness.result_stem('overnight')}.json"
+    if not saved.exists():
+        return {}
+    earlier = json.loads(saved.read_text())
+    kept = {key: earlier[key] for key in ("eta", "first_pass") if key in earlier and key.replace("_", "-") not in parts}
+    return {**kept, "earlier_parts_measured_at": earlier.get("measured_at")} if kept else {}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="first-pass,eta", help="first-pass and/or eta, comma-separated")
@@ -189,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "longest_planned_pass_s": "longest planned (s)", "first_pass_s": "first pass (s)",
                                  "planned_peak_bytes": "planned peak", "measured_peak_bytes": "measured peak",
                                  "peak_error": "error"})
-    print(f"saved {harness.save_results('overnight', results)}")
+    print(f"saved {harness.save_results('overnight', {**_earlier_parts(parts), **results})}")
     return 0
 
 

@@ -127,6 +127,18 @@ def peak_resident_bytes() -> int | None:
         return None
 
 
+def anonymous_resident_bytes() -> int | None:
+    """This process's resident anonymous memory (RssAnon: its heap and the like, not the files it maps), None where
+    the system does not say. What it holds of a memory cgroup's working set for certain: mapped files are page
+    cache, which the cgroup may count as reclaimable."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            line = next(line for line in status if line.startswith("RssAnon:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 def resident_bytes() -> int | None:
     """This process's resident memory now (Linux /proc), None where the system does not say."""
     try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from batchrun.host import resident_bytes
+
 
 @dataclass(frozen=True)
 class ModelKey:
@@ -29,19 +31,22 @@ class KeptModels:
         self._key: ModelKey | None = None
         self._model = None
         self.opened = 0  # models this process has opened through it
+        self.held_bytes = 0  # what opening the kept model added to this process's resident memory
 
     def open(self, key: ModelKey, opener: Callable[[], object]) -> tuple[object, bool]:
         """(the model for `key`, whether it was already open)."""
         if self._model is not None and key == self._key:
             return self._model, True
         self.close()
+        before = resident_bytes() or 0
         self._model, self._key = opener(), key
+        self.held_bytes = max((resident_bytes() or 0) - before, 0)
         self.opened += 1
         return self._model, False
 
     def close(self) -> None:
         if self._model is not None:
-            model, self._model, self._key = self._model, None, None
+            model, self._model, self._key, self.held_bytes = self._model, None, None, 0
             model.close()
 
 
@@ -59,3 +64,9 @@ def keep_models_open() -> KeptModels:
 def kept_models() -> KeptModels | None:
     """The process's kept models, None where runs close their model (every process but a Ray worker)."""
     return _kept
+
+
+def kept_model_bytes() -> int:
+    """Resident memory the kept model holds: the next plan counts it among its weights, so the memory available
+    now (which leaves it out) gets it back, or a kept resident model would make the next shard plan streamed."""
+    return _kept.held_bytes if _kept is not None else 0

@@ -14,8 +14,10 @@ from typing import Sequence
 from batchrun import measure
 from batchrun.checkpoint import (DEFAULT_REGISTRY_MODEL, CheckpointError, CheckpointSizes, checkpoint_sizes,
                                  default_model, load_config, load_tokenizer, registry_label, resolve_checkpoint)
-from batchrun.host import auto_compute_dtype, available_memory_bytes, cpu_auto_reason, disk_free_bytes, resident_bytes
+from batchrun.host import (anonymous_resident_bytes, auto_compute_dtype, available_memory_bytes, cpu_auto_reason,
+                           disk_free_bytes, resident_bytes)
 from batchrun.job.identity import fingerprint, model_digest, model_identity_parts, one_row_per_key, row_keys
+from batchrun.job.models import kept_model_bytes
 from batchrun.job.options import JobOptions
 from batchrun.plan import (Bandwidth, Candidate, PlanRequest, Rates, RowCost, make_plan, parse_streaming,
                            shared_prefix_tokens, windows_allow_sharing)
@@ -161,7 +163,8 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
     common = 0 if windows_allow else shared_prefix_tokens(prompts, own_tokens=kept_positions(rows),
                                                           shortest_sequence=shortest)
     compute_dtype = compute_dtype_for(options, device, sizes.storage_dtype)
-    budget = int(options.memory_gb * 1e9) if options.memory_gb else available_memory_bytes(device)
+    rates = machine_rates(prepared, options, compute_dtype, device, costs)
+    budget = memory_budget(options, device, rates.runtime_overhead_bytes)
     request = PlanRequest(model=prepared.name, device=device, compute_dtype=compute_dtype,
                           memory_budget_bytes=budget, streaming=parse_streaming(options.streaming),
                           prefetch=options.prefetch, prefetch_depth=options.prefetch_depth,
@@ -171,8 +174,7 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
     # A decode step against the shared prefix reads it in place (prefix_attention); one without, where sdpa groups
     # a one-token query on the key heads.
     in_place = prepared.attends_through_sdpa and (shared > 0 or prepared.sdpa_groups_decode_queries)
-    plan = make_plan(sizes, costs, request, machine_rates(prepared, options, compute_dtype, device, costs),
-                     shared_prefix_tokens=shared, decode_in_place=in_place)
+    plan = make_plan(sizes, costs, request, rates, shared_prefix_tokens=shared, decode_in_place=in_place)
     caveats = plan.caveats + _glued_choices_caveat(prepared.tokenizer, rows, options.raw) + one_choice_caveat(rows)
     if common:
         window = min([window for window in sizes.sliding_windows if window] + [sizes.unplaced_window or math.inf])
@@ -183,6 +185,22 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
               if device.split(":")[0] == "cpu" and options.dtype in (None, "auto") else None)
     return replace(plan, linear_kernel=measure.linear_kernel(compute_dtype, device), caveats=caveats,
                    compute_dtype_reason=reason)
+
+
+def memory_budget(options: JobOptions, device: str, runtime_bytes: int) -> int:
+    """--memory as given; else the memory a run may use, counted once. On the host what is available (MemAvailable,
+    or the cgroup's limit less its usage) already leaves out what this process holds, while the plan counts the
+    runtime (`runtime_bytes`: imports, tokenizer) on its own: so what this process holds is given back, up to what
+    the plan counts for it (its anonymous memory: the files it maps are page cache, which a cgroup's headroom may
+    already count as free). Counted twice, a 1200 MB cgroup left an 824 MiB budget, of which 515 MiB went to the
+    runtime again. What the process holds beyond that (the encoded rows of a large spec) stays taken. A model a
+    Ray worker keeps open from its last shard (job.models) is given back too: the plan counts its weights."""
+    if options.memory_gb:
+        return int(options.memory_gb * 1e9)
+    available = available_memory_bytes(device)
+    if device.split(":")[0] in ("cuda", "mps"):  # the device's own memory: this process's imports are not on it
+        return available
+    return available + min(anonymous_resident_bytes() or 0, runtime_bytes + kept_model_bytes())
 
 
 def machine_rates(prepared: PreparedModel, options: JobOptions, compute_dtype: str, device: str,

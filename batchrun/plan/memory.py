@@ -60,20 +60,22 @@ def attention_scratch_bytes(device: str, compute_bytes: int, shared: int) -> int
     return ATTENTION_CHUNK_BYTES if shared and compute_bytes == 2 and device.split(":")[0] == "cpu" else 0
 
 
-def linear_activation_bytes_per_token(sizes: CheckpointSizes, compute_bytes: int, device: str = "cuda") -> int:
-    """Live activations of one token in the layer computing, plus what the host allocator keeps of earlier layers'."""
+def linear_activation_bytes_per_token(sizes: CheckpointSizes, compute_bytes: int, device: str = "cuda",
+                                      retained: bool = True) -> int:
+    """Live activations of one token in the layer computing, plus what the host allocator keeps of earlier layers'
+    (`retained`: where calls take turns; a resident call is not, batch_bytes)."""
     hidden_states = sizes.hidden_size * compute_bytes * HIDDEN_STATE_COPIES
     mlp_intermediate = sizes.intermediate_size * compute_bytes * MLP_INTERMEDIATE_COPIES
-    return round((hidden_states + mlp_intermediate) * heap_factor(device))
+    return round((hidden_states + mlp_intermediate) * (heap_factor(device) if retained else 1))
 
 
 def activation_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, device: str,
-                                  prefill_tokens: int, logit_positions: int) -> int:
-    per_token = prefill_tokens * linear_activation_bytes_per_token(sizes, compute_bytes, device)
+                                  prefill_tokens: int, logit_positions: int, retained: bool = True) -> int:
+    per_token = prefill_tokens * linear_activation_bytes_per_token(sizes, compute_bytes, device, retained)
     attention_scores = 0
     if scores_materialised(device):  # one layer's scores at a time
         attention_scores = round(sizes.num_attention_heads * prefill_tokens * prefill_tokens
-                                 * ATTENTION_SCORE_BYTES * heap_factor(device))
+                                 * ATTENTION_SCORE_BYTES * (heap_factor(device) if retained else 1))
     logits = logit_positions * sizes.vocab_size * LOGIT_BYTES  # only the positions the executor keeps
     return per_token + attention_scores + logits
 
@@ -94,13 +96,16 @@ def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: S
     `interleaved`: the calls take turns at each layer (a streamed model reads each layer once for all of them), so
     every call but the one computing waits suspended with its hidden states. A resident model runs its calls one
     after another through the whole stack: a call not yet begun holds only its tokens, one finished only its kept
-    log-probabilities (9,089 choice rows of SmolLM2 in one pass: 9.3 GB planned with held hidden states, where the
-    run measured PEAK_MEASURED)."""
+    log-probabilities (9,089 choice rows of SmolLM2 in one resident pass, calls of 1,316: 9.3 GB planned with held
+    hidden states, 7.3 GB without, 5.84-6.25 GB peak RSS measured). Nor does a resident call's heap keep what its
+    earlier layers freed (each layer's hook returns it, host.heap): the copies counted are its whole live set
+    (SmolLM2, one call of 1,317 x 45 tokens in plain transformers, no trim: 19.3 KB a token beyond its kept
+    log-probabilities, against the 27.6 KB counted)."""
     sequences, longest, prefill, positions = batch_shape(rows, batch)
     holds_cache = any(rows[i].holds_cache for i in batch)
     kv = kv_bytes_for_sequence(sizes, compute_bytes, longest) if holds_cache else 0
     logits = positions * sizes.vocab_size * LOGIT_BYTES
-    activations = activation_bytes_for_sequence(sizes, compute_bytes, device, prefill, 0)
+    activations = activation_bytes_for_sequence(sizes, compute_bytes, device, prefill, 0, retained=interleaved)
     prefilled = batch if prefilling is None else prefilling
     cut = prefill_calls(rows, prefilled, micro_sequences, device) if prefilled else ()
     calls = len(cut) * PREFILL_CALL_BYTES if interleaved else 0
@@ -119,14 +124,15 @@ def batch_cut_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, sha
     log-probability bytes a sequence): the largest call's activations, the other calls' held hidden states where
     the calls take turns (`interleaved`, batch_bytes), and every sequence's KV cache and kept log-probabilities."""
     sequences, prefill, logits = shape
-    live = max(len(call) * activation_bytes_for_sequence(sizes, compute_bytes, device, max(call), 0) for call in cut)
+    live = max(len(call) * activation_bytes_for_sequence(sizes, compute_bytes, device, max(call), 0,
+                                                         retained=interleaved) for call in cut)
     held = prefill * sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES if interleaved else 0
     return sequences * (kv + held + logits) + live
 
 
 def largest_turn_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
                        own_rows: Sequence[RowCost], batch: Sequence[int], calls: Calls,
-                       prefilling: Sequence[int] | None = None) -> int:
+                       prefilling: Sequence[int] | None = None, *, interleaved: bool = True) -> int:
     """The most activation memory one forward call's turn at a layer takes in a batch's passes: its largest prefill
     call (cut as the executor cuts them), the shared prefix's call, or a decode call. A turn that finds no freed
     pages to reuse takes this much more memory (host.heap.keep_freed_pages_below). `prefilling`: as batch_bytes."""
@@ -136,10 +142,11 @@ def largest_turn_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, 
     costs = own_rows if sharing else rows
     positions = batch_shape(costs, batch)[3]
     prefilled = batch if prefilling is None else prefilling
-    turns = [len(call) * activation_bytes_for_sequence(sizes, compute_bytes, device, max(call), positions)
+    turns = [len(call) * activation_bytes_for_sequence(sizes, compute_bytes, device, max(call), positions,
+                                                       retained=interleaved)
              for call in (prefill_calls(costs, prefilled, calls.micro_sequences, device) if prefilled else ())]
     if sharing:
-        turns.append(activation_bytes_for_sequence(sizes, compute_bytes, device, shared, 0))
+        turns.append(activation_bytes_for_sequence(sizes, compute_bytes, device, shared, 0, retained=interleaved))
     if any(rows[i].passes() > 1 for i in batch):
         context = (shared if sharing else 0) + max(costs[i].sequence_length() for i in batch)
         turns.append(min(calls.decode_group or sequences, sequences)
@@ -218,12 +225,8 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     overflowing it. When the job's sequences do not all fit with their activations live at once (padded to the
     longest row), the pass is split into micro-batches: activations are bought for one micro-batch (a share of the
     budget, or what holding a smaller job's every row leaves), KV, held hidden states and kept logits for every
-    sequence of the pass (every call's log-probabilities stay until the pass ends).
-
-    Batches are sized as if their calls took turns at each layer (held hidden states and suspended calls, as a
-    streamed pass holds them) in either mode: a resident pass then holds less than it was sized for (batch_bytes
-    counts what it holds). Sized without them, a resident job's batch would buy one huge forward call with the
-    memory they free, a trade of memory for speed that has not been measured."""
+    sequence of the pass (every call's log-probabilities stay until the pass ends). Sized so in either mode: a
+    resident pass holds no held states (batch_bytes), and buying a larger call with that memory is unmeasured."""
     longest_prefill = max(row.prefill_length() for row in rows)
     kv_per_token = (kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers
                     if any(row.holds_cache for row in rows) else 0)
@@ -248,10 +251,9 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     micro_per_sequence = longest_prefill * activation_per_token
     micro_sequences = max(int(free_bytes * MICRO_BATCH_MEMORY_SHARE // micro_per_sequence), 1)
     held_per_token = kv_per_token + sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
-    call_bytes = PREFILL_CALL_BYTES
     # Each forward call (micro-batch) is held suspended (PREFILL_CALL_BYTES), shared by its sequences.
     max_sequences = ((free_bytes - micro_sequences * micro_per_sequence)
-                     // (typical_length * held_per_token + per_sequence + call_bytes / micro_sequences))
+                     // (typical_length * held_per_token + per_sequence + PREFILL_CALL_BYTES / micro_sequences))
     if max_sequences > wanted:
         # The job needs fewer sequences than memory holds. Every row is held at the longest row's length, so the
         # token budget packs them all into one batch, and the micro-batch gets what that leaves (at least one
@@ -265,16 +267,16 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
             return max(1, min(int(wanted) - 1, int(room // (longest * activation_per_token))))
 
         micro_sequences = micro_fitting(leftover)
-        micro_sequences = micro_fitting(leftover - _calls_bytes(wanted, micro_sequences, call_bytes))  # its calls
+        micro_sequences = micro_fitting(leftover - _calls_bytes(wanted, micro_sequences))  # room for its calls
     max_sequences = max(int(max_sequences), 1)
     if max_sequences <= micro_sequences:  # micro-batches gain nothing: the whole batch in one forward call
         max_sequences = max(int(min(all_live, wanted)), 1)
         return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
     max_tokens = max(int((free_bytes - micro_sequences * micro_per_sequence - max_sequences * per_sequence
-                          - _calls_bytes(max_sequences, micro_sequences, call_bytes)) // held_per_token), 1)
+                          - _calls_bytes(max_sequences, micro_sequences)) // held_per_token), 1)
     return max_sequences, max_tokens, micro_sequences
 
 
-def _calls_bytes(sequences: int, micro_sequences: int, call_bytes: int) -> int:
+def _calls_bytes(sequences: int, micro_sequences: int) -> int:
     """The suspended forward calls of a pass, one per micro-batch (the plan's peak counts the executor's cut)."""
-    return math.ceil(sequences / micro_sequences) * call_bytes
+    return math.ceil(sequences / micro_sequences) * PREFILL_CALL_BYTES

@@ -253,7 +253,8 @@ def test_a_turn_is_sized_by_the_largest_forward_call_not_the_whole_batch():
     rows = [RowCost(40, 0, (1, 1))] * 16 + [RowCost(900, 0, (1, 1))] * 16
     candidate = plan(GEMMA_1B, rows, compute_dtype="float32", memory_budget_bytes=64 * GiB)
     assert candidate.micro_batch_size is None and candidate.batches == [list(range(32))]
-    long_call = 16 * activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 901, 2)
+    assert candidate.mode == "resident"  # a call runs through every layer in turn: no heap share of earlier layers
+    long_call = 16 * activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 901, 2, retained=False)
     assert candidate.turn_bytes == long_call
     assert candidate.turn_bytes < batch_bytes(GEMMA_1B, 4, "cpu", rows, range(32), micro_sequences=None)
     fixed = candidate.weights_bytes + candidate.runtime_overhead_bytes
@@ -275,11 +276,14 @@ def test_a_resident_pass_runs_its_calls_one_after_another_so_none_waits_holding_
     resident = batch_bytes(smollm2, 4, "cpu", rows, batch, interleaved=False)
     kept = len(rows) * 2 * smollm2.vocab_size * plan_memory.LOGIT_BYTES
     calls = plan_memory.prefill_calls(rows, batch, None, "cpu")
-    largest_call = max(len(call) * activation_bytes_for_sequence(smollm2, 4, "cpu", max(call), 0) for call in calls)
+    largest_call = max(len(call) * activation_bytes_for_sequence(smollm2, 4, "cpu", max(call), 0, retained=False)
+                       for call in calls)  # each layer hands back what it freed: no heap share of earlier layers
     assert len(calls) > 1 and resident == kept + largest_call
     longest_prefill = plan_memory.batch_shape(rows, batch)[2]
     held = len(rows) * longest_prefill * smollm2.hidden_size * 4 * plan_memory.HELD_HIDDEN_COPIES
-    assert streamed == resident + held + len(calls) * PREFILL_CALL_BYTES
+    streamed_call = max(len(call) * activation_bytes_for_sequence(smollm2, 4, "cpu", max(call), 0) for call in calls)
+    assert streamed == kept + streamed_call + held + len(calls) * PREFILL_CALL_BYTES
+    assert streamed_call == pytest.approx(largest_call * (1 + HEAP_RETAINED_ACTIVATION_COPIES), rel=1e-3)
     candidates = {mode: plan(smollm2, rows, streaming=mode, compute_dtype="float32", memory_budget_bytes=64 * GiB)
                   for mode in ("never", "always")}
     assert [sorted(b) for b in candidates["never"].batches] == [list(batch)]  # one batch either way
