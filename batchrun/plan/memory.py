@@ -53,6 +53,7 @@ class Calls:
     decode_group: int | None = None  # sequences per decode call; None: the whole batch in one
     shared: int = 0  # prompt tokens every row starts with, held once (a batch of one holds them as its own)
     in_place: bool = False  # decode steps read keys and values where they lie (decode_call_bytes_per_sequence)
+    interleaved: bool = True  # the calls take turns at each layer (streamed), not one after another (batch_bytes)
 
 
 def attention_scratch_bytes(device: str, compute_bytes: int, shared: int) -> int:
@@ -132,7 +133,7 @@ def batch_cut_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, sha
 
 def largest_turn_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
                        own_rows: Sequence[RowCost], batch: Sequence[int], calls: Calls,
-                       prefilling: Sequence[int] | None = None, *, interleaved: bool = True) -> int:
+                       prefilling: Sequence[int] | None = None) -> int:
     """The most activation memory one forward call's turn at a layer takes in a batch's passes: its largest prefill
     call (cut as the executor cuts them), the shared prefix's call, or a decode call. A turn that finds no freed
     pages to reuse takes this much more memory (host.heap.keep_freed_pages_below). `prefilling`: as batch_bytes."""
@@ -143,10 +144,11 @@ def largest_turn_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, 
     positions = batch_shape(costs, batch)[3]
     prefilled = batch if prefilling is None else prefilling
     turns = [len(call) * activation_bytes_for_sequence(sizes, compute_bytes, device, max(call), positions,
-                                                       retained=interleaved)
+                                                       retained=calls.interleaved)
              for call in (prefill_calls(costs, prefilled, calls.micro_sequences, device) if prefilled else ())]
     if sharing:
-        turns.append(activation_bytes_for_sequence(sizes, compute_bytes, device, shared, 0, retained=interleaved))
+        turns.append(activation_bytes_for_sequence(sizes, compute_bytes, device, shared, 0,
+                                                   retained=calls.interleaved))
     if any(rows[i].passes() > 1 for i in batch):
         context = (shared if sharing else 0) + max(costs[i].sequence_length() for i in batch)
         turns.append(min(calls.decode_group or sequences, sequences)
@@ -217,16 +219,14 @@ MICRO_BATCH_MEMORY_SHARE = 0.25  # of the free memory given to one micro-batch's
 def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
                  free_bytes: int, batch_size: int | None) -> tuple[int, int, int | None]:
     """(max sequences, max padded tokens, sequences per micro-batch or None) such that any batch packed under them
-    fits in free_bytes.
-
-    Bound: every token costs at most its KV (no window cap; none in a job of choice rows only), its linear
+    fits in free_bytes. Bound: every token costs at most its KV (no window cap; none in a job of choice rows only), its linear
     activations and one row of attention scores at the longest prefill; every sequence adds its kept logits.
     Sequences are sized so typical (median-length) rows fill the budget; the token budget then keeps longer rows from
     overflowing it. When the job's sequences do not all fit with their activations live at once (padded to the
     longest row), the pass is split into micro-batches: activations are bought for one micro-batch (a share of the
     budget, or what holding a smaller job's every row leaves), KV, held hidden states and kept logits for every
-    sequence of the pass (every call's log-probabilities stay until the pass ends). Sized so in either mode: a
-    resident pass holds no held states (batch_bytes), and buying a larger call with that memory is unmeasured."""
+    sequence of the pass (every call's log-probabilities stay until the pass ends), in either mode (a resident pass
+    holds no held states, batch_bytes: buying a larger call with that memory is unmeasured)."""
     longest_prefill = max(row.prefill_length() for row in rows)
     kv_per_token = (kv_bytes_per_token_per_layer(sizes, compute_bytes) * sizes.num_layers
                     if any(row.holds_cache for row in rows) else 0)

@@ -394,7 +394,7 @@ def _peak(job: _Job, fixed: _Fixed, batching: _Batching, schedule: _Schedule) ->
         decode_depth += 1
         peak_batch_bytes = max(peak_batch_bytes, batching.prefix_bytes + decode_bytes + slot_bytes)
     return _Peak(peak_batch_bytes, calls, read_ahead, decode_depth,
-                 _turn_bytes(job, schedule, calls, interleaved=fixed.mode == "streamed"))
+                 _turn_bytes(job, schedule, replace(calls, interleaved=fixed.mode == "streamed")))
 
 
 def _largest_batch_bytes(job: _Job, batching: _Batching, schedule: _Schedule, default: int,
@@ -418,11 +418,11 @@ def _decode_calls(job: _Job, batching: _Batching) -> Calls:
     return replace(calls, decode_group=decode_group)
 
 
-def _turn_bytes(job: _Job, schedule: _Schedule, calls: Calls, interleaved: bool) -> int:
+def _turn_bytes(job: _Job, schedule: _Schedule, calls: Calls) -> int:
     """The most one forward call's turn at a layer takes in any pass (plan.memory.largest_turn_bytes)."""
     def turn(batch: Sequence[int], prefilling: Sequence[int] | None = None) -> int:
         return largest_turn_bytes(job.sizes, job.compute_bytes, job.device, job.rows, job.own_rows, batch, calls,
-                                  prefilling=prefilling, interleaved=interleaved)
+                                  prefilling=prefilling)
 
     return max([turn(b) for b in schedule.choice_batches]
                + [turn(held, admitted) for held, admitted in schedule.held_together], default=0)
