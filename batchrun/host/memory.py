@@ -119,21 +119,21 @@ def disk_free_bytes(path: Path) -> int:
 def peak_resident_bytes() -> int | None:
     """This process's peak resident memory (VmHWM: its own, not a parent's carried across exec as ru_maxrss is);
     None where the system does not say."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            hwm = next(line for line in status if line.startswith("VmHWM:"))
-        return int(hwm.split()[1]) * 1024
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
+    return _own_status_bytes("VmHWM:")
 
 
 def anonymous_resident_bytes() -> int | None:
     """This process's resident anonymous memory (RssAnon: its heap and the like, not the files it maps), None where
     the system does not say. What it holds of a memory cgroup's working set for certain: mapped files are page
     cache, which the cgroup may count as reclaimable."""
+    return _own_status_bytes("RssAnon:")
+
+
+def _own_status_bytes(field: str) -> int | None:
+    """A figure of /proc/self/status given in kB, in bytes; None where the system does not say."""
     try:
         with open("/proc/self/status", encoding="ascii") as status:
-            line = next(line for line in status if line.startswith("RssAnon:"))
+            line = next(line for line in status if line.startswith(field))
         return int(line.split()[1]) * 1024
     except (OSError, StopIteration, ValueError, IndexError):
         return None
