@@ -331,7 +331,7 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
 def with_start_seconds(candidate: dict, spec_seconds: float) -> dict:
     """`candidate` with what `submit` spends before its first pass counted in its ETA and first answer: importing
     the runtime (measure.runtime_import_seconds) and reading and encoding the spec (`spec_seconds`, as this process
-    just did). On 2 cores that start is ~5 s, more than the passes of a small job."""
+    just did). On 2 cores the imports alone take ~3 s, as long as the passes of a small job."""
     start = (measure.runtime_import_seconds() or 0.0) + spec_seconds
     candidate["start_seconds"] = start
     for key in ("eta_seconds", "first_answer_seconds"):
