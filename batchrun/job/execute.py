@@ -23,7 +23,7 @@ from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_cho
                                   prepare_job, row_costs)
 from batchrun.job.models import ModelKey, kept_models
 from batchrun.job.progress import BAR_FORMAT, RunProgress
-from batchrun.measure import dispute_compute_rate
+from batchrun.measure import judge_compute_rate
 from batchrun.output import (JobAnswers, OutputError, OutputExists, check_output_writable, default_output_path,
                              describe_calibration, job_answers, job_provenance, output_format, quality,
                              write_results)
@@ -35,12 +35,6 @@ from batchrun.spec import EncodedRow, uses_chat_template
 from batchrun.store import JobRow, RowResult, Store, StoreError
 
 log = logging.getLogger("batchrun")
-
-# A resident choice pass is all prefill compute, priced at the cached compute rate: one at least this long (timed
-# well past the machine's noise) taking under 1/RATE_DISPUTED_BEYOND or over RATE_DISPUTED_BEYOND times its planned
-# seconds says the rate was measured under other conditions (a busy moment), so the next plan measures it again.
-JUDGED_PASS_MIN_SECONDS = 2.0
-RATE_DISPUTED_BEYOND = 1.5
 
 
 @dataclass
@@ -372,18 +366,12 @@ class _Commits:
         self._judge_compute_rate(seconds, planned_seconds)
 
     def _judge_compute_rate(self, seconds: float, planned: float | None) -> None:
-        """The run's first long resident choice pass against the compute rate its plan was priced at
-        (JUDGED_PASS_MIN_SECONDS, RATE_DISPUTED_BEYOND)."""
-        if (self._rate_judged or not self._choice_pass or self.plan.mode != "resident" or not planned
-                or planned < JUDGED_PASS_MIN_SECONDS):
+        """A resident choice pass is all prefill compute, priced at the cached compute rate: the run's first long one
+        tells the rate whether it holds (measure.judge_compute_rate)."""
+        if self._rate_judged or not self._choice_pass or self.plan.mode != "resident" or not planned:
             return
-        self._rate_judged = True
-        if 1 / RATE_DISPUTED_BEYOND <= seconds / planned <= RATE_DISPUTED_BEYOND:
-            return
-        evidence = {"job": self.job_id, "pass_seconds": round(seconds, 3), "planned_seconds": round(planned, 3)}
-        if dispute_compute_rate(self.plan.compute_dtype, self.plan.device, evidence):
-            log.info("a pass took %.1f s where the plan priced it at %.1f s: this machine's compute rate is measured "
-                     "again at the next plan", seconds, planned)
+        self._rate_judged = judge_compute_rate(self.plan.compute_dtype, self.plan.device, seconds, planned,
+                                               job=self.job_id)
 
     def _peak_memory_bytes(self) -> int | None:
         """What the plan's peak memory is measured against: the device's peak reserved memory on CUDA, else this

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import statistics
 import time
 from typing import Sequence
@@ -29,6 +30,12 @@ DECODE_SHAPE = (8, 2048, 8192)
 DECODE_MATRICES = 4
 # Row counts at which a checkpoint's own layer matrices are timed (decode_rates); a pass's rows interpolate.
 DECODE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+# A run's prefill pass judges the cached compute rate (judge_compute_rate) when it is at least this long, and
+# disputes it when it took under 1/RATE_DISPUTED_BEYOND or over RATE_DISPUTED_BEYOND times its planned seconds.
+JUDGED_PASS_MIN_SECONDS = 2.0
+RATE_DISPUTED_BEYOND = 1.5
+
+log = logging.getLogger("batchrun")
 
 
 def measure_compute_rate(dtype: str, device: str = "cpu") -> float:
@@ -141,6 +148,21 @@ def dispute_compute_rate(dtype: str, device: str, evidence: dict) -> bool:
     import torch
 
     return dispute("compute", compute_key(dtype, device, torch.get_num_threads()), evidence)
+
+
+def judge_compute_rate(dtype: str, device: str, seconds: float, planned: float, *, job: str) -> bool:
+    """A pass of prefill compute that took `seconds` where its plan, priced at the cached rate, said `planned`:
+    one at least JUDGED_PASS_MIN_SECONDS long (timed well past the machine's noise) outside RATE_DISPUTED_BEYOND
+    either way says the rate was measured under other conditions (a busy moment), and disputes it. Returns whether
+    the pass was long enough to judge by."""
+    if planned < JUDGED_PASS_MIN_SECONDS:
+        return False
+    if not 1 / RATE_DISPUTED_BEYOND <= seconds / planned <= RATE_DISPUTED_BEYOND:
+        evidence = {"job": job, "pass_seconds": round(seconds, 3), "planned_seconds": round(planned, 3)}
+        if dispute_compute_rate(dtype, device, evidence):
+            log.info("a pass took %.1f s where the plan priced it at %.1f s: this machine's compute rate is measured "
+                     "again at the next plan", seconds, planned)
+    return True
 
 
 def linear_kernel(dtype: str, device: str = "cpu") -> str:
