@@ -18,7 +18,7 @@ from batchrun.job import (CALIBRATION_METHODS, DEFAULT_CALIBRATION, DEFAULT_PASS
                           compare_models, describe_comparison, plan_report, resolve_model)
 from batchrun.output import (check_output_writable, describe_calibration, describe_quality, encode_results,
                              job_answers, job_provenance, job_quality, output_format, write_results)
-from batchrun.plan import format_comparison, format_duration, format_plan_table, parse_streaming
+from batchrun.plan import TOKEN_MATRIX_CHOICES, format_comparison, format_duration, format_plan_table, parse_streaming
 from batchrun.spec import TRUNCATE_SIDES, SpecError, kind
 from batchrun.store import JobNotFound, Store, check_database, describe_check, salvage_database
 
@@ -110,6 +110,10 @@ def job_options(fn):
         click.option("--no-prefetch", is_flag=True, help="Do not read the next layer while one computes."),
         click.option("--prefetch-depth", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Layers read ahead of the one computing (each holds a layer in memory)."),
+        click.option("--token-matrices", type=click.Choice(TOKEN_MATRIX_CHOICES), default="auto", show_default=True,
+                     help="Where a streamed run keeps the embedding and LM head: held in memory, gathered (a "
+                          "pass's embedding rows read by token id), or streamed (the head read each pass too); auto "
+                          "weighs them against the sequences a pass can carry."),
         click.option("--micro-batch", type=click.IntRange(min=1),
                      help="Sequences per prefill or choice-scoring forward call within a pass (default: planned from "
                           "memory); decode calls keep the plan's size."),
@@ -149,7 +153,7 @@ def build_options(model: str | None, kw: dict):
                       prefetch_depth=kw["prefetch_depth"], micro_batch=kw["micro_batch"],
                       bandwidth_gbps=kw["bandwidth_gbps"], hf_token=kw["hf_token"],
                       trust_remote_code=kw["trust_remote_code"], pass_minutes=kw["pass_minutes"],
-                      truncate=kw["truncate"])
+                      truncate=kw["truncate"], token_matrices=kw["token_matrices"])
 
 
 STDIN_SPEC = "-"

@@ -435,7 +435,8 @@ def _open(prepared: PreparedJob, plan: Candidate, summary: RunSummary) -> tuple[
     earlier run of this process (a Ray worker's previous shard: job.models)."""
     options = prepared.options
     reads = LayerReads(prefetch=options.prefetch, depth=options.prefetch_depth, decode_depth=plan.decode_prefetch_depth,
-                       pack_weights=plan.packs_weights)
+                       pack_weights=plan.packs_weights, gather_embeddings=plan.token_matrices != "held",
+                       stream_head=plan.token_matrices == "streamed")
     opener = functools.partial(open_model, prepared.model.checkpoint, mode=plan.mode, device=prepared.device,
                                dtype=prepared.compute_dtype, trust_remote_code=options.trust_remote_code,
                                linear_kernel=plan.linear_kernel, reads=reads)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from batchrun.errors import SettingRefused
-from batchrun.plan import parse_streaming
+from batchrun.plan import TOKEN_MATRIX_CHOICES, parse_streaming
 from batchrun.spec import TRUNCATE_SIDES
 
 # Settings that can change answers, recorded with a job. Its identity is what they do to its rows (fingerprint):
@@ -58,6 +58,8 @@ class JobOptions:
     calibrate: str = DEFAULT_CALIBRATION  # how choice probabilities are calibrated (docs/calibration.md)
     pass_minutes: float | None = DEFAULT_PASS_MINUTES  # the longest a pass is planned to take; None: no bound
     truncate: str | None = None  # "head" | "tail": cut an over-long row's document from that end; None: refuse it
+    # where a streamed run keeps the embedding and head: auto (the plan weighs them), held, gathered, streamed
+    token_matrices: str = "auto"
 
     def __post_init__(self):
         """The checks the CLI's option types make, for scripts that build options themselves."""
@@ -74,6 +76,9 @@ class JobOptions:
         if self.truncate not in (None, *TRUNCATE_SIDES):
             raise SettingRefused(f"truncate {self.truncate!r}: use head or tail (or None: refuse a row over the "
                                  "context)")
+        if self.token_matrices not in TOKEN_MATRIX_CHOICES:
+            raise SettingRefused(f"token_matrices {self.token_matrices!r}: use one of "
+                                 f"{', '.join(TOKEN_MATRIX_CHOICES)}")
         if self.calibrate not in CALIBRATION_METHODS:
             raise SettingRefused(f"calibrate {self.calibrate!r}: use one of {', '.join(CALIBRATION_METHODS)}")
         if isinstance(self.keep_columns, str):

@@ -170,7 +170,8 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
                           prefetch=options.prefetch, prefetch_depth=options.prefetch_depth,
                           batch_size=options.batch_size, context_length=prepared.context_length,
                           checkpoint_is_local=True,
-                          pass_seconds=options.pass_minutes * 60 if options.pass_minutes else None)
+                          pass_seconds=options.pass_minutes * 60 if options.pass_minutes else None,
+                          token_matrices=options.token_matrices)
     # A decode step against the shared prefix reads it in place (prefix_attention); one without, where sdpa groups
     # a one-token query on the key heads.
     in_place = prepared.attends_through_sdpa and (shared > 0 or prepared.sdpa_groups_decode_queries)

@@ -67,6 +67,10 @@ class Candidate:
     longest_pass_seconds: float | None = None
     unbounded_passes: int | None = None  # passes without the bound (None: no bound applied)
     bound_cost_seconds: float | None = None  # what the bound adds to the passes' time: more passes, more weight reads
+    # What a run holds before any sequence, part by part: [part, bytes] (the runtime, token matrices, layer slots...)
+    memory_floor: list[list] = field(default_factory=list)
+    token_matrices: str = "held"  # a streamed run's embedding and head: held, gathered or streamed (plan/weights.py)
+    token_matrices_reason: str = ""
 
     @property
     def fits(self) -> bool:

@@ -109,6 +109,9 @@ def _candidate_table(report: Mapping) -> str:
         ("memory", f"peak {format_bytes(report['peak_memory_bytes'])} of a "
                    f"{format_bytes(report['memory_budget_bytes'])} budget "
                    f"(KV cache {format_bytes(report['kv_bytes_per_token'])} per token)"),
+        *([("floor", _floor(report))] if report.get("memory_floor") else []),
+        *([("token matrices", report["token_matrices_reason"])]
+          if report.get("mode") == "streamed" and report.get("token_matrices_reason") else []),
         ("batches", f"{report['batch_count']} of up to {report['batch_size']} sequences / "
                     f"{report['batch_tokens']:,} tokens" + (
                         f" (+ a {report['shared_prefix_tokens']:,}-token prompt prefix computed once, not per row)"
@@ -166,6 +169,16 @@ def _pass_bound(report: Mapping) -> str:
     spent = (f"{format_duration(cost)}, {cost / unbounded:.1%} of the job" if unbounded > 0 and cost / unbounded >= 5e-4
              else "no measurable time")
     return f"{bound}; {report['passes']:,} passes instead of {report['unbounded_passes']:,} cost {spent} ({what})"
+
+
+def _floor(report: Mapping) -> str:
+    """What a run holds before any sequence, part by part, and what that leaves the sequences."""
+    parts = report["memory_floor"]
+    total = sum(size for _, size in parts)
+    left = report["memory_budget_bytes"] - total
+    return (" + ".join(f"{name} {format_bytes(size)}" for name, size in parts) + f" = {format_bytes(total)}; "
+            + (f"{format_bytes(left)} of the budget left for sequences" if left > 0
+               else f"{format_bytes(-left)} over the budget"))
 
 
 def _read_ahead(report: Mapping) -> str:

@@ -5,6 +5,7 @@ estimates, kept at the top so measurement can calibrate them.
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from dataclasses import dataclass, replace
@@ -21,7 +22,8 @@ from batchrun.plan.rates import decode_cores_share, effective_rates, streaming_t
 from batchrun.plan.records import PlanRequest, Rates
 from batchrun.plan.refill import ScheduledPass, refill_schedule, shares_prefix
 from batchrun.plan.timing import PassPricing, Timeline, job_timeline
-from batchrun.plan.weights import COMPUTE_BYTES, Weights, layer_slot_bytes, resident_weights, streamed_weights
+from batchrun.plan.weights import (COMPUTE_BYTES, HELD, TokenMatrices, Weights, head_read_bytes, layer_slot_bytes,
+                                   resident_weights, streamed_weights, token_matrix_bytes, token_matrix_placements)
 
 __all__ = ["compare_modes", "make_plan", "parse_streaming"]
 
@@ -100,6 +102,8 @@ class _Fixed:
     weights: Weights
     bytes: int  # weights + runtime
     largest_row_bytes: int  # the sizing row that needs the most, alone
+    placement: TokenMatrices = HELD  # where a streamed run keeps the embedding and head
+    placement_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -171,7 +175,7 @@ def make_plan(sizes: CheckpointSizes, rows: Sequence[RowCost], request: PlanRequ
     batching, bound, timed = _bound_passes(job, fixed, _batches(job, fixed, planned, sizing_rows))
     schedule = _schedule(job, batching)
     peak = _peak(job, fixed, batching, schedule)
-    time = _time(job, fixed.mode, batching, schedule, peak, timed)
+    time = _time(job, fixed, batching, schedule, peak, timed)
     _bound_notes(job, fixed.mode, bound, time)
     _check_disk(job)
     return _candidate(job, fixed, batching, schedule, peak, time, bound)
@@ -213,12 +217,42 @@ def _fixed_memory(job: _Job, sizing_rows: Sequence[RowCost]) -> _Fixed:
     resident_sum = (f"{resident.what} + runtime {format_bytes(overhead)} + largest row "
                     f"{format_bytes(largest_row_bytes)} = {format_bytes(resident_need)}")
     mode, reason = _choose_mode(job.policy, resident_need <= budget, resident_sum, budget)
-    weights = (resident if mode == "resident"
-               else streamed_weights(sizes, request.compute_dtype, request.prefetch, job.device,
-                                     request.prefetch_depth, job.rates.packs_weights))
-    fixed = _Fixed(mode, reason, weights, weights.bytes + overhead, largest_row_bytes)
+    weights, placement, placement_reason = resident, HELD, ""
+    if mode == "streamed":
+        weights, placement, placement_reason = _placed_weights(job, sizing_rows, largest_row_bytes)
+    fixed = _Fixed(mode, reason, weights, weights.bytes + overhead, largest_row_bytes, placement, placement_reason)
     _fit_blockers(job, fixed, resident_need, resident_sum, sizing_rows[largest_row].tokens())
     return fixed
+
+
+def _placed_weights(job: _Job, sizing_rows: Sequence[RowCost],
+                    largest_row_bytes: int) -> tuple[Weights, TokenMatrices, str]:
+    """A streamed run's weights with the embedding and head placed (weights.token_matrix_placements): of the
+    placements asked, the one whose passes read the fewest bytes per sequence they carry, the sequences a pass holds
+    being what the budget leaves beside that placement's weights (batch_limits, as _batches sizes them). A head held
+    reads nothing a pass but takes its matrix from the sequences; streamed, every pass reads it once more."""
+    sizes, request = job.sizes, job.request
+    overhead = job.rates.runtime_overhead_bytes
+    sizing_budget = int(request.memory_budget_bytes * (1 - MEMORY_HEADROOM_SHARE)) - _prefix_bytes(job)
+    own_rows = [without_prefix(row, job.shared) for row in sizing_rows]
+    weighed = []
+    for placement in token_matrix_placements(sizes, request.token_matrices):
+        weights = streamed_weights(sizes, request.compute_dtype, request.prefetch, job.device,
+                                   request.prefetch_depth, job.rates.packs_weights, placement)
+        fits = weights.bytes + overhead + largest_row_bytes <= request.memory_budget_bytes
+        sequences = batch_limits(sizes, job.compute_bytes, job.device, own_rows,
+                                 sizing_budget - weights.bytes - overhead, request.batch_size)[0] if fits else 0
+        read = sizes.decoder_bytes + head_read_bytes(sizes, placement)
+        weighed.append((read / sequences if sequences else math.inf, weights, placement, sequences, read))
+    # The least read per sequence; where nothing fits, the leanest (the blocker shows the smallest floor).
+    fitting = [w for w in weighed if w[0] < math.inf]  # min keeps the first of equals: the fewer reads
+    _, weights, placement, sequences, read = min(fitting, key=lambda w: w[0]) if fitting else weighed[-1]
+    if len(weighed) == 1:
+        return weights, placement, f"{placement.word} (asked)"
+    others = "; ".join(f"{p.word}: {n} a pass reading {format_bytes(r)}" for _, _, p, n, r in weighed
+                       if p != placement)
+    return weights, placement, (f"{placement.word}: {sequences} sequence(s) a pass reading {format_bytes(read)} "
+                                f"({others})")
 
 
 def _fit_blockers(job: _Job, fixed: _Fixed, resident_need: int, resident_sum: str, largest_row_tokens: int) -> None:
@@ -281,7 +315,7 @@ def _bound_passes(job: _Job, fixed: _Fixed,
     bound = job.request.pass_seconds
     if bound is None or not batching.batches:
         return batching, None, None
-    io_seconds = _read_times(job, fixed.mode)[1]
+    io_seconds = _read_times(job, fixed.mode, fixed.placement)[1]
     unbounded = _trial_timeline(job, fixed.mode, batching, io_seconds)
     if not unbounded.known:
         job.caveats.append("pass times unknown: passes are not held to the pass bound")
@@ -428,11 +462,12 @@ def _turn_bytes(job: _Job, schedule: _Schedule, calls: Calls) -> int:
                + [turn(held, admitted) for held, admitted in schedule.held_together], default=0)
 
 
-def _time(job: _Job, mode: str, batching: _Batching, schedule: _Schedule, peak: _Peak,
+def _time(job: _Job, fixed: _Fixed, batching: _Batching, schedule: _Schedule, peak: _Peak,
           timed: Timeline | None = None) -> _Time:
     """Load what stays resident once, then each pass takes the slower of reading the layers and computing.
     `timed`: these batches' timeline, where the pass bound timed them already."""
-    load_seconds, io_seconds = _read_seconds(job, mode)
+    mode = fixed.mode
+    load_seconds, io_seconds = _read_seconds(job, mode, fixed.placement)
     if job.rates.compute_flops_per_s is None:
         job.caveats.append("compute rate unknown: " + ("pass times count reads only" if mode == "streamed"
                                                        else "no ETA for a resident run"))
@@ -461,7 +496,7 @@ def _timeline(job: _Job, mode: str, schedule: _Schedule, calls: Calls, io_second
                         decode_merges=schedule.decode_merges, own_rows=job.own_rows)
 
 
-def _read_seconds(job: _Job, mode: str) -> tuple[float | None, float | None]:
+def _read_seconds(job: _Job, mode: str, placement: TokenMatrices) -> tuple[float | None, float | None]:
     """(seconds to load what stays resident, seconds to read the streamed layers once a pass), with what the plan
     says of the bandwidth they assume."""
     bandwidth = job.rates.bandwidth
@@ -470,16 +505,20 @@ def _read_seconds(job: _Job, mode: str) -> tuple[float | None, float | None]:
         job.blockers.append("read bandwidth unknown: measure it (`batchrun disk`) or declare it (--bandwidth)")
     if bandwidth.basis == "assumed" and bytes_per_s is not None:
         job.caveats.append(f"ETA uses an assumed read bandwidth of {format_rate(bytes_per_s)} ({bandwidth.how})")
-    return _read_times(job, mode)
+    return _read_times(job, mode, placement)
 
 
-def _read_times(job: _Job, mode: str) -> tuple[float | None, float | None]:
+def _read_times(job: _Job, mode: str, placement: TokenMatrices = HELD) -> tuple[float | None, float | None]:
+    """(seconds to load what stays resident, seconds a pass reads): its layers, and the head where it streams."""
     bytes_per_s = job.rates.bandwidth.bytes_per_s
     sizes = job.sizes
-    load_bytes = sizes.checkpoint_bytes if mode == "resident" else sizes.non_decoder_bytes
+    not_loaded = head_read_bytes(sizes, placement) + (
+        token_matrix_bytes(sizes) if placement.gather_embeddings and not sizes.tied_embeddings else 0)
+    load_bytes = sizes.checkpoint_bytes if mode == "resident" else sizes.non_decoder_bytes - not_loaded
     load_seconds = load_bytes / bytes_per_s if bytes_per_s else None
+    pass_bytes = sizes.decoder_bytes + head_read_bytes(sizes, placement)
     io_seconds = 0.0 if mode == "resident" else (
-        sizes.decoder_bytes / bytes_per_s / IO_EFFICIENCY[job.request.prefetch] if bytes_per_s else None)
+        pass_bytes / bytes_per_s / IO_EFFICIENCY[job.request.prefetch] if bytes_per_s else None)
     return load_seconds, io_seconds
 
 
@@ -521,6 +560,8 @@ def _candidate(job: _Job, fixed: _Fixed, batching: _Batching, schedule: _Schedul
         kv_bytes_per_token=kv_bytes_per_token_per_layer(sizes, job.compute_bytes) * sizes.num_layers,
         compute_dtype=request.compute_dtype, memory_budget_bytes=request.memory_budget_bytes,
         weights_bytes=fixed.weights.bytes, runtime_overhead_bytes=rates.runtime_overhead_bytes,
+        memory_floor=[["runtime", rates.runtime_overhead_bytes], *map(list, fixed.weights.parts)],
+        token_matrices=fixed.placement.word, token_matrices_reason=fixed.placement_reason,
         peak_memory_bytes=fixed.bytes + peak.batch_bytes, turn_bytes=peak.turn_bytes,
         batch_size=batching.max_sequences, micro_batch_size=batching.micro_sequences,
         batch_tokens=batching.max_tokens, batches=batching.batches, rows=len(job.rows),

@@ -20,7 +20,9 @@ class PlanRequest:
     streaming: the policy word (planner.parse_streaming). prefetch_depth: layers a streamed prefill reads ahead.
     batch_size: most sequences in a batch (None: as many as memory holds). context_length: the longest sequence the
     model takes (None: the checkpoint's own). checkpoint_is_local: read in place, so no download needs disk.
-    pass_seconds: the longest a pass may be planned to take, so a crash loses at most that (None: no bound)."""
+    pass_seconds: the longest a pass may be planned to take, so a crash loses at most that (None: no bound).
+    token_matrices: where a streamed run keeps the embedding and head: "auto" (the plan weighs them by the budget),
+    "held", "gathered" (embedding rows read by token id), "streamed" (the head read each pass besides)."""
     model: str
     device: str
     compute_dtype: str
@@ -32,6 +34,7 @@ class PlanRequest:
     context_length: int | None = None
     checkpoint_is_local: bool = True
     pass_seconds: float | None = None
+    token_matrices: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,9 @@ from batchrun.checkpoint import DTYPE_BITS, CheckpointSizes
 from batchrun.plan.formatting import format_bytes
 
 COMPUTE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# A streamed head is read and multiplied this many bytes of rows at a time (at the compute dtype): large reads, small
+# next to a decoder layer (runtime/token_matrices.py).
+HEAD_CHUNK_BYTES = 32 << 20
 
 
 def on_host(device: str) -> bool:
@@ -23,18 +26,86 @@ def layer_slot_bytes(sizes: CheckpointSizes, compute_dtype: str) -> int:
 class Weights:
     bytes: int
     what: str  # the sum spelled out, for reasons and blockers
+    parts: tuple[tuple[str, int], ...] = ()  # (part, bytes) of the sum, for the plan's memory floor
+
+
+@dataclass(frozen=True)
+class TokenMatrices:
+    """Where a streamed run keeps the embedding and the LM head: held, or read as passes need them (a pass's embedding
+    rows gathered by token id; the head read once a pass, a chunk at a time). A tied checkpoint's one matrix is held,
+    or streamed for both uses."""
+    gather_embeddings: bool = False
+    stream_head: bool = False
+
+    @property
+    def word(self) -> str:
+        return "streamed" if self.stream_head else "gathered" if self.gather_embeddings else "held"
+
+
+HELD = TokenMatrices()
+# Ordered by what each reads a pass beyond the layers: nothing, a pass's embedding rows, the head besides.
+TOKEN_MATRIX_PLACEMENTS = {"held": HELD, "gathered": TokenMatrices(gather_embeddings=True),
+                           "streamed": TokenMatrices(gather_embeddings=True, stream_head=True)}
+
+
+TOKEN_MATRIX_CHOICES = ("auto", *TOKEN_MATRIX_PLACEMENTS)
+
+
+def token_matrix_placements(sizes: CheckpointSizes, asked: str = "auto") -> list[TokenMatrices]:
+    """The placements a plan weighs, cheapest reads first: `asked` alone, or every one (auto). A tied matrix is held
+    for both uses or streamed for both: gathering embedding rows from a matrix the head holds saves nothing."""
+    if asked != "auto":
+        placement = TOKEN_MATRIX_PLACEMENTS[asked]
+        return [HELD if sizes.tied_embeddings and placement.word == "gathered" else placement]
+    return [p for word, p in TOKEN_MATRIX_PLACEMENTS.items() if not (sizes.tied_embeddings and word == "gathered")]
+
+
+def token_matrix_bytes(sizes: CheckpointSizes) -> int:
+    """One [vocab, hidden] matrix as stored."""
+    return sizes.vocab_size * sizes.hidden_size * DTYPE_BITS.get(sizes.storage_dtype, 16) // 8
+
+
+def head_read_bytes(sizes: CheckpointSizes, placement: TokenMatrices) -> int:
+    """What a pass reads beyond its layers: the head, where it streams (embedding rows are a pass's tokens' alone)."""
+    return token_matrix_bytes(sizes) if placement.stream_head else 0
+
+
+def _token_matrix_parts(sizes: CheckpointSizes, compute_dtype: str,
+                        placement: TokenMatrices) -> list[tuple[str, int]]:
+    """What the token matrices hold in a streamed run, part by part: each matrix held at the compute dtype, or a
+    streamed head's chunk and its read buffer (as stored); other tensors outside the layers (final norm, biases)."""
+    compute_bytes = COMPUTE_BYTES[compute_dtype]
+    matrix = sizes.vocab_size * sizes.hidden_size
+    matrices = 1 if sizes.tied_embeddings else 2
+    other = max(sizes.non_decoder_params - matrices * matrix, 0) * compute_bytes
+    parts: list[tuple[str, int]] = []
+    if sizes.tied_embeddings:
+        if not placement.stream_head:
+            parts.append(("embedding = head (tied)", matrix * compute_bytes))
+    else:
+        if not placement.gather_embeddings:
+            parts.append(("embedding", matrix * compute_bytes))
+        if not placement.stream_head:
+            parts.append(("head", matrix * compute_bytes))
+    if placement.stream_head:
+        chunk_rows = min(sizes.vocab_size, max(1, HEAD_CHUNK_BYTES // (sizes.hidden_size * compute_bytes)))
+        stored_bytes = DTYPE_BITS.get(sizes.storage_dtype, 16) // 8
+        parts.append(("head chunk", chunk_rows * sizes.hidden_size * (compute_bytes + stored_bytes)))
+    if other:
+        parts.append(("other non-decoder", other))
+    return parts
 
 
 def resident_weights(sizes: CheckpointSizes, compute_dtype: str) -> Weights:
     total = sizes.total_params * COMPUTE_BYTES[compute_dtype]
-    return Weights(total, f"all weights {format_bytes(total)} at {compute_dtype}")
+    return Weights(total, f"all weights {format_bytes(total)} at {compute_dtype}", (("all weights", total),))
 
 
 def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool, device: str = "cpu",
-                     prefetch_depth: int = 1, packs_weights: bool = False) -> Weights:
-    compute_bytes = COMPUTE_BYTES[compute_dtype]
+                     prefetch_depth: int = 1, packs_weights: bool = False,
+                     placement: TokenMatrices = HELD) -> Weights:
     slots = prefetch_depth + 1 if prefetch else 1  # the layer computing + those being read ahead
-    non_decoder = sizes.non_decoder_params * compute_bytes
+    outside = _token_matrix_parts(sizes, compute_dtype, placement)
     layer_slots = layer_slot_bytes(sizes, compute_dtype) * slots
     # On the host a tensor is read straight into its slot, a narrower one widened there (bf16 -> float32); a raw read
     # buffer (loads take turns, so one) serves a narrowing cast and experts fused at load time. An accelerator's read
@@ -46,7 +117,8 @@ def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool,
     # weights (linear_kernels.pack_weights), made when the layer starts and freed when it ends: one layer more,
     # counted whatever the rows (they decide per pass whether it packs).
     packed = layer_slot_bytes(sizes, compute_dtype) if packs_weights else 0
-    what = (f"non-decoder tensors {format_bytes(non_decoder)} + {slots} layer slot(s) "
-            f"{format_bytes(layer_slots)}" + (f" + read buffers {format_bytes(read_buffers)}" if read_buffers else "")
-            + (f" + packed layer {format_bytes(packed)}" if packed else ""))
-    return Weights(non_decoder + layer_slots + read_buffers + packed, what)
+    parts = [*outside, (f"{slots} layer slot(s)", layer_slots), ("read buffers", read_buffers),
+             ("packed layer", packed)]
+    parts = [(name, size) for name, size in parts if size]
+    what = " + ".join(f"{name} {format_bytes(size)}" for name, size in parts)
+    return Weights(sum(size for _, size in parts), what, tuple(parts))

@@ -24,6 +24,7 @@ from batchrun.runtime.devices import default_device, resolve_dtype
 from batchrun.runtime.linear_kernels import (PACK_MIN_ROWS, drop_packed_weights, pack_weights, packing_available,
                                              route_linears, routed_weight_names, sharing_tiles)
 from batchrun.runtime.loader import LayerLoader, LayerWeights, SlotPool
+from batchrun.runtime.token_matrices import GatheredEmbedding, MatrixRows, StreamedHead
 from batchrun.runtime.turns import LayerTurns, PassGroup, PassProgress, TurnCallback, run_interleaved
 from batchrun.runtime.weights import Recipe, build_recipes, read_into, realize, tensor_from_bytes
 
@@ -51,6 +52,11 @@ class LayerReads:
     decode_depth: int | None = None  # the same for decode passes, where the plan found room for more
     drop_page_cache: bool = True  # hand each layer's file pages back to the kernel once read
     pack_weights: bool = False  # long bfloat16 prefills multiply packed weights (measure.packs_weights)
+    # The token matrices read as passes need them instead of held (token_matrices.py; the plan decides by the
+    # budget): a pass's embedding rows gathered by token id, and the head read once a pass. A tied checkpoint's one
+    # matrix is held unless the head streams, and then both uses read it.
+    gather_embeddings: bool = False
+    stream_head: bool = False
 
 
 class StreamedModel(TokenizerOnDemand):
@@ -97,7 +103,10 @@ class StreamedModel(TokenizerOnDemand):
         route_linears(self.model, "aten")  # routed linears take a weight a decode pass leaves narrow (run_pass)
         recipes = build_recipes(self.model, infos)
         layer_recipes, resident = self._split_recipes(recipes)
-        self._load_resident(resident)
+        self._gathered: GatheredEmbedding | None = None
+        self._head: StreamedHead | None = None
+        self._matrix_rows: list[MatrixRows] = []
+        self._load_resident(self._stream_token_matrices(resident, reads))
         self._meta_params = [{name: p for name, p in layer.named_parameters()} for layer in self.layers]
         self._check_layers_covered(layer_recipes)
         prefetching = self.prefetching = reads.prefetch
@@ -151,6 +160,39 @@ class StreamedModel(TokenizerOnDemand):
                 resident.append(recipe)
         return per_layer, resident
 
+    def _stream_token_matrices(self, recipes: list[Recipe], reads: LayerReads) -> list[Recipe]:
+        """Those of `recipes` that stay resident: the embedding and head as `reads` says are read as passes need
+        them instead (token_matrices.py), hooked in here."""
+        embedding, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
+        names = {module: name for name, module in self.model.named_modules()}
+        embed_target, head_target = f"{names[embedding]}.weight", f"{names[head]}.weight" if head is not None else None
+        by_target = {recipe.target: recipe for recipe in recipes}
+        embed_recipe = by_target.get(embed_target)
+        head_recipe = by_target.get(head_target, None if head_target in by_target else embed_recipe)
+        tied = head_target not in by_target
+        stream_head = reads.stream_head and head_recipe is not None and head_recipe.is_plain
+        gather = (reads.gather_embeddings or (tied and stream_head)) and embed_recipe is not None \
+            and embed_recipe.is_plain and (stream_head or not tied)
+        if not (gather or stream_head):
+            return recipes
+        drop = reads.drop_page_cache
+        matrix_rows = {}  # one reader per tensor: a tied matrix serves both uses
+
+        def rows_of(recipe: Recipe) -> MatrixRows:
+            info = recipe.sources[0]
+            if info.name not in matrix_rows:
+                matrix_rows[info.name] = MatrixRows(info, device=self.device, dtype=self.dtype, drop_page_cache=drop)
+            return matrix_rows[info.name]
+
+        if gather:
+            self._gathered = GatheredEmbedding(embedding, rows_of(embed_recipe))
+        if stream_head:
+            self._head_path = names[head]
+            self._head = StreamedHead(rows_of(head_recipe), None, self.num_layers, lambda: self._group)
+        self._matrix_rows = list(matrix_rows.values())
+        streamed = {embed_target if gather else None, head_target if stream_head else None}
+        return [recipe for recipe in recipes if recipe.target not in streamed]
+
     def _load_resident(self, recipes: list[Recipe]) -> None:
         """Embeddings, final norm, head: read once, cast, keep. Then buffers and tied weights."""
         for recipe in recipes:
@@ -165,7 +207,14 @@ class StreamedModel(TokenizerOnDemand):
                 tensors.append(tensor_from_bytes(raw, info))
             for target, value in realize(recipe, tensors, self.model, self.config).items():
                 self._set_tensor(target, value)
-        self.model.tie_weights()
+        if self._head is None:
+            self.model.tie_weights()
+        else:  # the streamed head takes the module's place, keeping its bias (a small resident tensor)
+            original = self.model.get_submodule(self._head_path)
+            bias = getattr(original, "bias", None)
+            self._head.bias = None if bias is None or bias.is_meta else bias
+            parent, _, attr = self._head_path.rpartition(".")
+            setattr(self.model.get_submodule(parent) if parent else self.model, attr, self._head)
         self._materialise_buffers()
         missing = [name for name, p in self.model.named_parameters()
                    if p.is_meta and not name.startswith(self.layers_path + ".")]
@@ -401,7 +450,7 @@ class StreamedModel(TokenizerOnDemand):
 
     @property
     def bytes_read(self) -> int:
-        return self.loader.bytes_read
+        return self.loader.bytes_read + sum(rows.bytes_read for rows in self._matrix_rows)
 
     def forward(self, *args, **kwargs):
         self._narrow = self._pack = False
@@ -432,6 +481,10 @@ class StreamedModel(TokenizerOnDemand):
             handle.remove()
         self.model.register_forward_pre_hook(_refuse_closed)  # not a device error from the meta layers
         self.loader.close()
+        if self._gathered is not None:
+            self._gathered.remove()
+        for rows in self._matrix_rows:
+            rows.close()
 
     def __enter__(self):
         return self

@@ -31,6 +31,25 @@ def test_choice_answers_equal_reference(tmp_path, tiny_checkpoint, arch, streami
         assert row["answer"] == max(expected, key=expected.get)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # untied; tied with a scaled embedding
+@pytest.mark.parametrize("token_matrices", ["gathered", "streamed"])
+def test_choice_answers_equal_reference_with_the_embedding_and_head_read_as_passes_need_them(
+        tmp_path, tiny_checkpoint, arch, token_matrices):
+    """Micro-batches of two: the head streamed is read once a pass and multiplies every call's rows."""
+    path = tiny_checkpoint(arch)
+    model, tokenizer = plain_transformers(path)
+    plans = []
+    _, rows = run_job(choice_spec(tmp_path), tmp_path, path, "out", streaming="always", micro_batch=2,
+                      token_matrices=token_matrices, on_plan=plans.append)
+    tied = arch == "gemma3"
+    assert plans[0].token_matrices == ("held" if tied and token_matrices == "gathered" else token_matrices)
+    for row, text in zip(rows, REVIEWS):
+        expected = reference_choice_probs(model, tokenizer, f"Review: {text}\nIs it positive or negative?",
+                                          ["positive", "negative"])
+        got = dict(row["choice_probs"])
+        assert all(got[choice] == pytest.approx(p, abs=1e-4) for choice, p in expected.items())
+
+
 def test_numeric_choices_get_a_probability_weighted_score(tmp_path, tiny_checkpoint):
     spec = choice_spec(tmp_path, choices=("1", "2", "3", "4", "5"))
     _, rows = run_job(spec, tmp_path, tiny_checkpoint("llama"), "score")

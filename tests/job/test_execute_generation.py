@@ -29,6 +29,16 @@ def test_generation_equals_greedy_generate(tmp_path, tiny_checkpoint, arch, stre
         assert summary.passes_now == 6  # every row in one batch: one pass per new token
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied, tied
+def test_generation_equals_greedy_generate_with_the_embedding_and_head_streamed(tmp_path, tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch)
+    model, tokenizer = plain_transformers(path)
+    _, rows = run_job(generation_spec(tmp_path), tmp_path, path, "gen", streaming="always", micro_batch=2,
+                      token_matrices="streamed")
+    for row, text in zip(rows, REVIEWS):
+        assert (row["answer"], row["finish_reason"]) == reference_generation(model, tokenizer, f"Summarise: {text}", 6)
+
+
 def test_answers_of_different_lengths_share_batches_with_their_own_kind(tmp_path, tiny_checkpoint):
     """Rows asking for 1 and for 5 new tokens, two a batch: packed by answer length, two 1-token rows share a pass and
     the rest make two batches of 5 passes (11 passes), where batches by prompt length alone made 15 here, each

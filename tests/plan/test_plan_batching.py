@@ -165,7 +165,7 @@ def test_a_cpu_prefill_cuts_by_length_even_when_every_sequence_fits_at_once():
 
 def test_batch_chosen_for_a_budget_buys_sequences_with_micro_batches():
     budget, overhead = 40 * GiB, 1 * GiB
-    candidate = plan(rows=[RowCost(4000, 96)] * 28, device="cuda", streaming="always",
+    candidate = plan(rows=[RowCost(4000, 96)] * 28, device="cuda", streaming="always", token_matrices="held",
                      memory_budget_bytes=budget, runtime_overhead_bytes=overhead)
     weights = LLAMA_70B.non_decoder_params * 2 + 2 * LLAMA_70B.largest_layer_params * 2
     free = int(budget * 0.9) - weights - overhead  # 10% of the budget is kept as headroom

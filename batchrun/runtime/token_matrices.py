@@ -1,0 +1,179 @@
+"""The token matrices, embedding and LM head, read from the checkpoint as a pass needs them instead of held.
+
+A pass embeds only the tokens it carries: their rows are gathered from the shard by token id (one positional read
+per run of consecutive ids), and the small table they make stands in for the embedding while the embedding runs.
+The head multiplies every row of its matrix once a pass: its rows are read a chunk at a time (HEAD_CHUNK_BYTES at
+the compute dtype) into one reused buffer, and each chunk's logits are computed as it lands, for every micro-batch of
+the pass at once. A tied checkpoint's one matrix serves both. The embedding table of a pass is the size of one
+hidden state of its tokens; the head holds a chunk and its read buffer; neither holds the vocabulary.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+from batchrun.checkpoint import CheckpointError, TensorInfo
+from batchrun.plan.weights import HEAD_CHUNK_BYTES
+from batchrun.runtime.turns import PassGroup
+from batchrun.runtime.weights import SAFETENSORS_DTYPES, read_into
+
+
+class MatrixRows:
+    """Rows of one [rows, width] matrix read from its shard with positional reads, cast to the compute dtype."""
+
+    def __init__(self, info: TensorInfo, *, device: torch.device, dtype: torch.dtype, drop_page_cache: bool):
+        if len(info.shape) != 2 or info.dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{info.file}: tensor {info.name} is not a matrix batchrun can read by rows")
+        self.info = info
+        self.rows, self.width = info.shape
+        self.source = SAFETENSORS_DTYPES[info.dtype]
+        self.row_bytes = self.width * self.source.itemsize
+        self.device, self.dtype = device, dtype
+        self.drop_page_cache = drop_page_cache and hasattr(os, "posix_fadvise")
+        self.fd = os.open(info.file, os.O_RDONLY)
+        self.bytes_read = 0
+        self._staging: torch.Tensor | None = None
+
+    def _raw(self, rows: int) -> torch.Tensor:
+        """A reused byte buffer for `rows` rows as stored (a chunk of the head)."""
+        nbytes = rows * self.row_bytes
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = None  # free the old one before allocating the larger
+            self._staging = torch.empty(nbytes, dtype=torch.uint8)
+        return self._staging[:nbytes]
+
+    def _read(self, raw: torch.Tensor, first_row: int) -> None:
+        offset = self.info.offset + first_row * self.row_bytes
+        read_into(self.fd, memoryview(raw.numpy()), offset, self.info.file)
+        self.bytes_read += raw.numel()
+
+    def read_rows(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows start..stop into `out` ([stop - start, width] at the compute dtype), the pages handed back after."""
+        raw = self._raw(stop - start)
+        self._read(raw, start)
+        out.copy_(raw.view(self.source).view(stop - start, self.width))
+        if self.drop_page_cache:  # the head is read whole every pass, like a layer: it does not stay in the cache
+            os.posix_fadvise(self.fd, self.info.offset + start * self.row_bytes, raw.numel(), os.POSIX_FADV_DONTNEED)
+        return out
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows of `ids` (sorted, distinct, on the host): [len(ids), width] at the compute dtype. Their pages stay
+        cached: the same tokens come back pass after pass."""
+        if len(ids) and (int(ids[0]) < 0 or int(ids[-1]) >= self.rows):
+            bad = int(ids[0]) if int(ids[0]) < 0 else int(ids[-1])
+            raise IndexError(f"token id {bad} is outside the embedding's {self.rows:,} rows ({self.info.name})")
+        raw = torch.empty(len(ids) * self.row_bytes, dtype=torch.uint8)  # freed with the call: not held through a pass
+        listed = ids.tolist()
+        run_start = 0
+        for i in range(1, len(listed) + 1):  # one read per run of consecutive ids
+            if i == len(listed) or listed[i] != listed[i - 1] + 1:
+                self._read(raw[run_start * self.row_bytes:i * self.row_bytes], listed[run_start])
+                run_start = i
+        table = raw.view(self.source).view(len(listed), self.width).to(self.dtype, copy=True)
+        return table.to(self.device)
+
+    def buffer_bytes(self) -> int:
+        return self._staging.numel() if self._staging is not None else 0
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self._staging = None
+
+
+def placeholder(rows: int, width: int, *, device: torch.device, dtype: torch.dtype) -> torch.nn.Parameter:
+    """A matrix of the right shape, dtype and device holding one row of zeros: what stands for a streamed matrix
+    between passes (code that asks the model its device or dtype reads it; no forward computes from it)."""
+    return torch.nn.Parameter(torch.zeros(1, width, device=device, dtype=dtype).expand(rows, width),
+                              requires_grad=False)
+
+
+class GatheredEmbedding:
+    """Hooks on an embedding module: before it runs, its weight becomes the table of the call's distinct token ids
+    and the ids their places in it; after, the placeholder comes back."""
+
+    def __init__(self, module: torch.nn.Module, rows: MatrixRows):
+        self.module, self.rows = module, rows
+        self.placeholder = placeholder(rows.rows, rows.width, device=rows.device, dtype=rows.dtype)
+        module._parameters["weight"] = self.placeholder
+        self.handles = [module.register_forward_pre_hook(self._before, with_kwargs=True),
+                        module.register_forward_hook(self._after)]
+
+    def _before(self, module, args, kwargs):
+        ids = args[0] if args else next(iter(kwargs.values()))
+        distinct, places = torch.unique(ids, sorted=True, return_inverse=True)
+        table = self.rows.gather(distinct.cpu())  # [distinct ids, width]
+        module._parameters["weight"] = torch.nn.Parameter(table, requires_grad=False)
+        places = places.view(ids.shape)
+        if args:
+            return (places, *args[1:]), kwargs
+        return args, {**kwargs, next(iter(kwargs)): places}
+
+    def _after(self, module, args, output):
+        module._parameters["weight"] = self.placeholder
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class StreamedHead(torch.nn.Module):
+    """Stands in for the LM head module: logits = hidden @ weight.T (+ bias), the weight read a chunk at a time.
+
+    The micro-batches of one pass reach the head in turn (turns.LayerTurns, as at a decoder layer, with the head as
+    layer `turn`): each leaves its hidden states, and the last multiplies them all by one read of the head; the
+    others then take their logits in turn."""
+
+    def __init__(self, rows: MatrixRows, bias: torch.Tensor | None, turn: int,
+                 pass_group: Callable[[], PassGroup | None]):
+        super().__init__()
+        self.rows = rows
+        self.weight = placeholder(rows.rows, rows.width, device=rows.device, dtype=rows.dtype)
+        self.register_parameter("bias", bias)
+        self.turn, self.pass_group = turn, pass_group
+        self.chunk_rows = max(1, min(rows.rows, HEAD_CHUNK_BYTES // (rows.width * rows.dtype.itemsize)))
+        self._chunk: torch.Tensor | None = None
+        self._held: list[torch.Tensor] = []
+        self._logits: dict[int, torch.Tensor] = {}
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., width] -> [..., rows]
+        group = self.pass_group()
+        if group is None or group.turns.micro_batches == 1:
+            return self.logits([hidden])[0]
+        turns, micro, last = group.turns, group.micro, group.last_micro
+        turns.wait(self.turn, micro)
+        if micro == 0:
+            self._held, self._logits = [], {}  # a pass that failed halfway leaves nothing for this one
+        self._held.append(hidden)
+        if last:
+            self._logits = dict(enumerate(self.logits(self._held)))
+            self._held = []
+            turns.advance(self.turn, micro)
+            return self._logits.pop(micro)
+        turns.advance(self.turn, micro)
+        turns.wait(self.turn + 1, micro)  # the last micro-batch computes every one's logits
+        turns.advance(self.turn + 1, micro)
+        return self._logits.pop(micro)
+
+    def logits(self, hiddens: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each hidden state's logits, from one read of the head, chunk by chunk."""
+        outs = [hidden.new_empty(*hidden.shape[:-1], self.rows.rows) for hidden in hiddens]
+        for start in range(0, self.rows.rows, self.chunk_rows):
+            stop = min(self.rows.rows, start + self.chunk_rows)
+            weight = self.rows.read_rows(start, stop, self._chunk_buffer()[:stop - start])  # [chunk, width]
+            bias = self.bias[start:stop] if self.bias is not None else None
+            for hidden, out in zip(hiddens, outs):
+                out[..., start:stop] = torch.nn.functional.linear(hidden, weight, bias)
+        return outs
+
+    def _chunk_buffer(self) -> torch.Tensor:
+        if self._chunk is None:
+            self._chunk = torch.empty(self.chunk_rows, self.rows.width, dtype=self.rows.dtype, device=self.rows.device)
+        return self._chunk
+
+    def buffer_bytes(self) -> int:
+        chunk = self._chunk.numel() * self._chunk.element_size() if self._chunk is not None else 0
+        return chunk + self.rows.buffer_bytes()

@@ -1,0 +1,70 @@
+"""Where a streamed plan keeps the embedding and head (plan/weights.py, planner._placed_weights): held where they fit
+beside the batch the job wants, streamed where that carries more sequences a pass for the reads; the floor shown part
+by part."""
+from __future__ import annotations
+
+import pytest
+
+from batchrun.checkpoint.sizes import sizes_from_config
+from batchrun.plan import RowCost, format_plan_table
+from batchrun.plan.weights import token_matrix_placements
+from tests.support import GiB, plan
+
+MiB = 1 << 20
+# The 2.4 GB bfloat16 Llama-style checkpoint a user tried: 22 layers, hidden 2048, an untied 49,152-token vocabulary.
+LLAMA_2B_CONFIG = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32,
+                   "num_key_value_heads": 4, "num_hidden_layers": 22, "vocab_size": 49152,
+                   "max_position_embeddings": 2048, "tie_word_embeddings": False}
+LLAMA_2B = sizes_from_config(LLAMA_2B_CONFIG, "BF16")
+LLAMA_2B_TIED = sizes_from_config({**LLAMA_2B_CONFIG, "tie_word_embeddings": True}, "BF16")
+SHORT_ANSWERS = [RowCost(300, 8)] * 32  # the short-answer sweep: ~300 prompt tokens, 8 new tokens
+RUNTIME = 400 * MiB
+
+
+def test_a_budget_of_half_the_checkpoint_streams_the_embedding_and_head_to_carry_the_batch():
+    held = plan(LLAMA_2B, SHORT_ANSWERS, streaming="always", token_matrices="held", memory_budget_bytes=int(1.17e9),
+                runtime_overhead_bytes=RUNTIME)
+    auto = plan(LLAMA_2B, SHORT_ANSWERS, streaming="always", memory_budget_bytes=int(1.17e9),
+                runtime_overhead_bytes=RUNTIME)
+    matrix = 49152 * 2048 * 2  # one matrix at bfloat16: 192 MiB
+    assert dict(held.memory_floor)["embedding"] == dict(held.memory_floor)["head"] == matrix
+    assert auto.token_matrices == "streamed" and auto.fits
+    floor = dict(auto.memory_floor)
+    assert "embedding" not in floor and "head" not in floor
+    chunk_rows = (32 * MiB) // (2048 * 2)  # a 32 MiB chunk of head rows at the compute dtype
+    assert floor["head chunk"] == chunk_rows * 2048 * (2 + 2)  # the chunk and its read buffer
+    assert floor["runtime"] == RUNTIME
+    assert sum(floor.values()) == held.runtime_overhead_bytes + auto.weights_bytes
+    # the 384 MiB the matrices held buy sequences: at least 16 a pass against a handful
+    assert auto.batch_size >= 16 > held.batch_size
+    # every pass reads the head once more
+    layers_read = held.io_seconds_per_pass * held.read_bandwidth_bytes_per_s
+    assert auto.io_seconds_per_pass * auto.read_bandwidth_bytes_per_s == pytest.approx(layers_read + matrix)
+    assert "streamed: " in auto.token_matrices_reason and "held: " in auto.token_matrices_reason
+
+
+def test_a_roomy_budget_keeps_the_matrices_held_and_reads_only_the_layers():
+    candidate = plan(LLAMA_2B, SHORT_ANSWERS, streaming="always", memory_budget_bytes=8 * GiB,
+                     runtime_overhead_bytes=RUNTIME)
+    assert candidate.token_matrices == "held"  # every row fits a pass either way: the fewest reads win
+    assert candidate.batch_size == 32
+
+
+def test_a_tied_matrix_is_held_or_streamed_for_both_uses():
+    assert [p.word for p in token_matrix_placements(LLAMA_2B_TIED)] == ["held", "streamed"]
+    assert [p.word for p in token_matrix_placements(LLAMA_2B)] == ["held", "gathered", "streamed"]
+    assert [p.word for p in token_matrix_placements(LLAMA_2B_TIED, "gathered")] == ["held"]
+    candidate = plan(LLAMA_2B_TIED, SHORT_ANSWERS, streaming="always", token_matrices="streamed")
+    assert "embedding = head (tied)" not in dict(candidate.memory_floor)
+    assert "embedding = head (tied)" in dict(plan(LLAMA_2B_TIED, SHORT_ANSWERS, streaming="always",
+                                                  token_matrices="held").memory_floor)
+
+
+def test_the_plan_table_shows_the_floor_part_by_part():
+    candidate = plan(LLAMA_2B, SHORT_ANSWERS, streaming="always", memory_budget_bytes=int(1.17e9),
+                     runtime_overhead_bytes=RUNTIME)
+    text = format_plan_table(candidate.to_json())
+    floor_line = next(line for line in text.splitlines() if line.startswith("floor"))
+    assert "runtime 400 MiB" in floor_line and "head chunk 64.0 MiB" in floor_line and "2 layer slot(s)" in floor_line
+    assert "left for sequences" in floor_line
+    assert any(line.startswith("token matrices") and "streamed" in line for line in text.splitlines())
