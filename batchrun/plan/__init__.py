@@ -8,8 +8,8 @@ from batchrun.plan.candidate import Candidate
 from batchrun.plan.planner import make_plan, parse_streaming
 from batchrun.plan.records import Bandwidth, PlanRequest, Rates
 from batchrun.plan.refill import admit, shares_prefix
-from batchrun.plan.weights import TOKEN_MATRIX_CHOICES
+from batchrun.plan.weights import HEAD_CHUNK_BYTES, TOKEN_MATRIX_CHOICES
 
-__all__ = ["ATTENTION_CHUNK_BYTES", "Bandwidth", "TOKEN_MATRIX_CHOICES", "Candidate", "PlanRequest", "Rates", "RowCost", "admit",
+__all__ = ["ATTENTION_CHUNK_BYTES", "Bandwidth", "HEAD_CHUNK_BYTES", "TOKEN_MATRIX_CHOICES", "Candidate", "PlanRequest", "Rates", "RowCost", "admit",
            "format_bytes", "format_comparison", "format_duration", "format_plan_table", "make_plan", "parse_streaming",
            "prefill_groups", "shared_prefix_tokens", "shares_prefix", "windows_allow_sharing", "without_prefix"]

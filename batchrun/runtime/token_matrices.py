@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from batchrun.checkpoint import CheckpointError, TensorInfo
-from batchrun.plan.weights import HEAD_CHUNK_BYTES
+from batchrun.plan import HEAD_CHUNK_BYTES
 from batchrun.runtime.turns import PassGroup
 from batchrun.runtime.weights import SAFETENSORS_DTYPES, read_into
 

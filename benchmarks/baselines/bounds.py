@@ -53,6 +53,7 @@ class Strategy:
     batch_size: int
     share_prefix: bool
     streamed: bool
+    extra_pass_bytes: int = 0  # read each pass beside the decoder layers (a streamed LM head)
 
 
 def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
@@ -104,7 +105,7 @@ def strategy_bound(shape: ModelShape, prompts: Sequence[Sequence[int]], new_toke
     for start in range(0, len(prompts), strategy.batch_size):
         end = start + strategy.batch_size
         flops += batch_pass_flops(shape, prompts[start:end], new_tokens[start:end], strategy.share_prefix)
-    pass_bytes = shape.decoder_bytes if strategy.streamed else 0
+    pass_bytes = shape.decoder_bytes + strategy.extra_pass_bytes if strategy.streamed else 0
     pass_seconds = [max(pass_bytes / bandwidth, f / compute_rate) for f in flops]
     total_bytes = pass_bytes * len(flops)
     io, compute = total_bytes / bandwidth, sum(flops) / compute_rate
