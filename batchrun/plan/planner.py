@@ -104,6 +104,7 @@ class _Fixed:
     largest_row_bytes: int  # the sizing row that needs the most, alone
     placement: TokenMatrices = HELD  # where a streamed run keeps the embedding and head
     placement_reason: str = ""
+    packs_weights: bool = False  # a streamed run's long prefills multiply a packed copy of the layer
 
 
 @dataclass(frozen=True)
@@ -217,42 +218,64 @@ def _fixed_memory(job: _Job, sizing_rows: Sequence[RowCost]) -> _Fixed:
     resident_sum = (f"{resident.what} + runtime {format_bytes(overhead)} + largest row "
                     f"{format_bytes(largest_row_bytes)} = {format_bytes(resident_need)}")
     mode, reason = _choose_mode(job.policy, resident_need <= budget, resident_sum, budget)
-    weights, placement, placement_reason = resident, HELD, ""
     if mode == "streamed":
-        weights, placement, placement_reason = _placed_weights(job, sizing_rows, largest_row_bytes)
-    fixed = _Fixed(mode, reason, weights, weights.bytes + overhead, largest_row_bytes, placement, placement_reason)
+        placed, why = _placed_weights(job, sizing_rows, largest_row_bytes)
+        fixed = _Fixed(mode, reason, placed.weights, placed.weights.bytes + overhead, largest_row_bytes,
+                       placed.matrices, why, placed.packs)
+    else:
+        fixed = _Fixed(mode, reason, resident, resident.bytes + overhead, largest_row_bytes)
     _fit_blockers(job, fixed, resident_need, resident_sum, sizing_rows[largest_row].tokens())
     return fixed
 
 
-def _placed_weights(job: _Job, sizing_rows: Sequence[RowCost],
-                    largest_row_bytes: int) -> tuple[Weights, TokenMatrices, str]:
-    """A streamed run's weights with the embedding and head placed (weights.token_matrix_placements): of the
-    placements asked, the one whose passes read the fewest bytes per sequence they carry, the sequences a pass holds
-    being what the budget leaves beside that placement's weights (batch_limits, as _batches sizes them). A head held
-    reads nothing a pass but takes its matrix from the sequences; streamed, every pass reads it once more."""
+@dataclass(frozen=True)
+class _Placement:
+    """One way a streamed run may hold its weights, as _placed_weights weighs it."""
+    weights: Weights
+    matrices: TokenMatrices
+    packs: bool  # long prefills multiply a packed copy of the layer (one layer more)
+    sequences: int  # what a pass carries beside it; 0: not even one fits
+    read: int  # bytes a pass reads
+
+    @property
+    def read_per_sequence(self) -> float:
+        return self.read / self.sequences if self.sequences else math.inf
+
+    @property
+    def word(self) -> str:
+        return self.matrices.word + (" + packed layer" if self.packs else "")
+
+
+def _placed_weights(job: _Job, sizing_rows: Sequence[RowCost], largest_row_bytes: int) -> tuple[_Placement, str]:
+    """A streamed run's weights: where the embedding and head stay (weights.token_matrix_placements) and whether long
+    prefills pack a copy of the layer (measure.packs_weights). Of the ways asked, the one whose passes read the
+    fewest bytes per sequence they carry, the sequences a pass holds being what the budget leaves beside those
+    weights (batch_limits, as _batches sizes them): a head held reads nothing a pass but takes its matrix from the
+    sequences, streamed every pass reads it once more; a packed layer speeds long prefills where it costs no
+    sequence. Equals go to the fewer reads, then to packing."""
     sizes, request = job.sizes, job.request
     overhead = job.rates.runtime_overhead_bytes
     sizing_budget = int(request.memory_budget_bytes * (1 - MEMORY_HEADROOM_SHARE)) - _prefix_bytes(job)
     own_rows = [without_prefix(row, job.shared) for row in sizing_rows]
-    weighed = []
-    for placement in token_matrix_placements(sizes, request.token_matrices):
-        weights = streamed_weights(sizes, request.compute_dtype, request.prefetch, job.device,
-                                   request.prefetch_depth, job.rates.packs_weights, placement)
-        fits = weights.bytes + overhead + largest_row_bytes <= request.memory_budget_bytes
-        sequences = batch_limits(sizes, job.compute_bytes, job.device, own_rows,
-                                 sizing_budget - weights.bytes - overhead, request.batch_size)[0] if fits else 0
-        read = sizes.decoder_bytes + head_read_bytes(sizes, placement)
-        weighed.append((read / sequences if sequences else math.inf, weights, placement, sequences, read))
-    # The least read per sequence; where nothing fits, the leanest (the blocker shows the smallest floor).
-    fitting = [w for w in weighed if w[0] < math.inf]  # min keeps the first of equals: the fewer reads
-    _, weights, placement, sequences, read = min(fitting, key=lambda w: w[0]) if fitting else weighed[-1]
+    weighed: list[_Placement] = []
+    for matrices in token_matrix_placements(sizes, request.token_matrices):
+        for packs in ((True, False) if job.rates.packs_weights else (False,)):
+            weights = streamed_weights(sizes, request.compute_dtype, request.prefetch, job.device,
+                                       request.prefetch_depth, packs, matrices)
+            fits = weights.bytes + overhead + largest_row_bytes <= request.memory_budget_bytes
+            sequences = batch_limits(sizes, job.compute_bytes, job.device, own_rows,
+                                     sizing_budget - weights.bytes - overhead, request.batch_size)[0] if fits else 0
+            weighed.append(_Placement(weights, matrices, packs, sequences,
+                                      sizes.decoder_bytes + head_read_bytes(sizes, matrices)))
+    fitting = [w for w in weighed if w.sequences]
+    # min keeps the first of equals; where nothing fits, the leanest (the blocker shows the smallest floor)
+    chosen = min(fitting, key=lambda w: w.read_per_sequence) if fitting else weighed[-1]
     if len(weighed) == 1:
-        return weights, placement, f"{placement.word} (asked)"
-    others = "; ".join(f"{p.word}: {n} a pass reading {format_bytes(r)}" for _, _, p, n, r in weighed
-                       if p != placement)
-    return weights, placement, (f"{placement.word}: {sequences} sequence(s) a pass reading {format_bytes(read)} "
-                                f"({others})")
+        return chosen, f"{chosen.word} (asked)"
+    others = "; ".join(f"{w.word}: {w.sequences} a pass reading {format_bytes(w.read)}" for w in weighed
+                       if w is not chosen)
+    return chosen, (f"{chosen.word}: {chosen.sequences} sequence(s) a pass reading {format_bytes(chosen.read)} "
+                    f"({others})")
 
 
 def _fit_blockers(job: _Job, fixed: _Fixed, resident_need: int, resident_sum: str, largest_row_tokens: int) -> None:
@@ -578,7 +601,7 @@ def _candidate(job: _Job, fixed: _Fixed, batching: _Batching, schedule: _Schedul
         decode_micro_batch_size=peak.calls.decode_group, windows_as_full=schedule.windows_as_full,
         prefetch_depth=peak.read_ahead,
         decode_in_place=job.decode_in_place, decode_prefetch_depth=peak.decode_depth,
-        pass_seconds=timeline.pass_seconds, packs_weights=rates.packs_weights and fixed.mode == "streamed",
+        pass_seconds=timeline.pass_seconds, packs_weights=fixed.packs_weights,
         pass_bound_seconds=request.pass_seconds,
         longest_pass_seconds=max(timeline.pass_seconds) if timeline.known and timeline.pass_seconds else None,
         unbounded_passes=bound.unbounded_passes if bounded else None,

@@ -68,3 +68,13 @@ def test_the_plan_table_shows_the_floor_part_by_part():
     assert "runtime 400 MiB" in floor_line and "head chunk 64.0 MiB" in floor_line and "2 layer slot(s)" in floor_line
     assert "left for sequences" in floor_line
     assert any(line.startswith("token matrices") and "streamed" in line for line in text.splitlines())
+
+
+def test_a_packed_layer_is_kept_only_where_it_costs_no_sequence():
+    tight = plan(LLAMA_2B, SHORT_ANSWERS, streaming="always", memory_budget_bytes=int(1.17e9),
+                 runtime_overhead_bytes=RUNTIME, packs_weights=True)
+    roomy = plan(LLAMA_2B, SHORT_ANSWERS, streaming="always", memory_budget_bytes=8 * GiB,
+                 runtime_overhead_bytes=RUNTIME, packs_weights=True)
+    assert not tight.packs_weights and "packed layer" not in dict(tight.memory_floor)
+    assert roomy.packs_weights and dict(roomy.memory_floor)["packed layer"] == dict(roomy.memory_floor)[
+        "2 layer slot(s)"] // 2
