@@ -13,7 +13,20 @@ def load_tokenizer(checkpoint: Path, trust_remote_code: bool = False):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+    _drop_build_copies(tokenizer)
+    return tokenizer
+
+
+def _drop_build_copies(tokenizer) -> None:
+    """transformers keeps the vocabulary and merges it built the Rust tokenizer from as Python objects, which
+    encoding, decoding and chat templates never read again (they use the Rust tokenizer): Gemma 3's 262k vocabulary
+    held 570 MB loaded, 369 MB without them once the heap gave the freed pages back (the caller trims it)."""
+    if getattr(tokenizer, "_tokenizer", None) is None:  # a slow (Python) tokenizer encodes from its own tables
+        return
+    for name in ("_vocab", "_merges"):
+        if isinstance(getattr(tokenizer, name, None), (dict, list)):
+            setattr(tokenizer, name, None)
 
 
 class TokenizerOnDemand:

@@ -60,17 +60,18 @@ _resident_after_trim = 0  # process-wide: layer turns run one at a time
 _keep_below: int | None = None  # see keep_freed_pages_below
 
 
-def return_freed_memory() -> None:
+def return_freed_memory(always: bool = False) -> None:
     """Give the heap's free pages back to the kernel (glibc's malloc_trim walks the holes too, not just the top):
     what one layer turn freed does not stay resident beside the next one. Skipped while the process has grown by
-    less than TRIM_AFTER_GROWTH_BYTES since the last trim, or holds no more than keep_freed_pages_below allows."""
+    less than TRIM_AFTER_GROWTH_BYTES since the last trim, or holds no more than keep_freed_pages_below allows, unless
+    `always` (a one-off that freed much: loading a tokenizer)."""
     global _resident_after_trim
     libc = glibc()
     if libc is None:
         return
     resident = resident_bytes()
-    if resident is not None and (resident < _resident_after_trim + TRIM_AFTER_GROWTH_BYTES
-                                 or (_keep_below is not None and resident <= _keep_below)):
+    if not always and resident is not None and (resident < _resident_after_trim + TRIM_AFTER_GROWTH_BYTES
+                                                or (_keep_below is not None and resident <= _keep_below)):
         return
     libc.malloc_trim(0)
     _resident_after_trim = resident_bytes() or 0

@@ -4,6 +4,7 @@ Shared by `batchrun plan` (which stops here) and `batchrun submit`. No torch at 
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -15,7 +16,7 @@ from batchrun import measure
 from batchrun.checkpoint import (DEFAULT_REGISTRY_MODEL, CheckpointError, CheckpointSizes, checkpoint_sizes,
                                  default_model, load_config, load_tokenizer, registry_label, resolve_checkpoint)
 from batchrun.host import (anonymous_resident_bytes, auto_compute_dtype, available_memory_bytes, cpu_auto_reason,
-                           disk_free_bytes, resident_bytes)
+                           disk_free_bytes, resident_bytes, return_freed_memory)
 from batchrun.job.identity import fingerprint, model_digest, model_identity_parts, one_row_per_key, row_keys
 from batchrun.job.models import kept_model_bytes
 from batchrun.job.options import JobOptions
@@ -84,10 +85,12 @@ def prepare_model(model: str | None, options: JobOptions) -> PreparedModel:
     import transformers.models.auto.tokenization_auto  # noqa: F401
     before = resident_bytes()
     tokenizer = load_tokenizer(checkpoint, options.trust_remote_code)
+    gc.collect()  # what building it freed (the parsed tokenizer.json: ~200 MB for Gemma 3) goes back to the kernel
+    return_freed_memory(always=True)
     after = resident_bytes()
     if tokenizer is None:
         raise CheckpointError(f"{checkpoint}: the checkpoint ships no tokenizer, so text prompts cannot be encoded")
-    # A 262k-entry vocabulary (Gemma) holds ~310 MB, SmolLM2's ~50 MB: part of the run's fixed cost.
+    # A 262k-entry vocabulary (Gemma 3) holds ~310 MB, SmolLM2's ~50 MB: part of the run's fixed cost.
     tokenizer_bytes = max(after - before, 0) if before is not None and after is not None else 0
     return PreparedModel(model_label(model), checkpoint, sizes, tokenizer, sizes.max_position_embeddings,
                          tokenizer_bytes, *_decode_attention(checkpoint, options))
@@ -213,6 +216,7 @@ def machine_rates(prepared: PreparedModel, options: JobOptions, compute_dtype: s
         memory_bytes_per_s=measure.memory_read_rate(compute_dtype, device),
         disk_free_bytes=disk_free_bytes(prepared.checkpoint),
         runtime_overhead_bytes=measure.runtime_overhead_bytes() + prepared.tokenizer_bytes,
+        tokenizer_bytes=prepared.tokenizer_bytes,
         decode_rates=_decode_rates(prepared.sizes, compute_dtype, device, costs),
         packs_weights=measure.packs_weights(compute_dtype, device),
         layer_call_seconds=measure.layer_call_seconds(device), compute_threads=measure.compute_threads())

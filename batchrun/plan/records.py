@@ -62,3 +62,4 @@ class Rates:
     compute_threads: int = 1
     packs_weights: bool = False
     disk_free_bytes: int | None = None
+    tokenizer_bytes: int = 0  # the tokenizer's part of runtime_overhead_bytes
