@@ -215,7 +215,7 @@ def machine_rates(prepared: PreparedModel, options: JobOptions, compute_dtype: s
         compute_flops_per_s=measure.compute_rate(compute_dtype, device),
         memory_bytes_per_s=measure.memory_read_rate(compute_dtype, device),
         disk_free_bytes=disk_free_bytes(prepared.checkpoint),
-        runtime_overhead_bytes=measure.runtime_overhead_bytes() + prepared.tokenizer_bytes,
+        runtime_overhead_bytes=measure.runtime_overhead_bytes(compute_dtype) + prepared.tokenizer_bytes,
         tokenizer_bytes=prepared.tokenizer_bytes,
         decode_rates=_decode_rates(prepared.sizes, compute_dtype, device, costs),
         packs_weights=measure.packs_weights(compute_dtype, device),

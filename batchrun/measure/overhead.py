@@ -15,9 +15,20 @@ RUNTIME_OVERHEAD_FALLBACK_BYTES = 700 << 20
 
 
 # What a run holds before its first weight: everything the executor imports, torch's kernels and thread pools
-# warmed by a forward pass (with KV cache) of a model too small to count, and oneDNN's and ideep's kernel caches
-# filled to their caps (native_env) as a long run fills them, one matmul shape at a time.
+# warmed by a forward pass (with KV cache) of a model too small to count, and the kernel caches of its dtype's
+# linears filled to their caps (native_env) as a long run fills them, one matmul shape at a time: oneDNN's for
+# float32 linears, ideep's for half-precision ones. Each cache's growth is printed apart: a run fills only its own
+# (measured on a 2-core EPYC: ~45 MB each).
 _RUNTIME_PROBE = (
+    "def peak():\n"
+    # VmHWM belongs to this process's own address space; ru_maxrss would carry over the parent's peak across
+    # fork + exec (Linux keeps it), e.g. a parent that has just converted the default model.
+    "    try:\n"
+    "        hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
+    "        return int(hwm.split()[1]) * 1024\n"
+    "    except (OSError, IndexError):\n"
+    "        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+    "        return maxrss if sys.platform == 'darwin' else maxrss * 1024\n"  # macOS reports bytes, Linux KiB
     "import time\n"
     "began = time.perf_counter()\n"
     "import resource, sys, torch\n"
@@ -31,28 +42,28 @@ _RUNTIME_PROBE = (
     "with torch.inference_mode():\n"
     "    LlamaForCausalLM(config).eval()(input_ids=torch.ones((2, 64), dtype=torch.long), use_cache=True)\n"
     "    weight, onednn = torch.randn(512, 512), onednn_available()\n"
+    "    warmed = peak()\n"
     "    for rows in range(1, 2 * KERNEL_CACHE_CAPACITY + 1):\n"
     "        if onednn:\n"
     "            torch.ops.mkldnn._linear_pointwise(torch.randn(rows, 512), weight, None, 'none', [], '')\n"
+    "    full_width = peak()\n"
+    "    for rows in range(1, 2 * KERNEL_CACHE_CAPACITY + 1):\n"
     "        torch.nn.functional.linear(torch.randn(rows, 512, dtype=torch.bfloat16), weight.bfloat16())\n"
-    # VmHWM belongs to this process's own address space; ru_maxrss would carry over the parent's peak across
-    # fork + exec (Linux keeps it), e.g. a parent that has just converted the default model.
-    "try:\n"
-    "    hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
-    "    peak = int(hwm.split()[1]) * 1024\n"
-    "except (OSError, IndexError):\n"
-    "    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-    "    peak = peak if sys.platform == 'darwin' else peak * 1024\n"  # macOS reports bytes, Linux KiB
-    "print(peak, imported)\n"
+    "print(peak(), imported, full_width - warmed, peak() - full_width)\n"
 )
 
 
-def runtime_overhead_bytes() -> int:
+def runtime_overhead_bytes(compute_dtype: str | None = None) -> int:
     """Peak resident memory of a fresh Python that imported torch and transformers' model code: what a run costs
     before any weight. Measured once per interpreter in a subprocess; RUNTIME_OVERHEAD_FALLBACK_BYTES if the
-    probe fails."""
+    probe fails. `compute_dtype`: a run computing in it fills only its own linears' kernel cache, so the other's
+    is left out (None: both counted)."""
     entry = _runtime_probe()
-    return entry["bytes"] if entry else RUNTIME_OVERHEAD_FALLBACK_BYTES
+    if not entry:
+        return RUNTIME_OVERHEAD_FALLBACK_BYTES
+    other_cache = {"float32": "half_kernel_bytes", "bfloat16": "float32_kernel_bytes",
+                   "float16": "float32_kernel_bytes"}.get(compute_dtype or "")
+    return entry["bytes"] - entry.get(other_cache, 0) if other_cache else entry["bytes"]
 
 
 def runtime_import_seconds() -> float | None:
@@ -69,8 +80,10 @@ def _runtime_probe() -> dict | None:
     try:
         probe = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE], capture_output=True, text=True,
                                timeout=300, check=True)
-        peak, imported = probe.stdout.split()[-2:]
+        peak, imported, *caches = probe.stdout.split()
         entry = {"bytes": int(peak), "import_seconds": float(imported), "probe": _probe_digest()}
+        if len(caches) == 2:
+            entry.update(float32_kernel_bytes=max(int(caches[0]), 0), half_kernel_bytes=max(int(caches[1]), 0))
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
     store("runtime_overhead", sys.executable, entry)

@@ -70,8 +70,8 @@ def head_read_bytes(sizes: CheckpointSizes, placement: TokenMatrices) -> int:
     return token_matrix_bytes(sizes) if placement.stream_head else 0
 
 
-def _token_matrix_parts(sizes: CheckpointSizes, compute_dtype: str,
-                        placement: TokenMatrices) -> list[tuple[str, int]]:
+def _token_matrix_parts(sizes: CheckpointSizes, compute_dtype: str, placement: TokenMatrices,
+                        device: str) -> list[tuple[str, int]]:
     """What the token matrices hold in a streamed run, part by part: each matrix held at the compute dtype, or a
     streamed head's chunk and its read buffer (as stored); other tensors outside the layers (final norm, biases)."""
     compute_bytes = COMPUTE_BYTES[compute_dtype]
@@ -88,9 +88,13 @@ def _token_matrix_parts(sizes: CheckpointSizes, compute_dtype: str,
         if not placement.stream_head:
             parts.append(("head", matrix * compute_bytes))
     if placement.stream_head:
-        chunk_rows = min(sizes.vocab_size, max(1, HEAD_CHUNK_BYTES // (sizes.hidden_size * compute_bytes)))
+        # a chunk no larger than a layer; stored at another dtype (or bound for an accelerator) it is read into a
+        # buffer of its own first
+        chunk_bytes = min(HEAD_CHUNK_BYTES, layer_slot_bytes(sizes, compute_dtype))
+        chunk_rows = min(sizes.vocab_size, max(1, chunk_bytes // (sizes.hidden_size * compute_bytes)))
         stored_bytes = DTYPE_BITS.get(sizes.storage_dtype, 16) // 8
-        parts.append(("head chunk", chunk_rows * sizes.hidden_size * (compute_bytes + stored_bytes)))
+        read_buffer = stored_bytes if stored_bytes != compute_bytes or not on_host(device) else 0
+        parts.append(("head chunk", chunk_rows * sizes.hidden_size * (compute_bytes + read_buffer)))
     if other:
         parts.append(("other non-decoder", other))
     return parts
@@ -105,7 +109,7 @@ def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool,
                      prefetch_depth: int = 1, packs_weights: bool = False,
                      placement: TokenMatrices = HELD) -> Weights:
     slots = prefetch_depth + 1 if prefetch else 1  # the layer computing + those being read ahead
-    outside = _token_matrix_parts(sizes, compute_dtype, placement)
+    outside = _token_matrix_parts(sizes, compute_dtype, placement, device)
     layer_slots = layer_slot_bytes(sizes, compute_dtype) * slots
     # On the host a tensor is read straight into its slot, a narrower one widened there (bf16 -> float32); a raw read
     # buffer (loads take turns, so one) serves a narrowing cast and experts fused at load time. An accelerator's read

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from batchrun.checkpoint import (CheckpointError, TokenizerOnDemand, load_config, read_tensor_infos, resolve_checkpoint,
                                  storage_dtype)
 from batchrun.host import faults, keep_heap_flat, return_freed_memory
+from batchrun.plan import HEAD_CHUNK_BYTES
 from batchrun.runtime.devices import default_device, resolve_dtype
 from batchrun.runtime.linear_kernels import (PACK_MIN_ROWS, drop_packed_weights, pack_weights, packing_available,
                                              route_linears, routed_weight_names, sharing_tiles)
@@ -188,7 +189,10 @@ class StreamedModel(TokenizerOnDemand):
             self._gathered = GatheredEmbedding(embedding, rows_of(embed_recipe))
         if stream_head:
             self._head_path = names[head]
-            self._head = StreamedHead(rows_of(head_recipe), None, self.num_layers, lambda: self._group)
+            # a chunk no larger than a decoder layer: the head never sets the run's floor
+            layer_bytes = max(sum(p.numel() for p in layer.parameters()) for layer in self.layers) * self.dtype.itemsize
+            self._head = StreamedHead(rows_of(head_recipe), None, self.num_layers, lambda: self._group,
+                                      chunk_bytes=min(HEAD_CHUNK_BYTES, layer_bytes))
         self._matrix_rows = list(matrix_rows.values())
         streamed = {embed_target if gather else None, head_target if stream_head else None}
         return [recipe for recipe in recipes if recipe.target not in streamed]

@@ -3,7 +3,7 @@
 A pass embeds only the tokens it carries: their rows are gathered from the shard by token id (one positional read
 per run of consecutive ids), and the small table they make stands in for the embedding while the embedding runs.
 The head multiplies every row of its matrix once a pass: its rows are read a chunk at a time (HEAD_CHUNK_BYTES at
-the compute dtype) into one reused buffer, and each chunk's logits are computed as it lands, for every micro-batch of
+the compute dtype, or a decoder layer's size where that is smaller) into one reused buffer, and each chunk's logits are computed as it lands, for every micro-batch of
 the pass at once. A tied checkpoint's one matrix serves both. The embedding table of a pass is the size of one
 hidden state of its tokens; the head holds a chunk and its read buffer; neither holds the vocabulary.
 """
@@ -50,10 +50,15 @@ class MatrixRows:
         self.bytes_read += raw.numel()
 
     def read_rows(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
-        """Rows start..stop into `out` ([stop - start, width] at the compute dtype), the pages handed back after."""
-        raw = self._raw(stop - start)
-        self._read(raw, start)
-        out.copy_(raw.view(self.source).view(stop - start, self.width))
+        """Rows start..stop into `out` ([stop - start, width] at the compute dtype, contiguous), the pages handed back
+        after. Stored at the compute dtype on the host, they are read straight into `out`."""
+        if out.dtype == self.source and out.device.type == "cpu":
+            raw = out.view(-1).view(torch.uint8)
+            self._read(raw, start)
+        else:
+            raw = self._raw(stop - start)
+            self._read(raw, start)
+            out.copy_(raw.view(self.source).view(stop - start, self.width))
         if self.drop_page_cache:  # the head is read whole every pass, like a layer: it does not stay in the cache
             os.posix_fadvise(self.fd, self.info.offset + start * self.row_bytes, raw.numel(), os.POSIX_FADV_DONTNEED)
         return out
@@ -128,13 +133,13 @@ class StreamedHead(torch.nn.Module):
     others then take their logits in turn."""
 
     def __init__(self, rows: MatrixRows, bias: torch.Tensor | None, turn: int,
-                 pass_group: Callable[[], PassGroup | None]):
+                 pass_group: Callable[[], PassGroup | None], chunk_bytes: int = HEAD_CHUNK_BYTES):
         super().__init__()
         self.rows = rows
         self.weight = placeholder(rows.rows, rows.width, device=rows.device, dtype=rows.dtype)
         self.register_parameter("bias", bias)
         self.turn, self.pass_group = turn, pass_group
-        self.chunk_rows = max(1, min(rows.rows, HEAD_CHUNK_BYTES // (rows.width * rows.dtype.itemsize)))
+        self.chunk_rows = max(1, min(rows.rows, chunk_bytes // (rows.width * rows.dtype.itemsize)))
         self._chunk: torch.Tensor | None = None
         self._held: list[torch.Tensor] = []
         self._logits: dict[int, torch.Tensor] = {}

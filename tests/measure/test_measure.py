@@ -201,6 +201,22 @@ def test_a_runtime_overhead_measured_by_an_older_probe_is_measured_again(monkeyp
     assert cached_measurements()["runtime_overhead"][sys.executable]["bytes"] == 456789
 
 
+def test_a_run_counts_only_the_kernel_cache_of_its_own_dtype(monkeypatch):
+    """The probe fills float32 (oneDNN) and half-precision (ideep) linear kernel caches and prints each one's growth:
+    a run of one dtype fills only its own."""
+    monkeypatch.setattr(overhead.subprocess, "run",
+                        lambda *a, **k: type("Done", (), {"stdout": "500000000 3.0 50000000 45000000\n"})())
+    assert measure.runtime_overhead_bytes() == 500_000_000
+    assert measure.runtime_overhead_bytes("float32") == 455_000_000
+    assert measure.runtime_overhead_bytes("bfloat16") == measure.runtime_overhead_bytes("float16") == 450_000_000
+
+
+def test_the_probe_measures_both_kernel_caches_apart():
+    measure.runtime_overhead_bytes()
+    entry = cached_measurements()["runtime_overhead"][sys.executable]
+    assert 0 <= entry["float32_kernel_bytes"] < entry["bytes"] and 0 < entry["half_kernel_bytes"] < entry["bytes"]
+
+
 def test_runtime_overhead_falls_back_to_the_labelled_constant_when_the_probe_fails(monkeypatch):
     monkeypatch.setattr(overhead, "_RUNTIME_PROBE", "raise SystemExit(3)")
     assert measure.runtime_overhead_bytes() == overhead.RUNTIME_OVERHEAD_FALLBACK_BYTES

@@ -32,7 +32,7 @@ def test_a_budget_of_half_the_checkpoint_streams_the_embedding_and_head_to_carry
     floor = dict(auto.memory_floor)
     assert "embedding" not in floor and "head" not in floor
     chunk_rows = (32 * MiB) // (2048 * 2)  # a 32 MiB chunk of head rows at the compute dtype
-    assert floor["head chunk"] == chunk_rows * 2048 * (2 + 2)  # the chunk and its read buffer
+    assert floor["head chunk"] == chunk_rows * 2048 * 2  # stored at the compute dtype: read straight into the chunk
     assert floor["runtime"] == RUNTIME
     assert sum(floor.values()) == held.runtime_overhead_bytes + auto.weights_bytes
     # the 384 MiB the matrices held buy sequences: at least 16 a pass against a handful
@@ -65,7 +65,7 @@ def test_the_plan_table_shows_the_floor_part_by_part():
                      runtime_overhead_bytes=RUNTIME)
     text = format_plan_table(candidate.to_json())
     floor_line = next(line for line in text.splitlines() if line.startswith("floor"))
-    assert "runtime 400 MiB" in floor_line and "head chunk 64.0 MiB" in floor_line and "2 layer slot(s)" in floor_line
+    assert "runtime 400 MiB" in floor_line and "head chunk 32.0 MiB" in floor_line and "2 layer slot(s)" in floor_line
     assert "left for sequences" in floor_line
     assert any(line.startswith("token matrices") and "streamed" in line for line in text.splitlines())
 
@@ -78,3 +78,15 @@ def test_a_packed_layer_is_kept_only_where_it_costs_no_sequence():
     assert not tight.packs_weights and "packed layer" not in dict(tight.memory_floor)
     assert roomy.packs_weights and dict(roomy.memory_floor)["packed layer"] == dict(roomy.memory_floor)[
         "2 layer slot(s)"] // 2
+
+
+def test_a_head_stored_narrower_than_it_computes_needs_a_read_buffer_and_a_chunk_is_never_larger_than_a_layer():
+    widened = plan(LLAMA_2B, SHORT_ANSWERS, streaming="always", token_matrices="streamed", compute_dtype="float32")
+    chunk_rows = (32 * MiB) // (2048 * 4)
+    assert dict(widened.memory_floor)["head chunk"] == chunk_rows * 2048 * (4 + 2)  # float32 chunk + bf16 read
+    small_layers = sizes_from_config({**LLAMA_2B_CONFIG, "intermediate_size": 256, "num_key_value_heads": 1,
+                                      "num_attention_heads": 1, "hidden_size": 1024}, "BF16")
+    layer = small_layers.largest_layer_params * 2
+    assert layer < 32 * MiB
+    small = plan(small_layers, SHORT_ANSWERS, streaming="always", token_matrices="streamed")
+    assert dict(small.memory_floor)["head chunk"] == layer // (1024 * 2) * 1024 * 2

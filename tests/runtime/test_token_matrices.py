@@ -8,7 +8,7 @@ import torch
 
 from batchrun import StreamedModel
 from batchrun.checkpoint import read_tensor_infos
-from batchrun.runtime import LayerReads
+from batchrun.runtime import LayerReads, stream
 from tests.support import STREAM_TOLERANCE, in_memory_logits, in_memory_model, sample_ids
 from tests.tiny_models import TINY_ARCHS
 
@@ -96,4 +96,15 @@ def test_bfloat16_checkpoint_streams_its_head_in_float32_exactly(tmp_path, tiny_
     path = bfloat16_copy(tiny_checkpoint("llama"), tmp_path)
     ids, expected = in_memory_logits(path)
     with StreamedModel(path, device="cpu", dtype=torch.float32, reads=PLACEMENTS["streamed"]) as streamed:
+        assert (streamed(ids).logits - expected).abs().max().item() <= STREAM_TOLERANCE
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_head_read_in_many_chunks_gives_the_same_logits(tiny_checkpoint, monkeypatch, arch):
+    monkeypatch.setattr(stream, "HEAD_CHUNK_BYTES", 4096)  # 16 rows of a 64-wide float32 head a chunk
+    path = tiny_checkpoint(arch)
+    ids, expected = in_memory_logits(path)
+    with StreamedModel(path, device="cpu", dtype=torch.float32, reads=PLACEMENTS["streamed"]) as streamed:
+        head = streamed.model.get_output_embeddings()
+        assert head.chunk_rows == 16 and head.rows.rows > 16 * 10
         assert (streamed(ids).logits - expected).abs().max().item() <= STREAM_TOLERANCE
