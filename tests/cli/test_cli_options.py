@@ -117,6 +117,19 @@ def test_a_deeper_read_ahead_is_planned_and_run_with_the_same_answers(tmp_path, 
     assert_same_answers(answers, plain)
 
 
+def test_token_matrices_streamed_is_planned_and_run_with_the_same_answers(tmp_path, spec, model, opened):
+    _, plain = run(spec, model, tmp_path, "plain", "--streaming", "always", "--token-matrices", "held")
+    result, answers = run(spec, model, tmp_path, "streamed", "--streaming", "always", "--token-matrices", "streamed")
+    assert re.search(r"^token matrices\s+streamed \(asked\)", result.stderr, re.M), result.stderr
+    floor = re.search(r"^floor\s+(.*)$", result.stderr, re.M).group(1)
+    assert "head chunk" in floor and "embedding" not in floor
+    handle = opened[-1]
+    assert handle._head is not None and handle._gathered is not None  # neither matrix held
+    assert_same_answers(answers, plain)
+    refused = invoke("plan", spec, "--model", model, "--token-matrices", "some")
+    assert refused.exit_code == 2 and "--token-matrices" in refused.output
+
+
 def test_micro_batch_one_prefills_each_sequence_in_its_own_forward_call_with_the_same_answers(tmp_path, spec, model,
                                                                                                monkeypatch):
     """--micro-batch sets the sequences per prefill (and choice scoring) call; decode steps, one token per sequence,
