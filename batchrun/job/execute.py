@@ -23,7 +23,7 @@ from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_cho
                                   prepare_job, row_costs)
 from batchrun.job.models import ModelKey, kept_models
 from batchrun.job.progress import BAR_FORMAT, RunProgress
-from batchrun.measure import judge_compute_rate
+from batchrun.measure import judge_compute_rate, judge_runtime_overhead
 from batchrun.output import (JobAnswers, OutputError, OutputExists, check_output_writable, default_output_path,
                              describe_calibration, job_answers, job_provenance, output_format, quality,
                              write_results)
@@ -360,10 +360,13 @@ class _Commits:
         planned = self.plan.pass_seconds
         number = len(self.pass_seconds)
         planned_seconds = planned[number - 1] if number <= len(planned) else None
+        peak = self._peak_memory_bytes()
         self.store.record_pass(self.job_id, seconds=seconds, rows_finished=rows,
-                               peak_memory_bytes=self._peak_memory_bytes(), planned_seconds=planned_seconds)
+                               peak_memory_bytes=peak, planned_seconds=planned_seconds)
         self.progress.committed(rows)
         self._judge_compute_rate(seconds, planned_seconds)
+        if number == 1 and peak and not self.plan.device.startswith("cuda"):  # the host's runtime, once a run
+            judge_runtime_overhead(peak, self.plan.peak_memory_bytes, job=self.job_id)
 
     def _judge_compute_rate(self, seconds: float, planned: float | None) -> None:
         """A resident choice pass is all prefill compute, priced at the cached compute rate: the run's first long one

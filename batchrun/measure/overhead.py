@@ -4,11 +4,19 @@ per interpreter in a fresh process.
 from __future__ import annotations
 
 import hashlib
+import logging
 import subprocess
 import sys
 
-from batchrun.measure.cache import cached, store
 
+from batchrun.measure.cache import cached, dispute, store
+
+log = logging.getLogger(__name__)
+
+# A run whose first pass peaks this many times over its plan disputes the cached runtime figure: the plan counted
+# too little somewhere, and the runtime, measured once and cached for good, is the part a changed machine (a
+# library upgraded in place, other native settings) can leave wrong without anything noticing.
+PEAK_DISPUTED_BEYOND = 1.25
 # Used only when the probe below cannot run: resident set of a CPU process that imported torch and
 # transformers' model code, rounded up.
 RUNTIME_OVERHEAD_FALLBACK_BYTES = 700 << 20
@@ -71,6 +79,20 @@ def runtime_import_seconds() -> float | None:
     the start of every `batchrun submit`, which a small job's ETA must count. None if the probe fails."""
     entry = _runtime_probe()
     return entry.get("import_seconds") if entry else None
+
+
+def judge_runtime_overhead(peak_bytes: int, planned_bytes: int, *, job: str) -> bool:
+    """A run's first pass peaked at `peak_bytes` where the plan said `planned_bytes`: beyond PEAK_DISPUTED_BEYOND the
+    cached runtime figure is disputed and the next plan probes it again (a probe that agrees changes nothing).
+    Returns whether it was disputed."""
+    if peak_bytes <= planned_bytes * PEAK_DISPUTED_BEYOND:
+        return False
+    evidence = {"job": job, "peak_bytes": peak_bytes, "planned_peak_bytes": planned_bytes}
+    disputed = dispute("runtime_overhead", sys.executable, evidence)
+    if disputed:
+        log.info("the first pass peaked at %d MB where the plan said %d MB: the runtime's memory is measured again "
+                 "at the next plan", peak_bytes // 10**6, planned_bytes // 10**6)
+    return disputed
 
 
 def _runtime_probe() -> dict | None:

@@ -104,9 +104,6 @@ class StreamedModel(TokenizerOnDemand):
         route_linears(self.model, "aten")  # routed linears take a weight a decode pass leaves narrow (run_pass)
         recipes = build_recipes(self.model, infos)
         layer_recipes, resident = self._split_recipes(recipes)
-        self._gathered: GatheredEmbedding | None = None
-        self._head: StreamedHead | None = None
-        self._matrix_rows: list[MatrixRows] = []
         self._load_resident(self._stream_token_matrices(resident, reads))
         self._meta_params = [{name: p for name, p in layer.named_parameters()} for layer in self.layers]
         self._check_layers_covered(layer_recipes)
@@ -164,6 +161,9 @@ class StreamedModel(TokenizerOnDemand):
     def _stream_token_matrices(self, recipes: list[Recipe], reads: LayerReads) -> list[Recipe]:
         """Those of `recipes` that stay resident: the embedding and head as `reads` says are read as passes need
         them instead (token_matrices.py), hooked in here."""
+        self._gathered: GatheredEmbedding | None = None
+        self._head: StreamedHead | None = None
+        self._matrix_rows: list[MatrixRows] = []
         embedding, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         names = {module: name for name, module in self.model.named_modules()}
         embed_target, head_target = f"{names[embedding]}.weight", f"{names[head]}.weight" if head is not None else None

@@ -49,7 +49,9 @@ def test_a_run_loads_the_tokenizer_once_and_plans_for_its_memory(tmp_path, tiny_
                      options=JobOptions(model=str(tiny_checkpoint("llama")), streaming=streaming),
                      on_plan=planned.append)
     assert summary.rows_done == len(REVIEWS)
-    assert planned[0].runtime_overhead_bytes >= (300 << 20) + prepare.measure.runtime_overhead_bytes()
+    runtime = prepare.measure.runtime_overhead_bytes(planned[0].compute_dtype)
+    assert planned[0].runtime_overhead_bytes == (300 << 20) + runtime
+    assert dict(planned[0].memory_floor)["tokenizer"] == 300 << 20
 
 
 def test_an_unreadable_generation_config_is_skipped_in_both_modes(tmp_path, tiny_checkpoint, caplog):
@@ -176,6 +178,26 @@ def test_a_job_none_of_whose_rows_can_run_is_refused_naming_why(tmp_path, tiny_c
         submit(spec, options=options, output=tmp_path / "o.parquet", db=tmp_path / "j.db")
     assert not (tmp_path / "o.parquet").exists()
     assert "indexing errors" not in capfd.readouterr().err
+
+
+def test_a_run_peaking_far_over_its_plan_has_the_runtimes_memory_measured_again(tmp_path, tiny_checkpoint):
+    """A runtime figure cached too low (a library upgraded in place, say) leaves every plan short: the run's first
+    pass, peaking over 1.25x the plan, marks it disputed, and the next plan probes it again."""
+    import sys
+
+    from batchrun import measure
+    from batchrun.measure import cache
+    from tests.support import choice_spec
+
+    entry = cache.cached("runtime_overhead", sys.executable)
+    cache.store("runtime_overhead", sys.executable, {**entry, "bytes": 1 << 20})  # 1 MiB: far too little
+    planned = []
+    run_job(choice_spec(tmp_path), tmp_path, tiny_checkpoint("llama"), "short", streaming="never",
+            on_plan=lambda plan: planned.append(plan.peak_memory_bytes))
+    disputed = cache.load()["runtime_overhead"][sys.executable]["disputed"]
+    assert disputed["planned_peak_bytes"] == planned[0] and disputed["peak_bytes"] > 1.25 * planned[0]
+    assert measure.runtime_overhead_bytes() > 100 << 20  # probed again, not the disputed figure
+    assert "disputed" not in cache.load()["runtime_overhead"][sys.executable]
 
 
 def test_a_run_whose_pass_disagrees_with_the_cached_compute_rate_has_the_rate_measured_again(tmp_path, tiny_checkpoint,
