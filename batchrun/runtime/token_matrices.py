@@ -164,15 +164,20 @@ class StreamedHead(torch.nn.Module):
         return self._logits.pop(micro)
 
     def logits(self, hiddens: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each hidden state's logits, from one read of the head, chunk by chunk."""
-        outs = [hidden.new_empty(*hidden.shape[:-1], self.rows.rows) for hidden in hiddens]
+        """Each hidden state's logits, from one read of the head, chunk by chunk: every call's positions stacked
+        into one [positions, width] matrix, one product a chunk. The model hands the head a view of its last
+        positions; multiplied as such (3-D, not contiguous), a bfloat16 product took 0.5 s a 8k-row chunk against
+        2 ms for the same rows stacked."""
+        flat = torch.cat([hidden.reshape(-1, hidden.shape[-1]) for hidden in hiddens])  # [positions, width]
+        logits = flat.new_empty(flat.shape[0], self.rows.rows)  # [positions, vocabulary]
         for start in range(0, self.rows.rows, self.chunk_rows):
             stop = min(self.rows.rows, start + self.chunk_rows)
             weight = self.rows.read_rows(start, stop, self._chunk_buffer()[:stop - start])  # [chunk, width]
             bias = self.bias[start:stop] if self.bias is not None else None
-            for hidden, out in zip(hiddens, outs):
-                out[..., start:stop] = torch.nn.functional.linear(hidden, weight, bias)
-        return outs
+            logits[:, start:stop] = torch.nn.functional.linear(flat, weight, bias)
+        counts = [hidden.shape[:-1].numel() for hidden in hiddens]
+        return [part.view(*hidden.shape[:-1], self.rows.rows)
+                for part, hidden in zip(logits.split(counts), hiddens)]
 
     def _chunk_buffer(self) -> torch.Tensor:
         if self._chunk is None:
