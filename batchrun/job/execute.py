@@ -341,6 +341,7 @@ class _Commits:
     progress: RunProgress = field(init=False)
     _choice_pass: bool = False
     _rate_judged: bool = False
+    _peak_before_first_pass: int | None = None
 
     def __post_init__(self) -> None:
         self.store.record_run_estimate(self.job_id, mode=self.plan.mode, planned_seconds=self.plan.eta_seconds)
@@ -350,6 +351,8 @@ class _Commits:
         """A pass carrying `rows()` rows starts (`answers`: it answers them all); returns when (time.monotonic)."""
         self.progress.begin(rows, answers=answers)
         self._choice_pass = answers
+        if not self.pass_seconds:
+            self._peak_before_first_pass = self._peak_memory_bytes()
         return time.monotonic()
 
     def pass_committed(self, rows: int, started: float) -> None:
@@ -365,7 +368,15 @@ class _Commits:
                                peak_memory_bytes=peak, planned_seconds=planned_seconds)
         self.progress.committed(rows)
         self._judge_compute_rate(seconds, planned_seconds)
-        if number == 1 and peak and not self.plan.device.startswith("cuda"):  # the host's runtime, once a run
+        self._judge_runtime_overhead(number, peak)
+
+    def _judge_runtime_overhead(self, number: int, peak: int | None) -> None:
+        """The host's first pass tells the cached runtime figure whether the plan held (measure.judge_runtime_overhead)
+        where the pass set the process's peak: a process that peaked higher before (a notebook's earlier work) says
+        nothing of this run."""
+        if number != 1 or not peak or self.plan.device.startswith("cuda"):
+            return
+        if peak > (self._peak_before_first_pass or 0):
             judge_runtime_overhead(peak, self.plan.peak_memory_bytes, job=self.job_id)
 
     def _judge_compute_rate(self, seconds: float, planned: float | None) -> None:

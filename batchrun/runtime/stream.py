@@ -165,12 +165,16 @@ class StreamedModel(TokenizerOnDemand):
         self._head: StreamedHead | None = None
         self._matrix_rows: list[MatrixRows] = []
         embedding, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
+        if head is None:
+            return recipes
         names = {module: name for name, module in self.model.named_modules()}
-        embed_target, head_target = f"{names[embedding]}.weight", f"{names[head]}.weight" if head is not None else None
+        embed_target, head_target = f"{names[embedding]}.weight", f"{names[head]}.weight"
         by_target = {recipe.target: recipe for recipe in recipes}
         embed_recipe = by_target.get(embed_target)
-        head_recipe = by_target.get(head_target, None if head_target in by_target else embed_recipe)
-        tied = head_target not in by_target
+        # tied: the checkpoint saves the one matrix, under the embedding's name (a head missing from an untied
+        # checkpoint is left for the missing-tensor error below)
+        tied = head_target not in by_target and bool(getattr(text_config(self.config), "tie_word_embeddings", False))
+        head_recipe = embed_recipe if tied else by_target.get(head_target)
         stream_head = reads.stream_head and head_recipe is not None and head_recipe.is_plain
         gather = (reads.gather_embeddings or (tied and stream_head)) and embed_recipe is not None \
             and embed_recipe.is_plain and (stream_head or not tied)
