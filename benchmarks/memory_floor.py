@@ -63,10 +63,9 @@ def random_case(work: Path, cap_bytes: int, target_bytes: int, rows: int) -> Cas
 
 def embedding_bytes(checkpoint: Path) -> int:
     from batchrun.checkpoint.sizes import checkpoint_sizes
+    from batchrun.plan.weights import token_matrix_bytes
 
-    sizes = checkpoint_sizes(checkpoint)
-    bits = {"F32": 32, "BF16": 16, "F16": 16}[sizes.storage_dtype]
-    return sizes.vocab_size * sizes.hidden_size * bits // 8
+    return token_matrix_bytes(checkpoint_sizes(checkpoint))
 
 
 def plan(case: Case, placement: str) -> dict:

@@ -176,8 +176,9 @@ class StreamedModel(TokenizerOnDemand):
         tied = head_target not in by_target and bool(getattr(text_config(self.config), "tie_word_embeddings", False))
         head_recipe = embed_recipe if tied else by_target.get(head_target)
         stream_head = reads.stream_head and head_recipe is not None and head_recipe.is_plain
-        gather = (reads.gather_embeddings or (tied and stream_head)) and embed_recipe is not None \
-            and embed_recipe.is_plain and (stream_head or not tied)
+        # a tied matrix is gathered exactly when the head streams it: held for the head, it serves both uses
+        gather = ((stream_head if tied else reads.gather_embeddings) and embed_recipe is not None
+                  and embed_recipe.is_plain)
         if not (gather or stream_head):
             return recipes
         drop = reads.drop_page_cache
@@ -195,7 +196,7 @@ class StreamedModel(TokenizerOnDemand):
             self._head_path = names[head]
             # a chunk no larger than a decoder layer: the head never sets the run's floor
             layer_bytes = max(sum(p.numel() for p in layer.parameters()) for layer in self.layers) * self.dtype.itemsize
-            self._head = StreamedHead(rows_of(head_recipe), None, self.num_layers, lambda: self._group,
+            self._head = StreamedHead(rows_of(head_recipe), self.num_layers, lambda: self._group,
                                       chunk_bytes=min(HEAD_CHUNK_BYTES, layer_bytes))
         self._matrix_rows = list(matrix_rows.values())
         streamed = {embed_target if gather else None, head_target if stream_head else None}

@@ -79,9 +79,6 @@ class MatrixRows:
         table = raw.view(self.source).view(len(listed), self.width).to(self.dtype, copy=True)
         return table.to(self.device)
 
-    def buffer_bytes(self) -> int:
-        return self._staging.numel() if self._staging is not None else 0
-
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
@@ -132,12 +129,12 @@ class StreamedHead(torch.nn.Module):
     layer `turn`): each leaves its hidden states, and the last multiplies them all by one read of the head; the
     others then take their logits in turn."""
 
-    def __init__(self, rows: MatrixRows, bias: torch.Tensor | None, turn: int,
-                 pass_group: Callable[[], PassGroup | None], chunk_bytes: int = HEAD_CHUNK_BYTES):
+    def __init__(self, rows: MatrixRows, turn: int, pass_group: Callable[[], PassGroup | None],
+                 chunk_bytes: int = HEAD_CHUNK_BYTES):
         super().__init__()
         self.rows = rows
         self.weight = placeholder(rows.rows, rows.width, device=rows.device, dtype=rows.dtype)
-        self.register_parameter("bias", bias)
+        self.register_parameter("bias", None)  # the replaced module's, set once it is loaded
         self.turn, self.pass_group = turn, pass_group
         self.chunk_rows = max(1, min(rows.rows, chunk_bytes // (rows.width * rows.dtype.itemsize)))
         self._chunk: torch.Tensor | None = None
@@ -183,7 +180,3 @@ class StreamedHead(torch.nn.Module):
         if self._chunk is None:
             self._chunk = torch.empty(self.chunk_rows, self.rows.width, dtype=self.rows.dtype, device=self.rows.device)
         return self._chunk
-
-    def buffer_bytes(self) -> int:
-        chunk = self._chunk.numel() * self._chunk.element_size() if self._chunk is not None else 0
-        return chunk + self.rows.buffer_bytes()
