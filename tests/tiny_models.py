@@ -75,7 +75,9 @@ def build_tokenizer(model_max_length: int = MAX_POSITIONS):
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB_SIZE,
-        special_tokens=[PAD_TOKEN, IM_START, IM_END, ENDOFTEXT],
+        # The pad token last, as in real checkpoints (SmolLM2's is 2): the model's embedding gets a padding index
+        # that a table of a few gathered rows does not reach.
+        special_tokens=[IM_START, IM_END, ENDOFTEXT, PAD_TOKEN],
         # The full byte alphabet is what makes every string encodable without an unknown token.
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,

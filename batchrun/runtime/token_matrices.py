@@ -101,6 +101,12 @@ class GatheredEmbedding:
         self.module, self.rows = module, rows
         self.placeholder = placeholder(rows.rows, rows.width, device=rows.device, dtype=rows.dtype)
         module._parameters["weight"] = self.placeholder
+        # A padding index (a checkpoint with a pad token) names a row of the whole matrix, which a table of the
+        # call's tokens renumbers, and torch refuses one past the table's end. It only keeps that row out of
+        # gradients: inference computes the same embedding without it.
+        self.padding_idx = getattr(module, "padding_idx", None)
+        if self.padding_idx is not None:
+            module.padding_idx = None
         self.handles = [module.register_forward_pre_hook(self._before, with_kwargs=True),
                         module.register_forward_hook(self._after)]
 
@@ -120,6 +126,7 @@ class GatheredEmbedding:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+        self.module.padding_idx = self.padding_idx
 
 
 class StreamedHead(torch.nn.Module):
