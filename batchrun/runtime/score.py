@@ -36,30 +36,44 @@ class Answer:
 # -- choice rows ---------------------------------------------------------------------------------
 def score_choices(handle, rows: Sequence[EncodedRow], pad_id: int, *, micro_batch: int | None = None,
                   share_prefix: bool = True) -> list[Answer]:
-    """All choices of all rows in one pass; log-likelihood of each choice's tokens after the prompt."""
+    """All choices of all rows in one pass; log-likelihood of each choice's tokens after the prompt. Each forward
+    call keeps only the log-probabilities of its rows' choice tokens (choice_picks), never a vocabulary row."""
     seqs: list[list[int]] = []
+    picks: list[torch.Tensor] = []
     firsts: list[int] = []  # first sequence of each row
+    keep = kept_positions(rows)
     for row in rows:
         firsts.append(len(seqs))
         seqs.extend(choice_sequences(row))
-    keep = kept_positions(rows)
+        picks.extend(choice_picks(row, keep))
     logprobs, _ = prefill(handle, seqs, pad_id, keep=keep, micro_batch=micro_batch, use_cache=False,
-                          share_prefix=share_prefix)  # per sequence [keep, V]
+                          share_prefix=share_prefix, picks=picks)  # per sequence [keep, T]
     return [_choice_answer(row, logprobs, first) for first, row in zip(firsts, rows)]
 
 
+def choice_picks(row: EncodedRow, keep: int) -> list[torch.Tensor]:
+    """The token ids whose log-probs each of the row's sequences needs at its last `keep` positions, [keep, T] a
+    sequence (choice_sequences): single-token choices share the prompt's sequence, column k the choice k at the last
+    position; a sequence per multi-token choice reads its own tokens, position -1-n predicting the first of n, ...,
+    position -2 the last (column 0). Unread places hold token 0."""
+    if all(len(tokens) == 1 for tokens in row.choice_ids):
+        picks = torch.zeros(keep, len(row.choice_ids), dtype=torch.long)
+        picks[-1] = torch.tensor([tokens[0] for tokens in row.choice_ids])
+        return [picks]
+    sequences = []
+    for tokens in row.choice_ids:
+        picks = torch.zeros(keep, 1, dtype=torch.long)
+        picks[keep - 1 - len(tokens):keep - 1, 0] = torch.tensor(tokens)
+        sequences.append(picks)
+    return sequences
+
+
 def _choice_answer(row: EncodedRow, logprobs: list[torch.Tensor], first: int) -> Answer:
-    sums = []
-    shared = all(len(c) == 1 for c in row.choice_ids)
-    for k, tokens in enumerate(row.choice_ids):
-        if shared:
-            sums.append(logprobs[first][-1, tokens[0]].item())
-            continue
-        seq_lp = logprobs[first + k]  # [keep, V]; the sequence ends with the choice tokens
-        n = len(tokens)
-        # position -1-n predicts the first choice token, ..., position -2 the last one
-        steps = seq_lp[-1 - n:-1]
-        sums.append(sum(steps[j, t].item() for j, t in enumerate(tokens)))
+    """The row's answer from its sequences' picked log-probs (choice_picks' layout)."""
+    if all(len(tokens) == 1 for tokens in row.choice_ids):
+        sums = logprobs[first][-1, :len(row.choice_ids)].tolist()
+    else:
+        sums = [sum(logprobs[first + k][-1 - len(tokens):-1, 0].tolist()) for k, tokens in enumerate(row.choice_ids)]
     top = max(sums)
     weights = [math.exp(s - top) for s in sums]
     total = sum(weights)
