@@ -66,6 +66,15 @@ class RowCost:
         """Positions whose logits are kept: the last one for generation; every choice token + 1 for a choice."""
         return max(self.choice_tokens) + 1 if self.is_choice else 1
 
+    def kept_logprobs(self, vocab_size: int, positions: int | None = None) -> int:
+        """Log-probabilities each of the row's sequences keeps until its pass ends, at `positions` kept (the batch's
+        most; the row's own by default): a choice sequence keeps only the tokens it reads (every single-token choice
+        at one position, or its own choice's tokens), a generation row its next token's whole distribution."""
+        if not self.is_choice:
+            return vocab_size
+        width = len(self.choice_tokens) if max(self.choice_tokens) == 1 else 1
+        return (positions or self.logit_positions()) * width
+
     def passes(self) -> int:
         """Walks through the decoder stack: the prompt rides in the first; each further new token costs one."""
         return 1 if self.is_choice else max(self.new_tokens, 1)
@@ -225,6 +234,13 @@ def batch_shape(rows: Sequence[RowCost], batch: Sequence[int]) -> tuple[int, int
     members = [rows[i] for i in batch]
     return (sum(r.sequences() for r in members), max(r.sequence_length() for r in members),
             max(r.prefill_length() for r in members), max(r.logit_positions() for r in members))
+
+
+def kept_logprobs(rows: Sequence[RowCost], batch: Sequence[int], vocab_size: int) -> int:
+    """The most log-probabilities one sequence of the batch keeps until the pass ends (RowCost.kept_logprobs at the
+    batch's kept positions, which its longest choice sets for every row)."""
+    positions = max(rows[i].logit_positions() for i in batch)
+    return max(rows[i].kept_logprobs(vocab_size, positions) for i in batch)
 
 
 def passes_for(rows: Sequence[RowCost], batches: Sequence[Sequence[int]]) -> int:

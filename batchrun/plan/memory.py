@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from batchrun.checkpoint import CheckpointSizes, kv_bytes_for_sequence, kv_bytes_per_token_per_layer
-from batchrun.plan.batching import RowCost, batch_shape, prefill_calls
+from batchrun.plan.batching import RowCost, batch_shape, kept_logprobs, prefill_calls
 
 # Activations of one sequence at prefill, the peak of a batch (checked against RSS in benchmarks/plan_accuracy.py):
 HIDDEN_STATE_COPIES = 4  # residual stream, normed input, attention output, MLP output live together
@@ -77,18 +77,26 @@ def activation_bytes_for_sequence(sizes: CheckpointSizes, compute_bytes: int, de
     if scores_materialised(device):  # one layer's scores at a time
         attention_scores = round(sizes.num_attention_heads * prefill_tokens * prefill_tokens
                                  * ATTENTION_SCORE_BYTES * (heap_factor(device) if retained else 1))
-    logits = logit_positions * sizes.vocab_size * LOGIT_BYTES  # only the positions the executor keeps
-    return per_token + attention_scores + logits
+    return per_token + attention_scores + call_logit_bytes(sizes, compute_bytes, logit_positions)
+
+
+def call_logit_bytes(sizes: CheckpointSizes, compute_bytes: int, logit_positions: int) -> int:
+    """A forward call's logits of one sequence while the call turns them into log-probabilities: the head's output
+    at the compute dtype, its float32 copy where that is another dtype, and the log-softmax. Only the positions the
+    executor keeps; what it keeps after the call is RowCost.kept_logprobs."""
+    copies = compute_bytes + LOGIT_BYTES * (1 if compute_bytes == LOGIT_BYTES else 2)
+    return logit_positions * sizes.vocab_size * copies
 
 
 def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
                 batch: Sequence[int], micro_sequences: int | None = None,
                 prefilling: Sequence[int] | None = None, *, interleaved: bool = True) -> int:
     """KV cache at the batch's longest sequence (none for choice rows) and kept log-probabilities (every call's stay
-    until the pass ends), for every sequence; activations at its longest prefill for every sequence, or with
-    micro-batches for one micro-batch and held hidden states for the others; and the prefill's suspended forward
-    calls: those of `prefilling`, the rows whose prompts the pass prefills (a refilled pass: the rows it admits;
-    None: the whole batch).
+    until the pass ends: a choice's tokens, a generation row's next-token distribution), for every sequence;
+    activations (a call's logits among them) at its longest prefill for every sequence, or with micro-batches for
+    one micro-batch and held hidden states for the others; and the prefill's suspended forward calls: those of
+    `prefilling`, the rows whose prompts the pass prefills (a refilled pass: the rows it admits; None: the whole
+    batch).
 
     A whole batch's prefill cut into several calls (always on a CPU: prefill_calls) holds one call's activations at
     a time: 1,500 choice rows of SmolLM2 resident in 13 calls measured 1.97 GB peak RSS where counting every
@@ -105,13 +113,13 @@ def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: S
     sequences, longest, prefill, positions = batch_shape(rows, batch)
     holds_cache = any(rows[i].holds_cache for i in batch)
     kv = kv_bytes_for_sequence(sizes, compute_bytes, longest) if holds_cache else 0
-    logits = positions * sizes.vocab_size * LOGIT_BYTES
-    activations = activation_bytes_for_sequence(sizes, compute_bytes, device, prefill, 0, retained=interleaved)
+    logits = kept_logprobs(rows, batch, sizes.vocab_size) * LOGIT_BYTES
+    activations = activation_bytes_for_sequence(sizes, compute_bytes, device, prefill, positions, retained=interleaved)
     prefilled = batch if prefilling is None else prefilling
     cut = prefill_calls(rows, prefilled, micro_sequences, device) if prefilled else ()
     calls = len(cut) * PREFILL_CALL_BYTES if interleaved else 0
     if prefilling is None and len(cut) > 1:
-        return batch_cut_bytes(sizes, compute_bytes, device, (sequences, prefill, logits), kv, cut,
+        return batch_cut_bytes(sizes, compute_bytes, device, (sequences, prefill, positions, logits), kv, cut,
                                interleaved=interleaved) + calls
     if micro_sequences is None or micro_sequences >= sequences:
         return sequences * (kv + activations + logits) + calls
@@ -119,13 +127,15 @@ def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: S
     return sequences * (kv + held + logits) + micro_sequences * activations + calls
 
 
-def batch_cut_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, shape: tuple[int, int, int], kv: int,
+def batch_cut_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, shape: tuple[int, int, int, int],
+                    kv: int,
                     cut: Sequence[Sequence[int]], *, interleaved: bool = True) -> int:
-    """A batch prefilled in the calls `cut` (each call's prefill lengths), `shape` (sequences, longest prefill, kept
-    log-probability bytes a sequence): the largest call's activations, the other calls' held hidden states where
-    the calls take turns (`interleaved`, batch_bytes), and every sequence's KV cache and kept log-probabilities."""
-    sequences, prefill, logits = shape
-    live = max(len(call) * activation_bytes_for_sequence(sizes, compute_bytes, device, max(call), 0,
+    """A batch prefilled in the calls `cut` (each call's prefill lengths), `shape` (sequences, longest prefill, logit
+    positions, kept log-probability bytes a sequence): the largest call's activations and logits, the other calls'
+    held hidden states where the calls take turns (`interleaved`, batch_bytes), and every sequence's KV cache and
+    kept log-probabilities."""
+    sequences, prefill, positions, logits = shape
+    live = max(len(call) * activation_bytes_for_sequence(sizes, compute_bytes, device, max(call), positions,
                                                          retained=interleaved) for call in cut)
     held = prefill * sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES if interleaved else 0
     return sequences * (kv + held + logits) + live
@@ -233,22 +243,25 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
     activation_per_token = (linear_activation_bytes_per_token(sizes, compute_bytes, device)
                             + (sizes.num_attention_heads * longest_prefill * ATTENTION_SCORE_BYTES
                                * heap_factor(device) if scores_materialised(device) else 0))
-    per_sequence = max(row.logit_positions() for row in rows) * sizes.vocab_size * LOGIT_BYTES
+    positions = max(row.logit_positions() for row in rows)
+    per_sequence = max(row.kept_logprobs(sizes.vocab_size, positions) for row in rows) * LOGIT_BYTES
+    call_logits = call_logit_bytes(sizes, compute_bytes, positions)  # a sequence's logits inside its forward call
     typical_length = statistics.median_low(row.sequence_length() for row in rows)
     wanted = min(sum(row.sequences() for row in rows), batch_size or math.inf)
     free_bytes = max(free_bytes, 0)
 
     per_token = kv_per_token + activation_per_token
-    all_live = free_bytes // (typical_length * per_token + per_sequence)
+    one_call = per_sequence + call_logits  # every sequence in one forward call, its logits live at once
+    all_live = free_bytes // (typical_length * per_token + one_call)
     longest = max(row.sequence_length() for row in rows)
-    if all_live >= wanted and wanted * (longest * per_token + per_sequence) <= free_bytes:
+    if all_live >= wanted and wanted * (longest * per_token + one_call) <= free_bytes:
         # every sequence's activations fit at once, even all padded to the longest: one forward call per pass
         max_sequences = max(int(wanted), 1)
-        return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
+        return max_sequences, int(max((free_bytes - max_sequences * one_call) // per_token, 1)), None
 
     # A micro-batch is cut from sequences sorted by length, so the last one holds the longest rows: its activations
     # are bought at the longest prefill, as the peak counts them (batch_bytes), not at the median length.
-    micro_per_sequence = longest_prefill * activation_per_token
+    micro_per_sequence = longest_prefill * activation_per_token + call_logits
     micro_sequences = max(int(free_bytes * MICRO_BATCH_MEMORY_SHARE // micro_per_sequence), 1)
     held_per_token = kv_per_token + sizes.hidden_size * compute_bytes * HELD_HIDDEN_COPIES
     # Each forward call (micro-batch) is held suspended (PREFILL_CALL_BYTES), shared by its sequences.
@@ -264,14 +277,14 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
         leftover = free_bytes - wanted * (longest * held_per_token + per_sequence)
 
         def micro_fitting(room: float) -> int:
-            return max(1, min(int(wanted) - 1, int(room // (longest * activation_per_token))))
+            return max(1, min(int(wanted) - 1, int(room // (longest * activation_per_token + call_logits))))
 
         micro_sequences = micro_fitting(leftover)
         micro_sequences = micro_fitting(leftover - _calls_bytes(wanted, micro_sequences))  # room for its calls
     max_sequences = max(int(max_sequences), 1)
     if max_sequences <= micro_sequences:  # micro-batches gain nothing: the whole batch in one forward call
         max_sequences = max(int(min(all_live, wanted)), 1)
-        return max_sequences, int(max((free_bytes - max_sequences * per_sequence) // per_token, 1)), None
+        return max_sequences, int(max((free_bytes - max_sequences * one_call) // per_token, 1)), None
     max_tokens = max(int((free_bytes - micro_sequences * micro_per_sequence - max_sequences * per_sequence
                           - _calls_bytes(max_sequences, micro_sequences)) // held_per_token), 1)
     return max_sequences, max_tokens, micro_sequences

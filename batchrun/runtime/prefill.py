@@ -21,6 +21,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from batchrun.plan import prefill_groups, shared_prefix_tokens
 from batchrun.runtime import prefix_attention
+from batchrun.runtime.token_matrices import CALL_PICKS, PickedLogprobs
 
 
 @dataclass
@@ -60,8 +61,15 @@ def forward(model, ids, mask, positions, *, keep: int, cache=None, use_cache: bo
     """One forward call. Returns float32 log-probs of the last `keep` positions [b, keep, V] and the cache; with
     `picks` ([b, keep, T] token ids) only those tokens' log-probs [b, keep, T], so the call's vocabulary rows go
     with it instead of staying until the pass ends."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=use_cache,
-                logits_to_keep=keep, **{cache_argument(model): cache})
+    request = PickedLogprobs(picks) if picks is not None else None
+    token = CALL_PICKS.set(request)  # a streamed head reads it (token_matrices.StreamedHead)
+    try:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=use_cache,
+                    logits_to_keep=keep, **{cache_argument(model): cache})
+    finally:
+        CALL_PICKS.reset(token)
+    if request is not None and request.reduced:  # the head gave the picks' log-probs, chunk by chunk
+        return out.logits, output_cache(out)
     logprobs = torch.log_softmax(out.logits.float(), dim=-1)  # [b, keep, V]
     if picks is not None:
         logprobs = logprobs.gather(-1, picks.to(logprobs.device))  # [b, keep, T]

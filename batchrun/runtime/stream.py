@@ -25,7 +25,7 @@ from batchrun.runtime.devices import default_device, resolve_dtype
 from batchrun.runtime.linear_kernels import (PACK_MIN_ROWS, drop_packed_weights, pack_weights, packing_available,
                                              route_linears, routed_weight_names, sharing_tiles)
 from batchrun.runtime.loader import LayerLoader, LayerWeights, SlotPool
-from batchrun.runtime.token_matrices import GatheredEmbedding, MatrixRows, StreamedHead
+from batchrun.runtime.token_matrices import GatheredEmbedding, MatrixRows, StreamedHead, transforms_logits
 from batchrun.runtime.turns import LayerTurns, PassGroup, PassProgress, TurnCallback, run_interleaved
 from batchrun.runtime.weights import Recipe, build_recipes, read_into, realize, tensor_from_bytes
 
@@ -197,7 +197,8 @@ class StreamedModel(TokenizerOnDemand):
             # a chunk no larger than a decoder layer: the head never sets the run's floor
             layer_bytes = max(sum(p.numel() for p in layer.parameters()) for layer in self.layers) * self.dtype.itemsize
             self._head = StreamedHead(rows_of(head_recipe), self.num_layers, lambda: self._group,
-                                      chunk_bytes=min(HEAD_CHUNK_BYTES, layer_bytes))
+                                      chunk_bytes=min(HEAD_CHUNK_BYTES, layer_bytes),
+                                      reduces=not transforms_logits(text_config(self.config)))
         self._matrix_rows = list(matrix_rows.values())
         streamed = {embed_target if gather else None, head_target if stream_head else None}
         return [recipe for recipe in recipes if recipe.target not in streamed]

@@ -10,6 +10,8 @@ hidden state of its tokens; the head holds a chunk and its read buffer; neither 
 from __future__ import annotations
 
 import os
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,6 +20,27 @@ from batchrun.checkpoint import CheckpointError, TensorInfo
 from batchrun.plan import HEAD_CHUNK_BYTES
 from batchrun.runtime.turns import PassGroup
 from batchrun.runtime.weights import SAFETENSORS_DTYPES, read_into
+
+
+@dataclass
+class PickedLogprobs:
+    """What a forward call keeps of its logits: the log-probs of `tokens` ([b, keep, T] ids) at its kept positions.
+    A streamed head that computes them itself, chunk by chunk, sets `reduced`: the call's output is then those
+    log-probs, and no vocabulary row of the call is ever whole."""
+    tokens: torch.Tensor
+    reduced: bool = False
+
+
+# The running forward call's picks (runtime.prefill.forward sets it): each micro-batch of a pass runs in a greenlet of
+# its own, with its own value.
+CALL_PICKS: ContextVar[PickedLogprobs | None] = ContextVar("batchrun_call_picks", default=None)
+# Config keys of a transform some models apply to the head's output (Gemma 2's soft cap, Cohere's scale, Granite's
+# divisor): log-probs reduced inside the head would skip it, so such a head returns whole logits.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def transforms_logits(config) -> bool:
+    return any(getattr(config, key, None) not in (None, 1, 1.0) for key in LOGIT_TRANSFORMS)
 
 
 class MatrixRows:
@@ -137,8 +160,9 @@ class StreamedHead(torch.nn.Module):
     others then take their logits in turn."""
 
     def __init__(self, rows: MatrixRows, turn: int, pass_group: Callable[[], PassGroup | None],
-                 chunk_bytes: int = HEAD_CHUNK_BYTES):
+                 chunk_bytes: int = HEAD_CHUNK_BYTES, reduces: bool = True):
         super().__init__()
+        self.reduces = reduces  # a call's picks are reduced here (PickedLogprobs), where nothing follows the head
         self.rows = rows
         self.weight = placeholder(rows.rows, rows.width, device=rows.device, dtype=rows.dtype)
         self.register_parameter("bias", None)  # the replaced module's, set once it is loaded
@@ -148,15 +172,16 @@ class StreamedHead(torch.nn.Module):
         self._held: list[torch.Tensor] = []
         self._logits: dict[int, torch.Tensor] = {}
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., width] -> [..., rows]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., width] -> [..., rows] or [..., T] picked
+        picks = CALL_PICKS.get() if self.reduces else None
         group = self.pass_group()
         if group is None or group.turns.micro_batches == 1:
-            return self.logits([hidden])[0]
+            return self.logits([(hidden, picks)])[0]
         turns, micro, last = group.turns, group.micro, group.last_micro
         turns.wait(self.turn, micro)
         if micro == 0:
             self._held, self._logits = [], {}  # a pass that failed halfway leaves nothing for this one
-        self._held.append(hidden)
+        self._held.append((hidden, picks))
         if last:
             self._logits = dict(enumerate(self.logits(self._held)))
             self._held = []
@@ -167,23 +192,87 @@ class StreamedHead(torch.nn.Module):
         turns.advance(self.turn + 1, micro)
         return self._logits.pop(micro)
 
-    def logits(self, hiddens: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each hidden state's logits, from one read of the head, chunk by chunk: every call's positions stacked
-        into one [positions, width] matrix, one product a chunk. The model hands the head a view of its last
-        positions; multiplied as such (3-D, not contiguous), a bfloat16 product took 0.5 s a 8k-row chunk against
-        2 ms for the same rows stacked."""
-        flat = torch.cat([hidden.reshape(-1, hidden.shape[-1]) for hidden in hiddens])  # [positions, width]
-        logits = flat.new_empty(flat.shape[0], self.rows.rows)  # [positions, vocabulary]
+    def logits(self, calls: list[tuple[torch.Tensor, PickedLogprobs | None]]) -> list[torch.Tensor]:
+        """Each call's logits, or its picks' log-probs, from one read of the head, chunk by chunk: every call's
+        positions stacked into one [positions, width] matrix, one product a chunk (the model hands the head a
+        strided view of its last positions, which a bfloat16 product multiplies far slower than the same rows
+        stacked). Positions whose call has picks never get a whole row: a running log-sum-exp and the picked
+        tokens' logits are taken from each chunk as it lands."""
+        flat = torch.cat([hidden.reshape(-1, hidden.shape[-1]) for hidden, _ in calls])  # [positions, width]
+        counts = [hidden.shape[:-1].numel() for hidden, _ in calls]
+        whole = [i for i, (_, picks) in enumerate(calls) if picks is None]
+        whole_rows = _positions_of(counts, whole, flat.device)
+        reduced = _PickReduction.of(calls, counts, flat.device)
+        whole_input = flat if reduced is None else flat[whole_rows]  # [whole positions, width]
+        picked_input = flat[reduced.rows] if reduced is not None else None  # [picked positions, width]
+        logits = flat.new_empty(len(whole_rows), self.rows.rows)  # [whole positions, vocabulary]
         for start in range(0, self.rows.rows, self.chunk_rows):
             stop = min(self.rows.rows, start + self.chunk_rows)
             weight = self.rows.read_rows(start, stop, self._chunk_buffer()[:stop - start])  # [chunk, width]
             bias = self.bias[start:stop] if self.bias is not None else None
-            logits[:, start:stop] = torch.nn.functional.linear(flat, weight, bias)
-        counts = [hidden.shape[:-1].numel() for hidden in hiddens]
-        return [part.view(*hidden.shape[:-1], self.rows.rows)
-                for part, hidden in zip(logits.split(counts), hiddens)]
+            if len(whole_rows):
+                logits[:, start:stop] = torch.nn.functional.linear(whole_input, weight, bias)
+            if reduced is not None:
+                reduced.add(torch.nn.functional.linear(picked_input, weight, bias), start)
+        outputs, whole_parts = [], iter(logits.split([counts[i] for i in whole]))
+        picked_parts = iter(reduced.finish() if reduced is not None else ())
+        for hidden, picks in calls:
+            if picks is None:
+                outputs.append(next(whole_parts).view(*hidden.shape[:-1], self.rows.rows))
+            else:
+                outputs.append(next(picked_parts).view(*picks.tokens.shape))
+                picks.reduced = True
+        return outputs
 
     def _chunk_buffer(self) -> torch.Tensor:
         if self._chunk is None:
             self._chunk = torch.empty(self.chunk_rows, self.rows.width, dtype=self.rows.dtype, device=self.rows.device)
         return self._chunk
+
+
+def _positions_of(counts: list[int], calls: list[int], device) -> torch.Tensor:
+    """The rows of the stacked positions that belong to `calls` (indices into counts), in order."""
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    parts = [torch.arange(starts[i], starts[i] + counts[i], device=device) for i in calls]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
+
+
+class _PickReduction:
+    """log_softmax(logits)[picks] over chunks of the vocabulary: per position a running maximum and sum of
+    exponentials, and each picked token's logit taken from the chunk that holds it."""
+
+    def __init__(self, rows: torch.Tensor, picks: torch.Tensor):
+        self.rows, self.picks = rows, picks  # [P] stacked positions, [P, T] token ids
+        self.maximum = torch.full((len(rows),), -torch.inf, device=rows.device)
+        self.total = torch.zeros(len(rows), device=rows.device)
+        self.picked = torch.zeros(picks.shape, device=rows.device)
+        self.sizes: list[int] = []
+
+    @classmethod
+    def of(cls, calls, counts: list[int], device) -> _PickReduction | None:
+        chosen = [i for i, (_, picks) in enumerate(calls) if picks is not None]
+        if not chosen:
+            return None
+        width = max(calls[i][1].tokens.shape[-1] for i in chosen)
+        picks = [torch.nn.functional.pad(calls[i][1].tokens.reshape(counts[i], -1),
+                                         (0, width - calls[i][1].tokens.shape[-1])) for i in chosen]
+        reduction = cls(_positions_of(counts, chosen, device), torch.cat(picks).to(device))
+        reduction.sizes = [(counts[i], calls[i][1].tokens.shape[-1]) for i in chosen]
+        return reduction
+
+    def add(self, chunk: torch.Tensor, start: int) -> None:
+        """One chunk's logits [P, chunk] of vocabulary rows start.. ."""
+        chunk = chunk.float()
+        maximum = torch.maximum(self.maximum, chunk.max(dim=-1).values)
+        self.total = (self.total * torch.exp(self.maximum - maximum)
+                      + torch.exp(chunk - maximum[:, None]).sum(dim=-1))
+        self.maximum = maximum
+        inside = (self.picks >= start) & (self.picks < start + chunk.shape[-1])
+        places = (self.picks - start).clamp(0, chunk.shape[-1] - 1)
+        self.picked = torch.where(inside, chunk.gather(-1, places), self.picked)
+
+    def finish(self) -> list[torch.Tensor]:
+        """Each call's picks' log-probs, [positions, its T]."""
+        logprobs = self.picked - (self.maximum + torch.log(self.total))[:, None]
+        parts = logprobs.split([count for count, _ in self.sizes])
+        return [part[:, :width] for part, (_, width) in zip(parts, self.sizes)]

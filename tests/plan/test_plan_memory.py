@@ -44,7 +44,7 @@ def test_cpu_activations_count_what_the_heap_keeps_of_freed_layers():
     live activations (benchmarks/plan_accuracy.py measures it)."""
     cpu = activation_bytes_for_sequence(LLAMA_70B, 2, "cpu", 1000, 1)
     cuda = activation_bytes_for_sequence(LLAMA_70B, 2, "cuda", 1000, 1)
-    logits = LLAMA_70B.vocab_size * 4
+    logits = plan_memory.call_logit_bytes(LLAMA_70B, 2, 1)
     assert cpu - logits == pytest.approx((1 + HEAP_RETAINED_ACTIVATION_COPIES) * (cuda - logits), rel=1e-6)
     assert cpu > cuda
 
@@ -188,9 +188,11 @@ def test_choice_rows_hold_no_kv_cache_so_a_pass_carries_more_of_them():
     assert len(choices.batches) == 1 and choices.passes == 1 and choices.batch_size == 64
     assert generation.batch_size < 64 and generation.passes == 2
     assert choices.peak_memory_bytes <= int(1.546e9 * 0.9)
-    # one choice row: its activations at prompt + choice and two kept logit positions, and its forward call
+    # one choice row: its activations at prompt + choice with its call's logits at two positions, its two choices'
+    # log-probabilities kept at those positions, and its forward call
     assert (batch_bytes(layers, 4, "cpu", [RowCost(300, 0, (1, 1))], [0])
-            == activation_bytes_for_sequence(layers, 4, "cpu", 301, 2) + PREFILL_CALL_BYTES)
+            == activation_bytes_for_sequence(layers, 4, "cpu", 301, 2) + 2 * 2 * plan_memory.LOGIT_BYTES
+            + PREFILL_CALL_BYTES)
 
 
 def test_a_shared_prompt_prefix_is_sized_and_timed_once_per_batch():
@@ -241,8 +243,9 @@ def test_the_peak_counts_every_forward_call_of_the_prefill():
     one_call = batch_bytes(GEMMA_1B, 4, "cpu", rows, range(6), micro_sequences=None)
     three_calls = batch_bytes(GEMMA_1B, 4, "cpu", rows, range(6), micro_sequences=2)
     two_calls = batch_bytes(GEMMA_1B, 4, "cpu", rows, range(6), micro_sequences=3)
-    # a call fewer holds one sequence's activations more; every sequence's kept log-probabilities stay either way
-    assert three_calls - two_calls == PREFILL_CALL_BYTES - activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 101, 0)
+    # a call fewer holds one sequence's activations and logits more; every sequence's kept log-probabilities stay
+    # either way
+    assert three_calls - two_calls == PREFILL_CALL_BYTES - activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 101, 2)
     assert one_call >= 6 * activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 101, 2) + PREFILL_CALL_BYTES
 
 
@@ -274,16 +277,20 @@ def test_a_resident_pass_runs_its_calls_one_after_another_so_none_waits_holding_
     batch = range(len(rows))
     streamed = batch_bytes(smollm2, 4, "cpu", rows, batch)
     resident = batch_bytes(smollm2, 4, "cpu", rows, batch, interleaved=False)
-    kept = len(rows) * 2 * smollm2.vocab_size * plan_memory.LOGIT_BYTES
+    kept = len(rows) * 2 * 2 * plan_memory.LOGIT_BYTES  # two choices' log-probabilities at two positions a row
     calls = plan_memory.prefill_calls(rows, batch, None, "cpu")
-    largest_call = max(len(call) * activation_bytes_for_sequence(smollm2, 4, "cpu", max(call), 0, retained=False)
+    largest_call = max(len(call) * activation_bytes_for_sequence(smollm2, 4, "cpu", max(call), 2, retained=False)
                        for call in calls)  # each layer hands back what it freed: no heap share of earlier layers
     assert len(calls) > 1 and resident == kept + largest_call
     longest_prefill = plan_memory.batch_shape(rows, batch)[2]
     held = len(rows) * longest_prefill * smollm2.hidden_size * 4 * plan_memory.HELD_HIDDEN_COPIES
-    streamed_call = max(len(call) * activation_bytes_for_sequence(smollm2, 4, "cpu", max(call), 0) for call in calls)
+    streamed_call = max(len(call) * activation_bytes_for_sequence(smollm2, 4, "cpu", max(call), 2) for call in calls)
     assert streamed == kept + streamed_call + held + len(calls) * PREFILL_CALL_BYTES
-    assert streamed_call == pytest.approx(largest_call * (1 + HEAP_RETAINED_ACTIVATION_COPIES), rel=1e-3)
+    # the heap keeps a share of a streamed call's layer activations, not of its logits (computed after the layers)
+    largest = max(calls, key=lambda call: len(call) * max(call))
+    logits = len(largest) * plan_memory.call_logit_bytes(smollm2, 4, 2)
+    assert streamed_call - logits == pytest.approx((largest_call - logits) * (1 + HEAP_RETAINED_ACTIVATION_COPIES),
+                                                   rel=1e-3)
     candidates = {mode: plan(smollm2, rows, streaming=mode, compute_dtype="float32", memory_budget_bytes=64 * GiB)
                   for mode in ("never", "always")}
     assert [sorted(b) for b in candidates["never"].batches] == [list(batch)]  # one batch either way

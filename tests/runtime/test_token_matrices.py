@@ -108,3 +108,31 @@ def test_a_head_read_in_many_chunks_gives_the_same_logits(tiny_checkpoint, monke
         head = streamed.model.get_output_embeddings()
         assert head.chunk_rows == 16 and head.rows.rows > 16 * 10
         assert (streamed(ids).logits - expected).abs().max().item() <= STREAM_TOLERANCE
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # untied; tied with a scaled embedding
+def test_a_choice_pass_through_a_streamed_head_keeps_only_the_choice_tokens_log_probs(tiny_checkpoint, tmp_path,
+                                                                                      arch):
+    """The head reduces each call's logits to its choices' log-probs chunk by chunk: no call's output is a
+    vocabulary row, and the probabilities are the held head's."""
+    from batchrun.runtime import score_choices
+    from batchrun.spec import encode_requests, read_spec
+    from tests.support import REVIEWS, write_jsonl
+
+    path = tiny_checkpoint(arch)
+    spec = write_jsonl(tmp_path / "spec.jsonl", [
+        {"prompt": f"Review: {text}", "choices": ["positive", "negative"] if i % 2 else ["good value", "bad"]}
+        for i, text in enumerate(REVIEWS)])
+    with StreamedModel(path, device="cpu", dtype=torch.float32, reads=LayerReads()) as held:
+        rows = encode_requests(held.tokenizer, read_spec(spec).requests)
+        pad = held.tokenizer.pad_token_id
+        expected = score_choices(held, rows, pad, micro_batch=2)
+    with StreamedModel(path, device="cpu", dtype=torch.float32, reads=PLACEMENTS["streamed"]) as streamed:
+        head = streamed.model.get_output_embeddings()
+        widths = []
+        head.register_forward_hook(lambda module, args, output: widths.append(output.shape[-1]))
+        got = score_choices(streamed, rows, pad, micro_batch=2)
+    assert widths and max(widths) < head.rows.rows
+    for mine, theirs in zip(got, expected):
+        assert mine.answer == theirs.answer
+        assert max(abs(mine.choice_probs[c] - p) for c, p in theirs.choice_probs.items()) <= STREAM_TOLERANCE
