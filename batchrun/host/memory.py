@@ -122,6 +122,18 @@ def peak_resident_bytes() -> int | None:
     return _own_status_bytes("VmHWM:")
 
 
+def reset_peak_resident() -> bool:
+    """Count this process's peak resident memory (VmHWM) again from what it holds now (Linux 4.0 and later), so a
+    one-off that peaked before (converting a model) is not taken for the run's peak; False where the system does not
+    allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def anonymous_resident_bytes() -> int | None:
     """This process's resident anonymous memory (RssAnon: its heap and the like, not the files it maps), None where
     the system does not say. What it holds of a memory cgroup's working set for certain: mapped files are page

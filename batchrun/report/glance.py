@@ -64,25 +64,34 @@ def _interruptions(runs: list[dict]) -> str:
 
 
 def _runs_table(data: ReportData) -> str:
-    """One line per run: how it ended, and its plan (time, peak memory) against what its passes measured."""
+    """One line per run: how it ended, and its plan (pass time, peak memory) against what its passes measured."""
     if not data.runs:
         return note("No run has started yet.")
     peaks: dict[int, int] = {}
+    planned: dict[int, float] = {}
+    measured: dict[int, float] = {}
     for one in data.passes:
+        run_no = one["run_no"]
         if one.get("peak_memory_bytes") is not None:
-            peaks[one["run_no"]] = max(peaks.get(one["run_no"], 0), one["peak_memory_bytes"])
+            peaks[run_no] = max(peaks.get(run_no, 0), one["peak_memory_bytes"])
+        if one.get("planned_seconds") is not None:  # the passes the plan priced, against what they took
+            planned[run_no] = planned.get(run_no, 0.0) + one["planned_seconds"]
+            measured[run_no] = measured.get(run_no, 0.0) + one["seconds"]
     rows = []
     for run in data.runs:
-        lasted = _run_seconds(run, data.built_at)
-        rows.append([run["run_no"], run["started_at"][:19].replace("T", " "), run["end_state"], run.get("mode") or "",
-                     run.get("batch_size"), run.get("passes"), format_duration(run.get("planned_seconds")),
-                     format_duration(lasted), format_bytes(run.get("planned_peak_bytes")),
-                     format_bytes(peaks.get(run["run_no"])), run.get("error") or ""])
-    headers = ["run", "started (UTC)", "ended", "mode", "batch", "passes", "planned time", "measured time",
-               "planned peak memory", "measured peak memory", "error"]
+        number = run["run_no"]
+        rows.append([number, run["started_at"][:19].replace("T", " "), run["end_state"], run.get("mode") or "",
+                     run.get("batch_size"), run.get("passes"), format_duration(planned.get(number)),
+                     format_duration(measured.get(number)), format_duration(_run_seconds(run, data.built_at)),
+                     format_bytes(run.get("planned_peak_bytes")), format_bytes(peaks.get(number)),
+                     run.get("error") or ""])
+    headers = ["run", "started (UTC)", "ended", "mode", "batch", "passes", "planned pass time", "measured pass time",
+               "wall time", "planned peak memory", "measured peak memory", "error"]
     return (table(headers, rows, numeric=(0, 4, 5), name="runs")
-            + note("Planned time is the plan's ETA for the rows the run started with; measured peak memory is the "
-                   "process's peak resident memory (device memory on CUDA) by its last recorded pass."))
+            + note("Planned and measured pass time cover the same passes; wall time also counts loading the model and, "
+                   "on a machine's first run, measuring its rates once. Measured peak memory is the process's peak "
+                   "resident memory (device memory on CUDA) by its last recorded pass, not counting a model's "
+                   "one-time conversion."))
 
 
 def _run_seconds(run: dict, now: datetime) -> float | None:
