@@ -15,6 +15,7 @@ from typing import Callable
 from tqdm import tqdm
 from transformers.utils import logging as transformers_logging
 
+from batchrun.checkpoint import progress_bars
 from batchrun.errors import OutputRefused, PlanRefused
 from batchrun.host import (batch_cap_after_oom, default_db_path, faults, keep_freed_pages_below, killed_by_oom,
                            memory_cgroup_dir, oom_kill_count, peak_resident_bytes, stops_deferred)
@@ -90,7 +91,8 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
         output_fmt = output_format(output_path)
         if output_path.exists() and not force:  # before the spec is read: encoding a large one takes minutes
             _refuse_existing_output(db_path, spec_path, output_path)
-    prepared = prepare_job(spec_path, options)
+    with progress_bars(shown=not quiet):  # a model got for the first time converts or downloads here
+        prepared = prepare_job(spec_path, options)
     store = Store(db_path)
     try:
         calibration = calibration_settings(prepared, lambda path, side: _side_job(path, side, db_path))
