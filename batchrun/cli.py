@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import signal
 import sys
@@ -73,6 +74,22 @@ def _warn_typed_newline(option: str, value: str | None) -> None:
                    "newline (in bash: $'...\\n...')", err=True)
 
 
+class PositiveNumber(click.FloatRange):
+    """A number above 0 that is finite: `inf` GB or minutes is no budget at all, and the plan counts in integers."""
+
+    def __init__(self):
+        super().__init__(min=0, min_open=True)
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value} is not a finite number; give a number above 0", param, ctx)
+        return number
+
+
+POSITIVE_NUMBER = PositiveNumber()
+
+
 def job_options(fn):
     """Options shared by `plan` and `submit` (spec shaping, model, resources)."""
     decorators = [
@@ -104,7 +121,7 @@ def job_options(fn):
                                              "float32)."),
         click.option("--device", help="cuda, mps or cpu (default: the best available)."),
         click.option("--batch-size", type=click.IntRange(min=1), help="Override the planned sequences per pass."),
-        click.option("--memory", "memory_gb", type=click.FloatRange(min=0, min_open=True),
+        click.option("--memory", "memory_gb", type=POSITIVE_NUMBER,
                      help="Memory budget in GB (default: what the device has available)."),
         click.option("--streaming", help="auto|always|never (also yes/no/on/off/1/0); env BATCHRUN_STREAMING."),
         click.option("--no-prefetch", is_flag=True, help="Do not read the next layer while one computes."),
@@ -117,14 +134,14 @@ def job_options(fn):
         click.option("--micro-batch", type=click.IntRange(min=1),
                      help="Sequences per prefill or choice-scoring forward call within a pass (default: planned from "
                           "memory); decode calls keep the plan's size."),
-        click.option("--pass-minutes", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_PASS_MINUTES,
+        click.option("--pass-minutes", type=POSITIVE_NUMBER, default=DEFAULT_PASS_MINUTES,
                      show_default=True, help="Plan passes to last at most this long: a crash or kill loses at most "
                                              "the pass in flight."),
         click.option("--truncate", type=click.Choice(TRUNCATE_SIDES),
                      help="Cut an over-long row's document (a prompt row's text, a template's fields) from its head "
                           "or tail to fit the context, counted in the truncated_tokens column (default: the row "
                           "fails)."),
-        click.option("--bandwidth", "bandwidth_gbps", type=click.FloatRange(min=0, min_open=True),
+        click.option("--bandwidth", "bandwidth_gbps", type=POSITIVE_NUMBER,
                      help="Declare the disk read bandwidth in GB/s instead of measuring it."),
         click.option("--trust-remote-code", is_flag=True, help="Allow a checkpoint's own Python code."),
         click.option("--hf-token", envvar="HF_TOKEN", help="Hugging Face token (or HF_TOKEN).", show_envvar=True),
