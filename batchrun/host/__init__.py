@@ -10,11 +10,12 @@ from batchrun.host.native_env import NATIVE_DEFAULTS, apply_native_defaults
 from batchrun.host.oom import batch_cap_after_oom, killed_by_oom, memory_cgroup_dir, oom_kill_count
 from batchrun.host.paths import default_db_path, state_dir, stored_spec
 from batchrun.host.processes import HOST, pid_alive, process_identity
-from batchrun.host.signals import Stopped, stop_signals_unwind, stops_deferred
+from batchrun.host.signals import Stopped, interrupts_deferred, stop_signals_unwind, stops_deferred
 
-__all__ = ["HOST", "NATIVE_DEFAULTS", "Stopped", "anonymous_resident_bytes", "apply_native_defaults", "auto_compute_dtype",
-           "available_memory_bytes", "batch_cap_after_oom", "cpu_auto_reason", "default_db_path", "disk_free_bytes",
-           "disk_identity", "glibc", "keep_freed_pages_below", "keep_heap_flat", "kernels_identity", "killed_by_oom",
-           "memory_cgroup_dir", "oom_kill_count", "package_version", "peak_resident_bytes", "pid_alive", "process_identity",
+__all__ = ["HOST", "NATIVE_DEFAULTS", "Stopped", "anonymous_resident_bytes", "apply_native_defaults",
+           "auto_compute_dtype", "available_memory_bytes", "batch_cap_after_oom", "cpu_auto_reason",
+           "default_db_path", "disk_free_bytes", "disk_identity", "glibc", "interrupts_deferred",
+           "keep_freed_pages_below", "keep_heap_flat", "kernels_identity", "killed_by_oom", "memory_cgroup_dir",
+           "oom_kill_count", "package_version", "peak_resident_bytes", "pid_alive", "process_identity",
            "resident_bytes", "return_freed_memory", "state_dir", "stop_signals_unwind", "stops_deferred",
            "stored_spec"]

@@ -17,8 +17,8 @@ from transformers.utils import logging as transformers_logging
 
 from batchrun.checkpoint import progress_bars
 from batchrun.errors import OutputRefused, PlanRefused
-from batchrun.host import (batch_cap_after_oom, default_db_path, faults, keep_freed_pages_below, killed_by_oom,
-                           memory_cgroup_dir, oom_kill_count, peak_resident_bytes, stops_deferred)
+from batchrun.host import (batch_cap_after_oom, default_db_path, faults, interrupts_deferred, keep_freed_pages_below,
+                           killed_by_oom, memory_cgroup_dir, oom_kill_count, peak_resident_bytes, stops_deferred)
 from batchrun.job.calibration import calibration_settings
 from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_choice_caveat, one_row_per_key, plan_rows,
                                   prepare_job, row_costs)
@@ -122,9 +122,10 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
             error = f"{type(failure).__name__}: {failure}" if state == "failed" else None
             raise
         finally:
-            _release(store, job_id, state, error)
-            if output_path is not None and state != "failed":  # a failed run (a full disk) is for `status` to tell
-                _write_report(store, job_id, report_path(output_path))
+            with interrupts_deferred():  # a second Ctrl-C waits for the run's record and its report
+                _release(store, job_id, state, error)
+                if output_path is not None and state != "failed":  # a failed run (a full disk) is for `status`
+                    _write_report(store, job_id, report_path(output_path))
     finally:
         store.close()
 
