@@ -17,6 +17,7 @@ from batchrun.checkpoint.progress import hub_bars
 from batchrun.checkpoint.provision import registry_model
 from batchrun.checkpoint.registry import is_registry_name
 from batchrun.checkpoint.sizes import CheckpointSizes, checkpoint_sizes, sizes_from_config
+from batchrun.host import one_line
 
 __all__ = [
     "CONFIG_NAME", "DTYPE_BITS", "CheckpointError", "CheckpointSizes", "TensorInfo", "checkpoint_sizes",
@@ -58,7 +59,7 @@ def resolve_checkpoint(
     except CheckpointError:
         raise
     except Exception as error:  # noqa: BLE001 - network/hub failures become one clear message
-        detail = _without_secret(f"{type(error).__name__}: {error}", hf_token)
+        detail = one_line(_without_secret(f"{type(error).__name__}: {error}", hf_token))  # the hub's spans lines
         raise CheckpointError(
             f"repository {text} not found / not cached; no local directory of that name either. "
             f"Check the name, your network and access token (gated models need one). Hub said: {detail}"

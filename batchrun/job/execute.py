@@ -17,8 +17,9 @@ from transformers.utils import logging as transformers_logging
 
 from batchrun.checkpoint import progress_bars
 from batchrun.errors import OutputRefused, PlanRefused
-from batchrun.host import (batch_cap_after_oom, default_db_path, faults, interrupts_deferred, keep_freed_pages_below,
-                           killed_by_oom, memory_cgroup_dir, oom_kill_count, peak_resident_bytes, stops_deferred)
+from batchrun.host import (batch_cap_after_oom, default_db_path, failure_reason, faults, interrupts_deferred,
+                           keep_freed_pages_below, killed_by_oom, memory_cgroup_dir, oom_kill_count,
+                           peak_resident_bytes, stops_deferred)
 from batchrun.job.calibration import calibration_settings
 from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_choice_caveat, one_row_per_key, plan_rows,
                                   prepare_job, row_costs)
@@ -118,8 +119,8 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
             if state != "done":  # stopped while writing the output: every answer is in, the job is done
                 state = "interrupted"
             raise
-        except Exception as failure:  # recorded for `status`, then raised as it was
-            error = f"{type(failure).__name__}: {failure}" if state == "failed" else None
+        except Exception as failure:  # recorded for `status` (an unforeseen one with its traceback's log), then raised
+            error = failure_reason(failure, [options.hf_token]) if state == "failed" else None
             raise
         finally:
             with interrupts_deferred():  # a second Ctrl-C waits for the run's record and its report
@@ -160,6 +161,8 @@ def _judge(answers: JobAnswers, summary: RunSummary) -> None:
         return
     summary.quality = quality(answers)
     summary.notes += describe_calibration(answers.calibration) + answers.notes
+    for note in answers.notes:  # said as the run's other notes are, not left to --json's summary alone
+        log.warning(note)
 
 
 def _export_command(store: Store, job_id: str) -> str:
