@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import signal
 import sys
@@ -13,7 +14,8 @@ import click
 from batchrun import measure
 from batchrun.distributed import job_shards, shards_line
 from batchrun.errors import user_errors
-from batchrun.host import Stopped, default_db_path, stop_signals_unwind, stored_spec
+from batchrun.host import (Stopped, default_db_path, one_line, redacted, save_traceback, secrets_in,
+                           stop_signals_unwind, stored_spec)
 from batchrun.job import (CALIBRATION_METHODS, DEFAULT_CALIBRATION, DEFAULT_PASS_MINUTES, DEFAULT_SAMPLE, JobOptions,
                           compare_models, describe_comparison, plan_report, resolve_model)
 from batchrun.output import (check_output_writable, describe_calibration, describe_quality, encode_results,
@@ -73,6 +75,22 @@ def _warn_typed_newline(option: str, value: str | None) -> None:
                    "newline (in bash: $'...\\n...')", err=True)
 
 
+class PositiveNumber(click.FloatRange):
+    """A number above 0 that is finite: `inf` GB or minutes is no budget at all, and the plan counts in integers."""
+
+    def __init__(self):
+        super().__init__(min=0, min_open=True)
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value} is not a finite number; give a number above 0", param, ctx)
+        return number
+
+
+POSITIVE_NUMBER = PositiveNumber()
+
+
 def job_options(fn):
     """Options shared by `plan` and `submit` (spec shaping, model, resources)."""
     decorators = [
@@ -104,7 +122,7 @@ def job_options(fn):
                                              "float32)."),
         click.option("--device", help="cuda, mps or cpu (default: the best available)."),
         click.option("--batch-size", type=click.IntRange(min=1), help="Override the planned sequences per pass."),
-        click.option("--memory", "memory_gb", type=click.FloatRange(min=0, min_open=True),
+        click.option("--memory", "memory_gb", type=POSITIVE_NUMBER,
                      help="Memory budget in GB (default: what the device has available)."),
         click.option("--streaming", help="auto|always|never (also yes/no/on/off/1/0); env BATCHRUN_STREAMING."),
         click.option("--no-prefetch", is_flag=True, help="Do not read the next layer while one computes."),
@@ -117,14 +135,14 @@ def job_options(fn):
         click.option("--micro-batch", type=click.IntRange(min=1),
                      help="Sequences per prefill or choice-scoring forward call within a pass (default: planned from "
                           "memory); decode calls keep the plan's size."),
-        click.option("--pass-minutes", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_PASS_MINUTES,
+        click.option("--pass-minutes", type=POSITIVE_NUMBER, default=DEFAULT_PASS_MINUTES,
                      show_default=True, help="Plan passes to last at most this long: a crash or kill loses at most "
                                              "the pass in flight."),
         click.option("--truncate", type=click.Choice(TRUNCATE_SIDES),
                      help="Cut an over-long row's document (a prompt row's text, a template's fields) from its head "
                           "or tail to fit the context, counted in the truncated_tokens column (default: the row "
                           "fails)."),
-        click.option("--bandwidth", "bandwidth_gbps", type=click.FloatRange(min=0, min_open=True),
+        click.option("--bandwidth", "bandwidth_gbps", type=POSITIVE_NUMBER,
                      help="Declare the disk read bandwidth in GB/s instead of measuring it."),
         click.option("--trust-remote-code", is_flag=True, help="Allow a checkpoint's own Python code."),
         click.option("--hf-token", envvar="HF_TOKEN", help="Hugging Face token (or HF_TOKEN).", show_envvar=True),
@@ -228,8 +246,10 @@ def ray_settings(kw: dict):
 
 
 class FriendlyErrors(click.Group):
-    """Known failures print one clear line, never a traceback. A command given --json also prints one JSON object on
-    stdout when it fails ({"error", "kind", "exit_code"}), so a script always has something to parse."""
+    """Every failure ends in one `Error:` line, never a traceback: a foreseen one (a BatchrunError) says what to do;
+    any other is a fault in batchrun, said as such, its traceback kept in a log file the line names. A command given
+    --json also prints one JSON object on stdout when it fails ({"error", "kind", "exit_code"}, and "log" for an
+    unforeseen failure), so a script always has something to parse."""
 
     def resolve_command(self, ctx, args):
         name, command, rest = super().resolve_command(ctx, args)
@@ -244,6 +264,8 @@ class FriendlyErrors(click.Group):
             _json_failure(ctx, str(exc), type(exc).__name__, 1)
             click.echo(f"Error: {exc}", err=True)
             sys.exit(1)
+        except (click.exceptions.Exit, click.Abort, BrokenPipeError):
+            raise  # click's own ways out: --help, an aborted prompt, a reader that closed the pipe
         except click.ClickException as exc:  # a usage error: click prints it and exits 2
             _json_failure(ctx, exc.format_message(), "usage", exc.exit_code)
             raise
@@ -255,23 +277,41 @@ class FriendlyErrors(click.Group):
             _json_failure(ctx, f"{how}{resume}", "interrupted", 128 + signum)
             click.echo(f"\n{how}{resume}.", err=True)
             sys.exit(128 + signum)  # the shell's code for a command ended by that signal (130 for Ctrl-C)
+        except Exception as exc:  # noqa: BLE001 - unforeseen: said in one line, its traceback kept in a file
+            secrets = secrets_in(ctx.meta.get(_COMMAND_KEY, (None, None, []))[2])
+            log = save_traceback(exc, secrets)
+            message = redacted(_unforeseen_message(exc, log, ctx.invoked_subcommand), secrets)
+            _json_failure(ctx, message, "internal", 1, log=log and str(log))
+            click.echo(f"Error: {message}", err=True)
+            sys.exit(1)
 
 
-def _json_failure(ctx: click.Context, message: str, kind: str, exit_code: int) -> None:
+def _unforeseen_message(error: Exception, log: Path | None, command: str | None) -> str:
+    said = one_line(str(error))
+    where = f"its traceback is in {log}, which a bug report should include" if log else \
+        "its traceback could not be written: no writable directory"
+    message = f"unexpected {type(error).__name__}{f': {said}' if said else ''} (a fault in batchrun; {where})"
+    if command in ("submit", "compare"):
+        message += ". Answers committed before the failure are kept"
+    return message
+
+
+def _json_failure(ctx: click.Context, message: str, kind: str, exit_code: int, **extra) -> None:
     if _wants_json(ctx):
-        click.echo(json.dumps({"error": message, "kind": kind, "exit_code": exit_code}))
+        click.echo(json.dumps({"error": message, "kind": kind, "exit_code": exit_code, **extra}))
 
 
 def _wants_json(ctx: click.Context) -> bool:
     """Whether the command that failed was given --json, read again from its arguments: a failure may come before
-    or while click parses them."""
+    or while click parses them, and an unknown option before --json must not hide it."""
     name, command, args = ctx.meta.get(_COMMAND_KEY, (None, None, []))
     while isinstance(command, click.Group) and args:  # `db check --json`
         name, command, args = args[0], command.get_command(ctx, args[0]), args[1:]
     if command is None or not any(param.name == "as_json" for param in command.params):
         return False
     try:
-        parsed = command.make_context(name, list(args), parent=ctx, resilient_parsing=True)
+        parsed = command.make_context(name, list(args), parent=ctx, resilient_parsing=True,
+                                      ignore_unknown_options=True)
     except click.ClickException:
         return "--json" in args
     return bool(parsed.params.get("as_json"))
@@ -524,7 +564,8 @@ def results(job, output, fmt, db, force, as_json):
 @click.option("--output", "-o", type=click.Path(path_type=Path),
               help="HTML file to write (default: SPEC-STEM.report.html beside the spec).")
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
-def report(job, db, output, force):
+@click.option("--json", "as_json", is_flag=True, help="Print the job and the page written as JSON.")
+def report(job, db, output, force, as_json):
     """Write JOB's report (default: the one run last): one offline HTML file of its progress, answers, accuracy
     against labels, passes and errors; a snapshot while it runs."""
     from batchrun.report import default_report_path, write_report  # matplotlib loads only for this command
@@ -540,7 +581,10 @@ def report(job, db, output, force):
         path = write_report(store, job_id, output, force=force)
     finally:
         store.close()
-    click.echo(f"report of job {job_id} -> {path}")
+    if as_json:
+        click.echo(json.dumps({"job_id": job_id, "report": str(path)}, indent=2))
+    else:
+        click.echo(f"report of job {job_id} -> {path}")
 
 
 @cli.command()

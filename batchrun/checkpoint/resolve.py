@@ -13,9 +13,11 @@ from pathlib import Path
 from batchrun.checkpoint.files import (CONFIG_NAME, DTYPE_BITS, INDEX_NAME, SINGLE_SHARD_NAME, CheckpointError,
                                        TensorInfo, decoder_layer_prefix, load_config, read_header, read_tensor_infos,
                                        read_weight_map, refuse_without_safetensors, storage_dtype, tensor_index)
+from batchrun.checkpoint.progress import hub_bars
 from batchrun.checkpoint.provision import registry_model
 from batchrun.checkpoint.registry import is_registry_name
 from batchrun.checkpoint.sizes import CheckpointSizes, checkpoint_sizes, sizes_from_config
+from batchrun.host import one_line
 
 __all__ = [
     "CONFIG_NAME", "DTYPE_BITS", "CheckpointError", "CheckpointSizes", "TensorInfo", "checkpoint_sizes",
@@ -57,7 +59,7 @@ def resolve_checkpoint(
     except CheckpointError:
         raise
     except Exception as error:  # noqa: BLE001 - network/hub failures become one clear message
-        detail = _without_secret(f"{type(error).__name__}: {error}", hf_token)
+        detail = one_line(_without_secret(f"{type(error).__name__}: {error}", hf_token))  # the hub's spans lines
         raise CheckpointError(
             f"repository {text} not found / not cached; no local directory of that name either. "
             f"Check the name, your network and access token (gated models need one). Hub said: {detail}"
@@ -83,9 +85,10 @@ def _fetch_from_hub(repo_id: str, token: str | None, cache_dir, *, local_only: b
     from huggingface_hub import snapshot_download
 
     def fetch(patterns: list[str]) -> Path:
-        return Path(snapshot_download(
-            repo_id, allow_patterns=patterns, token=token, cache_dir=cache_dir, local_files_only=local_only
-        ))
+        with hub_bars():
+            return Path(snapshot_download(
+                repo_id, allow_patterns=patterns, token=token, cache_dir=cache_dir, local_files_only=local_only
+            ))
 
     snapshot = fetch(HUB_METADATA_PATTERNS)
     if (snapshot / INDEX_NAME).is_file():

@@ -19,8 +19,9 @@ from typing import Callable
 
 from tqdm import tqdm
 
+from batchrun.checkpoint import progress_bars
 from batchrun.errors import OutputRefused, PlanRefused
-from batchrun.host import default_db_path, stops_deferred
+from batchrun.host import default_db_path, failure_reason, stops_deferred
 from batchrun.job import (JobOptions, PreparedJob, calibration_settings, nothing_runs, one_row_per_key, plan_rows,
                           prepare_job)
 from batchrun.output import check_output_writable, default_output_path, output_format
@@ -86,7 +87,8 @@ def _compute_on_cluster(spec_path: Path, options: JobOptions, cluster: RaySettin
                         quiet: bool, on_plan: Callable[[Candidate], None] | None) -> _ClusterWork:
     """Every row of the job answered in the driver's database, computed on the cluster; the job's lock held
     meanwhile, so `batchrun status` shows it running and a second driver is refused."""
-    prepared = prepare_job(spec_path, options)
+    with progress_bars(shown=not quiet):  # a model got for the first time converts or downloads here
+        prepared = prepare_job(spec_path, options)
     with Store(db_path) as store:
         calibration = calibration_settings(prepared, lambda path, side: submit_on_ray(
             path, side, cluster, db=db_path, write_output=False).job_id)
@@ -105,8 +107,8 @@ def _compute_on_cluster(spec_path: Path, options: JobOptions, cluster: RaySettin
         except KeyboardInterrupt:
             state = "interrupted"
             raise
-        except Exception as failure:  # recorded for `status`, then raised as it was
-            error = f"{type(failure).__name__}: {failure}"
+        except Exception as failure:  # recorded for `status` (an unforeseen one with its traceback's log), then raised
+            error = failure_reason(failure, [options.hf_token])
             raise
         finally:
             _release(store, job_id, state, error)

@@ -1,4 +1,4 @@
-"""SIGTERM and SIGHUP unwound like Ctrl-C, and short stretches a stop must wait for. No torch."""
+"""SIGTERM and SIGHUP unwound like Ctrl-C, and short stretches a stop (or a Ctrl-C) must wait for. No torch."""
 from __future__ import annotations
 
 import contextlib
@@ -55,3 +55,22 @@ def stops_deferred():
         if not _deferred.depth and pending is not None:
             _deferred.pending = None
             raise Stopped(pending)
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Ctrl-C inside waits for the end of it, then raises KeyboardInterrupt: what a stopped run still owes (its record
+    closed, its report written) is done though an impatient second Ctrl-C follows the first. Main thread only; an
+    ignored SIGINT (a background job) stays ignored."""
+    handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or handler in (signal.SIG_IGN, None):
+        yield
+        return
+    pressed = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    if pressed:  # only where nothing is raised already: an interrupted run is unwinding as it was asked to
+        raise KeyboardInterrupt

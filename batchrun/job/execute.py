@@ -15,9 +15,11 @@ from typing import Callable
 from tqdm import tqdm
 from transformers.utils import logging as transformers_logging
 
+from batchrun.checkpoint import progress_bars
 from batchrun.errors import OutputRefused, PlanRefused
-from batchrun.host import (batch_cap_after_oom, default_db_path, faults, keep_freed_pages_below, killed_by_oom,
-                           memory_cgroup_dir, oom_kill_count, peak_resident_bytes, stops_deferred)
+from batchrun.host import (batch_cap_after_oom, default_db_path, failure_reason, faults, interrupts_deferred,
+                           keep_freed_pages_below, killed_by_oom, memory_cgroup_dir, oom_kill_count,
+                           peak_resident_bytes, stops_deferred)
 from batchrun.job.calibration import calibration_settings
 from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_choice_caveat, one_row_per_key, plan_rows,
                                   prepare_job, row_costs)
@@ -90,7 +92,8 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
         output_fmt = output_format(output_path)
         if output_path.exists() and not force:  # before the spec is read: encoding a large one takes minutes
             _refuse_existing_output(db_path, spec_path, output_path)
-    prepared = prepare_job(spec_path, options)
+    with progress_bars(shown=not quiet):  # a model got for the first time converts or downloads here
+        prepared = prepare_job(spec_path, options)
     store = Store(db_path)
     try:
         calibration = calibration_settings(prepared, lambda path, side: _side_job(path, side, db_path))
@@ -116,13 +119,14 @@ def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: 
             if state != "done":  # stopped while writing the output: every answer is in, the job is done
                 state = "interrupted"
             raise
-        except Exception as failure:  # recorded for `status`, then raised as it was
-            error = f"{type(failure).__name__}: {failure}" if state == "failed" else None
+        except Exception as failure:  # recorded for `status` (an unforeseen one with its traceback's log), then raised
+            error = failure_reason(failure, [options.hf_token]) if state == "failed" else None
             raise
         finally:
-            _release(store, job_id, state, error)
-            if output_path is not None and state != "failed":  # a failed run (a full disk) is for `status` to tell
-                _write_report(store, job_id, report_path(output_path))
+            with interrupts_deferred():  # a second Ctrl-C waits for the run's record and its report
+                _release(store, job_id, state, error)
+                if output_path is not None and state != "failed":  # a failed run (a full disk) is for `status`
+                    _write_report(store, job_id, report_path(output_path))
     finally:
         store.close()
 
@@ -157,6 +161,8 @@ def _judge(answers: JobAnswers, summary: RunSummary) -> None:
         return
     summary.quality = quality(answers)
     summary.notes += describe_calibration(answers.calibration) + answers.notes
+    for note in answers.notes:  # said as the run's other notes are, not left to --json's summary alone
+        log.warning(note)
 
 
 def _export_command(store: Store, job_id: str) -> str:

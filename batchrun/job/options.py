@@ -3,6 +3,7 @@ them so that scripts building options get the same refusals.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 from batchrun.errors import SettingRefused
@@ -71,8 +72,8 @@ class JobOptions:
                 raise SettingRefused(f"{name} must be a positive integer, got {value!r}")
         for name in ("memory_gb", "bandwidth_gbps", "pass_minutes"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise SettingRefused(f"{name} must be a positive number, got {value!r}")
+            if value is not None and not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise SettingRefused(f"{name} must be a positive finite number, got {value!r}")
         if self.truncate not in (None, *TRUNCATE_SIDES):
             raise SettingRefused(f"truncate {self.truncate!r}: use head or tail (or None: refuse a row over the "
                                  "context)")

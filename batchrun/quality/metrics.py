@@ -19,7 +19,9 @@ def wilson_interval(successes: int, total: int, z: float = Z_95) -> tuple[float,
     z2 = z * z
     centre = (rate + z2 / (2 * total)) / (1 + z2 / total)
     half = z * math.sqrt(rate * (1 - rate) / total + z2 / (4 * total * total)) / (1 + z2 / total)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # At 0/n and n/n the bound equals the rate, but rounding lands it a hair beyond (2.8e-17 above 0 at 0/12): the
+    # interval always holds its rate, so error bars drawn from it are never negative.
+    return min(rate, max(0.0, centre - half)), max(rate, min(1.0, centre + half))
 
 
 def same_text(answer: str | None, label: str) -> bool:

@@ -15,7 +15,6 @@ STOPPED_EARLY = ("died", "interrupted", "failed")
 
 def glance_section(data: ReportData) -> Section:
     job = data.job
-    finished = job["rows_done"] + job["rows_errored"]
     elapsed = job["elapsed_seconds"]
     parts = []
     if data.snapshot:
@@ -32,7 +31,7 @@ def glance_section(data: ReportData) -> Section:
                  f"of {job['rows_total']:,}"),
         ("Wall time", escape(f"{format_duration(elapsed)} over {len(data.runs)} run(s)")),
         ("Passes", f"{job['passes']:,}"),
-        ("Rows finished per hour", f"{finished / elapsed * 3600:,.0f}" if elapsed > 0 and finished else "unknown"),
+        ("Rows finished per hour", escape(_rows_per_hour(data.passes, elapsed))),
         ("Time left (ETA)", escape("none: every row is finished" if not job["rows_pending"]
                                    else format_duration(job.get("eta_seconds")))),
         ("Interruptions", escape(_interruptions(data.runs))),
@@ -42,6 +41,15 @@ def glance_section(data: ReportData) -> Section:
     parts.append(figure("row-states", charts.row_states("row-states", states), "The job's rows by state."))
     parts.append(_runs_table(data))
     return Section("glance", "The job at a glance", "\n".join(parts))
+
+
+def _rows_per_hour(passes: list[dict], elapsed: float) -> str:
+    """What the passes finished over the job's wall time. Rows refused before any pass (invalid, too long) and answers
+    taken from earlier jobs cost no compute: counted as finished, they made a job that computed nothing look fast."""
+    computed = sum(one["rows_finished"] for one in passes)
+    if not computed:
+        return "none computed yet (no pass has finished a row)"
+    return f"{computed / elapsed * 3600:,.0f}" if elapsed > 0 else "unknown"
 
 
 def _modes(runs: list[dict]) -> str:

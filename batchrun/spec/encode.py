@@ -98,8 +98,8 @@ def encode_requests(tokenizer, requests: Sequence[Request], *, raw: bool = False
                 error = _same_tokens(request.choices, choices)
         row = EncodedRow(request, tuple(ids), choices, error)
         if error is None and context_length is not None and row.needed_tokens() > context_length:
-            row = cutting.to_fit(row) if truncate else EncodedRow(request, tuple(ids), choices,
-                                                                   too_long_message(row, context_length))
+            row = cutting.to_fit(row) if truncate else EncodedRow(
+                request, tuple(ids), choices, too_long_message(row, context_length) + _fitting_hint(row, context_length))
         elif error is None and truncate:
             row = _counted(row, 0)
         rows.append(row)
@@ -227,8 +227,19 @@ def too_long_message(row: EncodedRow, context_length: int) -> str:
     extra = row.needed_tokens() - prompt
     what = "the longest choice" if row.is_choice else "max_new_tokens"
     return (f"prompt has {prompt} tokens; with {extra} more for {what} it needs {prompt + extra}, "
-            f"but the model's context is {context_length} tokens (batchrun never truncates a prompt unless asked: "
-            "--truncate head|tail cuts the document)")
+            f"but the model's context is {context_length} tokens")
+
+
+def _fitting_hint(row: EncodedRow, context_length: int) -> str:
+    """What makes a row fit that --truncate was not asked for: a generation row whose prompt fits alone has room for
+    fewer new tokens, and no cut of the document makes room for max_new_tokens of the whole context."""
+    room = context_length - len(row.prompt_ids)
+    if row.is_choice or room <= 0:
+        return " (batchrun never truncates a prompt unless asked: --truncate head|tail cuts the document)"
+    if row.request.max_new_tokens >= context_length:
+        return f"; lower max_new_tokens to at most {room} for this prompt (--max-new-tokens, or the row's own)"
+    return (f"; lower max_new_tokens to at most {room} for this prompt (--max-new-tokens, or the row's own), or cut "
+            "the document with --truncate head|tail")
 
 
 def choice_sequences(row: EncodedRow) -> list[list[int]]:

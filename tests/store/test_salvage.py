@@ -85,6 +85,10 @@ def test_a_file_that_is_not_a_database_is_not_called_damaged(tmp_path):
     assert result.exit_code == 1 and "is not a SQLite database" in result.stderr and "salvage" not in result.stderr
     with pytest.raises(DatabaseUnreadable, match="is not a SQLite database"):
         check_database(notes)
+    # nor sent to SQLite's shell to recover a database it never was
+    checked = invoke("db", "check", "--db", notes)
+    assert checked.exit_code == 1 and "is not a SQLite database" in checked.stderr
+    assert ".recover" not in checked.stderr and "pass the progress database as --db" in checked.stderr
 
 
 def test_damaged_rows_of_one_job_never_block_the_others(tmp_path):

@@ -180,6 +180,32 @@ def test_racing_processes_cannot_both_take_the_lock(store, db_path, tmp_path):
     assert outcomes == ["locked", "locked", "locked", "won"]
 
 
+def test_a_new_database_another_process_is_writing_opens_once_it_is_free(tmp_path, monkeypatch):
+    """Switching a new database to WAL while another connection holds its write lock gets SQLITE_BUSY at once, with
+    no busy wait (two runs started together on a new --db met it): the store waits for the lock as for any other."""
+    from batchrun.store import locks
+
+    path = tmp_path / "new.db"
+    other = sqlite3.connect(path, isolation_level=None)  # another process's first transaction on the new file
+    other.execute("create table early (x)")
+    other.execute("begin immediate")
+    waits = []
+
+    def other_commits(seconds):  # the first wait is when the other process's transaction ends
+        waits.append(seconds)
+        if other.in_transaction:
+            other.execute("commit")
+
+    monkeypatch.setattr(locks, "sleep", other_commits, raising=False)
+    try:
+        opened = Store(path)
+    finally:
+        other.close()
+    assert len(waits) == 1
+    assert opened.db.journal_mode == "wal" and opened.jobs() == []
+    opened.close()
+
+
 def test_release_closes_the_run_and_previous_run_reports_it(store):
     job_id = make_job(store)
     assert store.previous_runs(job_id) == []
