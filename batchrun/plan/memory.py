@@ -226,8 +226,27 @@ def heap_factor(device: str) -> float:
 MICRO_BATCH_MEMORY_SHARE = 0.25  # of the free memory given to one micro-batch's activations; the rest buys sequences
 
 
+# A CPU multiplies a forward call of this many tokens as fast per token as a larger one (docs/performance.md): more
+# tokens a call buy no speed, only activation memory.
+CPU_CALL_TOKENS = 8192
+
+
 def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
                  free_bytes: int, batch_size: int | None) -> tuple[int, int, int | None]:
+    """memory_limits, with a CPU's forward calls held to CPU_CALL_TOKENS at the longest prefill (at least one
+    sequence a call)."""
+    max_sequences, max_tokens, micro_sequences = memory_limits(sizes, compute_bytes, device, rows, free_bytes,
+                                                               batch_size)
+    if device.split(":")[0] != "cpu":
+        return max_sequences, max_tokens, micro_sequences
+    cap = max(1, CPU_CALL_TOKENS // max(row.prefill_length() for row in rows))
+    if cap >= min(micro_sequences or max_sequences, max_sequences):
+        return max_sequences, max_tokens, micro_sequences
+    return max_sequences, max_tokens, cap
+
+
+def memory_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
+                  free_bytes: int, batch_size: int | None) -> tuple[int, int, int | None]:
     """(max sequences, max padded tokens, sequences per micro-batch or None) such that any batch packed under them
     fits in free_bytes. Bound: every token costs at most its KV (no window cap; none in a job of choice rows only), its linear
     activations and one row of attention scores at the longest prefill; every sequence adds its kept logits.

@@ -253,11 +253,11 @@ def test_a_turn_is_sized_by_the_largest_forward_call_not_the_whole_batch():
     """The executor may keep a turn's freed pages while the process stays under the plan's peak less turn_bytes
     (host.heap.keep_freed_pages_below): that is the largest call the prefill makes, cut by length as the executor cuts
     it. 16 short and 16 long choice rows make two calls on the CPU; the long one is the largest turn."""
-    rows = [RowCost(40, 0, (1, 1))] * 16 + [RowCost(900, 0, (1, 1))] * 16
+    rows = [RowCost(40, 0, (1, 1))] * 16 + [RowCost(200, 0, (1, 1))] * 16
     candidate = plan(GEMMA_1B, rows, compute_dtype="float32", memory_budget_bytes=64 * GiB)
     assert candidate.micro_batch_size is None and candidate.batches == [list(range(32))]
     assert candidate.mode == "resident"  # a call runs through every layer in turn: no heap share of earlier layers
-    long_call = 16 * activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 901, 2, retained=False)
+    long_call = 16 * activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 201, 2, retained=False)
     assert candidate.turn_bytes == long_call
     assert candidate.turn_bytes < batch_bytes(GEMMA_1B, 4, "cpu", rows, range(32), micro_sequences=None)
     fixed = candidate.weights_bytes + candidate.runtime_overhead_bytes
@@ -298,3 +298,17 @@ def test_a_resident_pass_runs_its_calls_one_after_another_so_none_waits_holding_
     resident_batch = candidates["never"].peak_memory_bytes - candidates["never"].weights_bytes
     streamed_batch = candidates["always"].peak_memory_bytes - candidates["always"].weights_bytes
     assert resident_batch < streamed_batch - held // 2
+
+
+def test_a_cpu_call_holds_no_more_tokens_than_keep_its_cores_busy():
+    """Resident with memory to spare, 4,000 choice rows of 50 tokens would fit in one forward call; on a CPU a call
+    stops at CPU_CALL_TOKENS (more buys no speed), so the pass's peak is one such call, not all 4,000 rows' logits
+    and activations. An accelerator still makes the one call."""
+    rows = [RowCost(50, 0, (1, 1))] * 4000
+    cpu = plan(GEMMA_1B, rows, compute_dtype="float32", memory_budget_bytes=64 * GiB)
+    cuda = plan(GEMMA_1B, rows, compute_dtype="float32", memory_budget_bytes=64 * GiB, device="cuda")
+    assert cpu.batch_size == cuda.batch_size == 4000
+    assert cpu.micro_batch_size == plan_memory.CPU_CALL_TOKENS // 51 and cuda.micro_batch_size is None
+    assert cpu.turn_bytes == cpu.micro_batch_size * activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 51, 2,
+                                                                                   retained=False)
+    assert cpu.peak_memory_bytes < cuda.peak_memory_bytes
