@@ -48,13 +48,14 @@ WORDS = ("the order arrived late and the box was crushed but the blender inside 
 @dataclass(frozen=True)
 class Case:
     name: str
-    model: str  # "default" or "large"
-    streaming: str  # never | always
+    model: str  # "default", "gemma3" (the registry's Gemma 3 270M) or "large"
+    streaming: str  # never | always | auto
     job: str  # generate | choice
     rows: int
     words: tuple[int, int]  # prompt length range in words
     max_new_tokens: int = 8
     batch_size: int | None = None
+    memory_gb: float | None = None  # a budget that makes a registry model stream (default: DEFAULT_MEMORY_GB)
 
 
 CASES = [
@@ -64,6 +65,12 @@ CASES = [
     Case("default-streamed-generate-refilled", "default", "always", "generate", 16, (80, 220), batch_size=4),
     Case("default-resident-choice", "default", "never", "choice", 32, (80, 220), batch_size=8),
     Case("default-streamed-choice", "default", "always", "choice", 32, (80, 220), batch_size=8),
+    # the registry models as users bring them, streamed because the budget leaves no room to hold them: the plan
+    # places the token matrices itself
+    Case("default-budget-choice", "default", "auto", "choice", 48, (80, 220), memory_gb=0.7),
+    Case("default-budget-generate", "default", "auto", "generate", 8, (80, 220), memory_gb=0.7),
+    Case("gemma3-budget-choice", "gemma3", "auto", "choice", 48, (80, 220), memory_gb=1.0),
+    Case("gemma3-streamed-generate", "gemma3", "always", "generate", 8, (80, 220)),
     Case("large-streamed-generate", "large", "always", "generate", 4, (60, 100)),
     Case("large-streamed-choice", "large", "always", "choice", 8, (40, 60), batch_size=2),
 ]
@@ -317,16 +324,16 @@ def _median_of(passes: list[dict], kind: str) -> float | None:
 def checkpoint_for(model: str) -> Path:
     if model == "large":
         return harness.large_checkpoint()
-    from batchrun.checkpoint.provision import default_model
+    from batchrun.checkpoint.provision import default_model, registry_model
 
-    return default_model()
+    return registry_model("gemma3-270m") if model == "gemma3" else default_model()
 
 
 def run_case(case: Case, bandwidth: float, work: Path) -> dict:
     checkpoint = checkpoint_for(case.model)
     size = harness.checkpoint_bytes(checkpoint)
     cap = int(size * LARGE_CAP_SHARE) if case.model == "large" else None
-    memory_gb = cap / 1e9 if cap else DEFAULT_MEMORY_GB
+    memory_gb = cap / 1e9 if cap else case.memory_gb or DEFAULT_MEMORY_GB
     spec = write_spec(case, work)
     arguments = job_arguments(case, checkpoint, memory_gb, bandwidth / 1e9)
     predicted = predict(spec, arguments)
