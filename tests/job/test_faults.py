@@ -183,8 +183,9 @@ def test_after_an_out_of_memory_kill_the_resumed_run_says_so_and_halves_the_batc
         tmp_path, tiny_checkpoint, isolated_state, capped_cgroup):
     spec = long_choice_job(tmp_path / "long.jsonl")
     db, output = tmp_path / "progress.db", tmp_path / "answers.parquet"
-    # A declared 20 GB budget lets the planner put every row in one pass; the cgroup has 512 MiB.
-    args = submit_args(spec, tiny_checkpoint("llama"), db, output, "--memory", "20")
+    # A declared 20 GB budget lets the planner put every row in one pass, here in one forward call (two choices of
+    # many tokens: 512 sequences); the cgroup has 512 MiB.
+    args = submit_args(spec, tiny_checkpoint("llama"), db, output, "--memory", "20", "--micro-batch", "512")
     env = batchrun_env(isolated_state)
     enter_cgroup = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(capped_cgroup / "cgroup.procs")]
     capped = finish(start(args, env, wrapper=enter_cgroup), args)

@@ -81,3 +81,19 @@ def test_resident_answers_equal_plain_transformers_on_both_registry_models(defau
             else:
                 assert (got["answer"], got["finish_reason"]) == reference_generation(
                     model, tokenizer, row["prompt"], row["max_new_tokens"])
+
+
+@pytest.mark.slow
+def test_the_ticket_jobs_first_rows_stream_under_a_budget_and_answer_as_resident(default_checkpoint, tmp_path):
+    """Generation rows only, as the ready ticket job begins: every decode pass of few distinct tokens gathers a
+    table smaller than the pad token's index."""
+    from tests.support import REPO_ROOT
+
+    spec = tmp_path / "tickets.jsonl"
+    spec.write_text("".join((REPO_ROOT / "jobs" / "ticket-triage.jsonl").read_text().splitlines(True)[:3]))
+    expected = resident_answers(spec, tmp_path, default_checkpoint)
+    plans = []
+    _, got = run_job(spec, tmp_path, default_checkpoint, "budget", memory_gb=0.7, dtype="float32", calibrate="none",
+                     on_plan=plans.append)
+    assert plans[0].mode == "streamed" and plans[0].token_matrices != "held"
+    assert_same_answers(got, expected)
