@@ -213,7 +213,11 @@ class StreamedHead(torch.nn.Module):
             if len(whole_rows):
                 logits[:, start:stop] = torch.nn.functional.linear(whole_input, weight, bias)
             if reduced is not None:
-                reduced.add(torch.nn.functional.linear(picked_input, weight, bias), start)
+                # a block of positions at a time: its logits no larger than the chunk of the head they come from
+                block = max(1, self.chunk_rows * self.rows.width // (stop - start))
+                for first in range(0, len(picked_input), block):
+                    rows = slice(first, first + block)
+                    reduced.add(torch.nn.functional.linear(picked_input[rows], weight, bias), start, rows)
         outputs, whole_parts = [], iter(logits.split([counts[i] for i in whole]))
         picked_parts = iter(reduced.finish() if reduced is not None else ())
         for hidden, picks in calls:
@@ -260,16 +264,18 @@ class _PickReduction:
         reduction.sizes = [(counts[i], calls[i][1].tokens.shape[-1]) for i in chosen]
         return reduction
 
-    def add(self, chunk: torch.Tensor, start: int) -> None:
-        """One chunk's logits [P, chunk] of vocabulary rows start.. ."""
+    def add(self, chunk: torch.Tensor, start: int, rows: slice) -> None:
+        """The logits [positions, chunk] of vocabulary rows start.. for the positions `rows` of the reduction."""
         chunk = chunk.float()
-        maximum = torch.maximum(self.maximum, chunk.max(dim=-1).values)
-        self.total = (self.total * torch.exp(self.maximum - maximum)
-                      + torch.exp(chunk - maximum[:, None]).sum(dim=-1))
-        self.maximum = maximum
-        inside = (self.picks >= start) & (self.picks < start + chunk.shape[-1])
-        places = (self.picks - start).clamp(0, chunk.shape[-1] - 1)
-        self.picked = torch.where(inside, chunk.gather(-1, places), self.picked)
+        before = self.maximum[rows]
+        maximum = torch.maximum(before, chunk.max(dim=-1).values)
+        self.total[rows] = (self.total[rows] * torch.exp(before - maximum)
+                            + torch.exp(chunk - maximum[:, None]).sum(dim=-1))
+        self.maximum[rows] = maximum
+        picks = self.picks[rows]
+        inside = (picks >= start) & (picks < start + chunk.shape[-1])
+        places = (picks - start).clamp(0, chunk.shape[-1] - 1)
+        self.picked[rows] = torch.where(inside, chunk.gather(-1, places), self.picked[rows])
 
     def finish(self) -> list[torch.Tensor]:
         """Each call's picks' log-probs, [positions, its T]."""

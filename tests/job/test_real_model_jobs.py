@@ -92,8 +92,9 @@ def test_the_ticket_jobs_first_rows_stream_under_a_budget_and_answer_as_resident
     spec = tmp_path / "tickets.jsonl"
     spec.write_text("".join((REPO_ROOT / "jobs" / "ticket-triage.jsonl").read_text().splitlines(True)[:3]))
     expected = resident_answers(spec, tmp_path, default_checkpoint)
-    plans = []
-    _, got = run_job(spec, tmp_path, default_checkpoint, "budget", memory_gb=0.7, dtype="float32", calibrate="none",
-                     on_plan=plans.append)
-    assert plans[0].mode == "streamed" and plans[0].token_matrices != "held"
-    assert_same_answers(got, expected)
+    for placement in ("auto", "streamed"):
+        plans = []
+        _, got = run_job(spec, tmp_path, default_checkpoint, placement, memory_gb=0.7, dtype="float32",
+                         calibrate="none", token_matrices=placement, on_plan=plans.append)
+        assert plans[0].mode == "streamed"
+        assert_same_answers(got, expected)

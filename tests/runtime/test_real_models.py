@@ -14,6 +14,8 @@ from tests.support import prompt_ids, write_jsonl
 PLACEMENTS = {"held": LayerReads(), "gathered": LayerReads(gather_embeddings=True),
               "streamed-head": LayerReads(stream_head=True),
               "streamed": LayerReads(gather_embeddings=True, stream_head=True)}
+# bfloat16 keeps 8 bits of mantissa: a log-prob near -10 rounds in steps of 0.06
+BFLOAT16_TOLERANCE = 0.1
 PROMPTS = ("Review: The blender died after a week.\nIs it positive or negative?",
            "Ticket: Order 58213 never arrived. What is the order number?")
 
@@ -64,3 +66,24 @@ def test_choice_scores_equal_plain_transformers_in_a_micro_batched_pass(real_che
             assert max(abs(a - b) for a, b in zip(got, probs)) <= TOLERANCE
     finally:
         handle.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["held", "streamed"])
+def test_bfloat16_streamed_log_probs_equal_the_resident_bfloat16_model(real_checkpoint, placement):
+    """In bfloat16 the reference is the resident model at the same dtype (plain transformers rounds differently from
+    float32 by far more than a tolerance for exactness): the same next token, log-probs within bfloat16's rounding."""
+    resident = ResidentModel(real_checkpoint, device="cpu", dtype=torch.bfloat16)
+    try:
+        sequences = [prompt_ids(resident.tokenizer, prompt) for prompt in PROMPTS]
+        with torch.inference_mode():
+            expected = [torch.log_softmax(resident.model(torch.tensor([seq])).logits[0, -1].float(), -1)
+                        for seq in sequences]
+    finally:
+        resident.close()
+    with StreamedModel(real_checkpoint, device="cpu", dtype=torch.bfloat16, reads=PLACEMENTS[placement]) as streamed:
+        for seq, want in zip(sequences, expected):
+            with torch.inference_mode():
+                got = torch.log_softmax(streamed.model(torch.tensor([seq])).logits[0, -1].float(), -1)
+            assert int(got.argmax()) == int(want.argmax())
+            assert (got - want).abs().max().item() <= BFLOAT16_TOLERANCE

@@ -112,9 +112,11 @@ def test_a_head_read_in_many_chunks_gives_the_same_logits(tiny_checkpoint, monke
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # untied; tied with a scaled embedding
 def test_a_choice_pass_through_a_streamed_head_keeps_only_the_choice_tokens_log_probs(tiny_checkpoint, tmp_path,
-                                                                                      arch):
-    """The head reduces each call's logits to its choices' log-probs chunk by chunk: no call's output is a
-    vocabulary row, and the probabilities are the held head's."""
+                                                                                      arch, monkeypatch):
+    """The head reduces each call's logits to its choices' log-probs chunk by chunk, and a chunk's positions block
+    by block (chunks of 16 rows here, so blocks of 64 of the pass's ~90 positions): no call's output is a vocabulary
+    row, and the probabilities are the held head's."""
+    monkeypatch.setattr(stream, "HEAD_CHUNK_BYTES", 4096)
     from batchrun.runtime import score_choices
     from batchrun.spec import encode_requests, read_spec
     from tests.support import REVIEWS, write_jsonl
@@ -122,7 +124,7 @@ def test_a_choice_pass_through_a_streamed_head_keeps_only_the_choice_tokens_log_
     path = tiny_checkpoint(arch)
     spec = write_jsonl(tmp_path / "spec.jsonl", [
         {"prompt": f"Review: {text}", "choices": ["positive", "negative"] if i % 2 else ["good value", "bad"]}
-        for i, text in enumerate(REVIEWS)])
+        for i, text in enumerate(REVIEWS * 5)])
     with StreamedModel(path, device="cpu", dtype=torch.float32, reads=LayerReads()) as held:
         rows = encode_requests(held.tokenizer, read_spec(spec).requests)
         pad = held.tokenizer.pad_token_id
