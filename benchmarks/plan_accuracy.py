@@ -418,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with harness.exclusive_machine(), tempfile.TemporaryDirectory(prefix="plan-accuracy-") as temporary:
         work = Path(temporary)
-        large = harness.large_checkpoint()
+        # the disk's cold read rate, on the large checkpoint where a case runs it (else on the default model's)
+        large = checkpoint_for("large" if any(c.model == "large" for c in CASES if c.name in wanted) else "default")
         from batchrun import measure
 
         harness.drop_page_cache()
