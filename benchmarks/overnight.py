@@ -8,12 +8,17 @@ Two parts, each on the default model (resident), in a state directory of the ben
   pass commits and is killed with SIGKILL. Measured: the process's peak resident memory (VmHWM, read from /proc
   every 0.2 s), the first pass's seconds, and whether `status` moved inside the first pass. Targets: every planned
   pass within the bound, the planned peak within 20% of the measured one, and the kill losing at most one pass.
-- **eta**: each ready job in jobs/ and a 1,500-row spec: `plan --json` for the ETA from `submit` (start + load +
-  passes), then `submit`'s wall time. Target: within 30%. Each run waits for a quiet machine first (at most 0.3 cores
-  busy over 3 s, from /proc/stat) and records what it saw before and during the run.
+- **eta**: each ready job in jobs/, a 1,500-row spec and 10 generation rows of 40 new tokens: `plan --json` for the
+  ETA from `submit` (start + load + passes), then `submit`'s wall time. Target: within 30%. Each run waits for a
+  quiet machine first (at most 0.3 cores busy over 3 s, from /proc/stat) and records what it saw before and during
+  the run.
+- **healing**: in a state directory of its own (the converted model shared), this machine's rates are measured while
+  busy loops hold every core; then, on a quiet machine, the 10 generation rows are planned, run, and planned again
+  (resident, and with `--streaming always` beside the ready review job's first rows). Target: the plan after the
+  run within 2x of the run's wall time.
 
-    .venv/bin/python -m benchmarks.overnight                 # both parts (~15 min on 2 cores)
-    .venv/bin/python -m benchmarks.overnight --parts eta
+    .venv/bin/python -m benchmarks.overnight                 # every part (~20 min on 2 cores)
+    .venv/bin/python -m benchmarks.overnight --parts eta,healing
 
 Results: a Markdown table on stdout and benchmarks/results/overnight-<machine class>.json.
 """
@@ -57,13 +62,31 @@ def review_spec(rows: int, path: Path, seed: int = 0) -> Path:
     return path
 
 
+def generation_spec(path: Path, rows: int = 10, new_tokens: int = 40) -> Path:
+    """`rows` requests for a paragraph each, answered to `new_tokens` tokens: a job of decode passes."""
+    topics = ["bread", "bridges", "clocks", "maps", "paper", "glass", "bicycles", "tea", "salt", "lighthouses"]
+    with path.open("w") as out:
+        for index in range(rows):
+            out.write(json.dumps({"id": f"g-{index}", "max_new_tokens": new_tokens,
+                                  "prompt": f"Write a long, detailed paragraph about the history of "
+                                            f"{topics[index % len(topics)]}."}) + "\n")
+    return path
+
+
+def mixed_spec(path: Path, generation: Path, choice_rows: int = 10) -> Path:
+    """The ready review job's first `choice_rows` rows, then the generation rows."""
+    reviews = (harness.REPO_ROOT / "jobs" / READY_JOBS[0]).read_text().splitlines()[:choice_rows]
+    path.write_text("\n".join(reviews) + "\n" + generation.read_text())
+    return path
+
+
 def batchrun(*arguments: str, env: dict, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "batchrun", *arguments], capture_output=True, text=True, env=env,
                           check=check)
 
 
-def plan_candidate(spec: Path, env: dict) -> dict:
-    report = json.loads(batchrun("plan", str(spec), "--json", env=env).stdout)
+def plan_candidate(spec: Path, env: dict, *options: str) -> dict:
+    report = json.loads(batchrun("plan", str(spec), "--json", *options, env=env).stdout)
     return report["candidates"][0]
 
 
@@ -133,22 +156,53 @@ def first_pass(workdir: Path, env: dict, rows: int) -> dict:
             "submit_to_first_commit_s": time.monotonic() - started, "status_in_flight": in_flight}
 
 
-def eta_case(spec: Path, workdir: Path, env: dict) -> dict:
+def eta_case(spec: Path, workdir: Path, env: dict, *options: str, name: str | None = None) -> dict:
     """plan's ETA from submit, against submit's wall time on a quiet machine."""
-    candidate = plan_candidate(spec, env)
-    database, output = workdir / f"{spec.stem}.db", workdir / f"{spec.stem}.parquet"
+    candidate = plan_candidate(spec, env, *options)
+    name = name or spec.stem
+    database, output = workdir / f"{name}.db", workdir / f"{name}.parquet"
     quiet_before = harness.wait_for_quiet(QUIET_BUSY_CORES)
     busy = _BusyDuring()
     started = time.monotonic()
     with busy:
-        run = batchrun("submit", str(spec), "--db", str(database), "-o", str(output), "--quiet", "--json", env=env)
+        run = batchrun("submit", str(spec), "--db", str(database), "-o", str(output), "--quiet", "--json", *options,
+                       env=env)
     wall = time.monotonic() - started
     summary = json.loads(run.stdout)
     eta = candidate["eta_seconds"] + (candidate.get("start_seconds") or 0.0)
-    return {"job": spec.name, "rows": summary.get("rows_total"), "planned_eta_s": eta,
-            "planned_start_s": candidate.get("start_seconds"), "planned_work_s": candidate["eta_seconds"],
-            "submit_wall_s": wall, "job_seconds": summary.get("seconds"), "eta_error": eta / wall - 1,
-            "busy_cores_before": quiet_before, "busy_cores_during": busy.cores}
+    return {"job": name, "rows": summary.get("rows_total"), "mode": candidate["mode"], "passes": candidate["passes"],
+            "planned_eta_s": eta, "planned_start_s": candidate.get("start_seconds"),
+            "planned_work_s": candidate["eta_seconds"], "submit_wall_s": wall, "job_seconds": summary.get("seconds"),
+            "eta_error": eta / wall - 1, "busy_cores_before": quiet_before, "busy_cores_during": busy.cores}
+
+
+def healing(workdir: Path, env: dict) -> list[dict]:
+    """Rates measured on a busy machine, then a quiet run of each job and the plan after it."""
+    home = workdir / "busy-home"
+    home.mkdir()
+    (home / "models").symlink_to(Path(env["BATCHRUN_HOME"]) / "models")
+    busy_env = {**env, "BATCHRUN_HOME": str(home)}
+    generation = generation_spec(workdir / "generation-10x40.jsonl")
+    cases = [("generation-10x40", generation, ()),
+             ("mixed-streamed", mixed_spec(workdir / "mixed.jsonl", generation), ("--streaming", "always"))]
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        busy_plans = {name: plan_candidate(spec, busy_env, *options) for name, spec, options in cases}
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    results = []
+    for name, spec, options in cases:
+        run = eta_case(spec, workdir, busy_env, *options, name=f"{name}-after-busy-rates")
+        after = plan_candidate(spec, busy_env, *options)
+        after_eta = after["eta_seconds"] + (after.get("start_seconds") or 0.0)
+        before = busy_plans[name]
+        results.append({"job": name, "busy_plan_eta_s": before["eta_seconds"] + (before.get("start_seconds") or 0.0),
+                        "run_planned_eta_s": run["planned_eta_s"], "submit_wall_s": run["submit_wall_s"],
+                        "plan_after_eta_s": after_eta, "plan_after_ratio": after_eta / run["submit_wall_s"],
+                        "busy_cores_before": run["busy_cores_before"]})
+    return results
 
 
 class _BusyDuring:
@@ -170,13 +224,15 @@ def _earlier_parts(parts: set[str]) -> dict:
     if not saved.exists():
         return {}
     earlier = json.loads(saved.read_text())
-    kept = {key: earlier[key] for key in ("eta", "first_pass") if key in earlier and key.replace("_", "-") not in parts}
+    kept = {key: earlier[key] for key in ("eta", "first_pass", "healing")
+            if key in earlier and key.replace("_", "-") not in parts}
     return {**kept, "earlier_parts_measured_at": earlier.get("measured_at")} if kept else {}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="first-pass,eta", help="first-pass and/or eta, comma-separated")
+    parser.add_argument("--parts", default="first-pass,eta,healing",
+                        help="first-pass, eta and/or healing, comma-separated")
     parser.add_argument("--rows", type=int, default=100_000, help="rows of the first-pass spec")
     options = parser.parse_args(argv)
     parts = set(options.parts.split(","))
@@ -188,10 +244,17 @@ def main(argv: list[str] | None = None) -> int:
         if "eta" in parts:
             specs = [harness.REPO_ROOT / "jobs" / name for name in READY_JOBS]
             specs.append(review_spec(1500, workdir / "reviews-1500.jsonl", seed=1))
+            specs.append(generation_spec(workdir / "generation-10x40.jsonl"))
             results["eta"] = [eta_case(spec, workdir, env) for spec in specs]
-            harness.print_table(results["eta"], {"job": "job", "planned_eta_s": "ETA (s)",
+            harness.print_table(results["eta"], {"job": "job", "passes": "passes", "planned_eta_s": "ETA (s)",
                                                  "submit_wall_s": "submit (s)", "eta_error": "error",
                                                  "busy_cores_before": "busy before"})
+        if "healing" in parts:
+            results["healing"] = healing(workdir, env)
+            harness.print_table(results["healing"], {"job": "job", "busy_plan_eta_s": "busy-rate plan (s)",
+                                                     "submit_wall_s": "submit (s)",
+                                                     "plan_after_eta_s": "plan after (s)",
+                                                     "plan_after_ratio": "after / run"})
         if "first-pass" in parts:
             results["first_pass"] = first_pass(workdir, env, options.rows)
             harness.print_table([results["first_pass"]],

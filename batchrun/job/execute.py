@@ -25,7 +25,7 @@ from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_cho
                                   prepare_job, row_costs)
 from batchrun.job.models import ModelKey, kept_models
 from batchrun.job.progress import BAR_FORMAT, RunProgress
-from batchrun.measure import judge_compute_rate, judge_runtime_overhead
+from batchrun.measure import judge_compute_rate, judge_generation_rates, judge_runtime_overhead
 from batchrun.output import (JobAnswers, OutputError, OutputExists, check_output_writable, default_output_path,
                              describe_calibration, job_answers, job_provenance, output_format, quality,
                              write_results)
@@ -347,6 +347,8 @@ class _Commits:
     progress: RunProgress = field(init=False)
     _choice_pass: bool = False
     _rate_judged: bool = False
+    _generation_seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [measured, planned] so far
+    _generation_judged: bool = False
     _peak_before_first_pass: int | None = None
 
     def __post_init__(self) -> None:
@@ -374,6 +376,7 @@ class _Commits:
                                peak_memory_bytes=peak, planned_seconds=planned_seconds)
         self.progress.committed(rows)
         self._judge_compute_rate(seconds, planned_seconds)
+        self._judge_generation_rates(seconds, planned_seconds)
         self._judge_runtime_overhead(number, peak)
 
     def _judge_runtime_overhead(self, number: int, peak: int | None) -> None:
@@ -392,6 +395,18 @@ class _Commits:
             return
         self._rate_judged = judge_compute_rate(self.plan.compute_dtype, self.plan.device, seconds, planned,
                                                job=self.job_id)
+
+    def _judge_generation_rates(self, seconds: float, planned: float | None) -> None:
+        """Generation passes priced by their compute (every resident one; a streamed one that computes longer than
+        it reads) add up until they tell the rates that priced them whether those hold
+        (measure.judge_generation_rates): a decode pass of a small model is too short to judge alone."""
+        io_seconds = self.plan.io_seconds_per_pass
+        if self._generation_judged or self._choice_pass or not planned or (io_seconds and planned <= io_seconds):
+            return
+        self._generation_seconds[0] += seconds
+        self._generation_seconds[1] += planned
+        self._generation_judged = judge_generation_rates(self.plan.compute_dtype, self.plan.device,
+                                                         *self._generation_seconds, job=self.job_id)
 
     def _peak_memory_bytes(self) -> int | None:
         """What the plan's peak memory is measured against: the device's peak reserved memory on CUDA, else this

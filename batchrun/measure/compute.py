@@ -13,7 +13,7 @@ import time
 from typing import Sequence
 
 from batchrun.measure import layer_rates
-from batchrun.measure.cache import SHAPES_SEPARATOR, cached, compute_key, dispute, store
+from batchrun.measure.cache import SHAPES_SEPARATOR, cached, compute_key, dispute, load, store
 
 # A matmul shaped like a batch of a few hundred tokens through a 2k-wide layer (median of COMPUTE_REPEATS or more).
 COMPUTE_SHAPE = (256, 2048, 2048)
@@ -162,6 +162,37 @@ def judge_compute_rate(dtype: str, device: str, seconds: float, planned: float, 
         if dispute_compute_rate(dtype, device, evidence):
             log.info("a pass took %.1f s where the plan priced it at %.1f s: this machine's compute rate is measured "
                      "again at the next plan", seconds, planned)
+    return True
+
+
+def dispute_generation_rates(dtype: str, device: str, evidence: dict) -> bool:
+    """A run's generation passes disagreed with their plan (`evidence`): every cached figure that prices such a
+    pass is disputed, so the next plan measures them again. A decode pass is priced by the checkpoint's own layer
+    matrices' rates (decode_rates), the memory rate, a layer call's fixed cost and, beside a prefill, the compute
+    rate; a busy moment slows every one measured in it, and which of them it was the passes cannot tell apart.
+    Returns whether any figure was left to dispute."""
+    import torch
+
+    key = compute_key(dtype, device, torch.get_num_threads())
+    layer_call = compute_key("float32", device, torch.get_num_threads())  # measure.layer_call's key
+    shapes = [name for name in load().get("decode", {}) if name.startswith(key + SHAPES_SEPARATOR)]
+    disputed = [dispute("compute", key, evidence), dispute("memory", key, evidence),
+                dispute("layer_call", layer_call, evidence)] + [dispute("decode", name, evidence) for name in shapes]
+    return any(disputed)
+
+
+def judge_generation_rates(dtype: str, device: str, seconds: float, planned: float, *, job: str) -> bool:
+    """A run's generation passes so far took `seconds` where the plan priced them at `planned`: once either is at
+    least JUDGED_PASS_MIN_SECONDS (a sum of short decode passes outlasts the machine's noise just as one long pass
+    does), a ratio outside RATE_DISPUTED_BEYOND either way disputes the rates that priced them. Returns whether the
+    passes were long enough to judge by."""
+    if max(seconds, planned) < JUDGED_PASS_MIN_SECONDS:
+        return False
+    if not 1 / RATE_DISPUTED_BEYOND <= seconds / max(planned, 1e-9) <= RATE_DISPUTED_BEYOND:
+        evidence = {"job": job, "generation_seconds": round(seconds, 3), "planned_seconds": round(planned, 3)}
+        if dispute_generation_rates(dtype, device, evidence):
+            log.info("generation passes took %.1f s where the plan priced them at %.1f s: the rates that price "
+                     "them are measured again at the next plan", seconds, planned)
     return True
 
 

@@ -496,9 +496,8 @@ def _time(job: _Job, fixed: _Fixed, batching: _Batching, schedule: _Schedule, pe
                                                        else "no ETA for a resident run"))
     timeline = timed or _timeline(job, mode, schedule, peak.calls, io_seconds)
     passes = len(schedule.choice_batches) + len(schedule.passes)
-    if mode == "streamed" and timeline.compute_bound_passes:
-        job.caveats.append(f"{timeline.compute_bound_passes} of {passes} passes are compute-bound (long prefills): "
-                           "faster reads would not speed those up")
+    if mode == "streamed":
+        _compute_bound_caveat(job, timeline, passes)
     moe = job.sizes.moe
     if moe and mode == "streamed":
         job.caveats.append(f"mixture of experts: every layer is read whole ({moe['num_experts']} experts) though "
@@ -511,6 +510,16 @@ def _time(job: _Job, fixed: _Fixed, batching: _Batching, schedule: _Schedule, pe
         if load_seconds is None:
             job.caveats.append("the time to load the model is not counted (read bandwidth unknown)")
     return _Time(load_seconds, io_seconds, timeline, eta, first_answer)
+
+
+def _compute_bound_caveat(job: _Job, timeline: Timeline, passes: int) -> None:
+    """A streamed pass that computes longer than it reads gains nothing from a faster disk: say how many do, and
+    which kind, since a long prefill and a decode step of a small model are compute-bound for different reasons."""
+    kinds = [(timeline.compute_bound_prefills, "with prefills"), (timeline.compute_bound_decodes, "decode only")]
+    counted = [f"{count:,} {what}" for count, what in kinds if count]
+    if counted:
+        job.caveats.append(f"{sum(count for count, _ in kinds):,} of {passes:,} passes are compute-bound "
+                           f"({', '.join(counted)}): faster reads would not speed those up")
 
 
 def _timeline(job: _Job, mode: str, schedule: _Schedule, calls: Calls, io_seconds: float | None) -> Timeline:

@@ -183,7 +183,8 @@ class Timeline:
     pass_seconds: list[float | None]  # in run order
     compute_seconds: list[float | None]
     first_answer_passes: int  # passes until the first rows are answered
-    compute_bound_passes: int
+    compute_bound_prefills: int  # passes that prefill and compute longer than they read
+    compute_bound_decodes: int  # decode passes (no prompt admitted) that compute longer than they read
 
     @property
     def known(self) -> bool:
@@ -205,6 +206,7 @@ def job_timeline(pricing: PassPricing, rows: Sequence[RowCost], batches: Sequenc
     if own_rows is None:
         own_rows = [without_prefix(row, shared_prefix) for row in rows]
     computes = [_batch_pass_seconds(pricing, rows, own_rows, batch, shared_prefix) for batch in batches]
+    decodes = [False] * len(computes)  # which passes only decode
     first_answer = 1 if batches else 0
     steps: dict[int, int] = {}  # live row -> tokens it has after the pass before
     scheduled_rows = own_rows if schedule_prefix else rows
@@ -213,6 +215,7 @@ def job_timeline(pricing: PassPricing, rows: Sequence[RowCost], batches: Sequenc
         calls = len(unmerged) if not decode_merges else None
         computes.append(_scheduled_pass_seconds(pricing, scheduled_rows, scheduled, steps, schedule_prefix,
                                                 index == 0, calls))
+        decodes.append(not scheduled.admitted)
         if not decode_merges and scheduled.admitted:
             lengths = [scheduled_rows[i].prefill_length() for i in scheduled.admitted]
             unmerged += [{scheduled.admitted[j] for j in group}
@@ -226,8 +229,9 @@ def job_timeline(pricing: PassPricing, rows: Sequence[RowCost], batches: Sequenc
             del steps[i]
         unmerged = [left for left in (members.difference(finished) for members in unmerged) if left]
     passes = [pass_bound(io_seconds, c) for c in computes]
-    compute_bound = sum(1 for c in computes if c is not None and io_seconds and c > io_seconds)
-    return Timeline(passes, computes, first_answer, compute_bound)
+    bound = [c is not None and bool(io_seconds) and c > io_seconds for c in computes]
+    bound_decodes = sum(1 for b, decode in zip(bound, decodes) if b and decode)
+    return Timeline(passes, computes, first_answer, sum(bound) - bound_decodes, bound_decodes)
 
 
 def _batch_pass_seconds(pricing: PassPricing, rows: Sequence[RowCost], own_rows: Sequence[RowCost],

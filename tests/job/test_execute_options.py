@@ -228,3 +228,28 @@ def test_a_run_whose_pass_disagrees_with_the_cached_compute_rate_has_the_rate_me
                         lambda dtype, device: remeasured.append(dtype) or entry["flops_per_s"])
     run_job(choice_spec(tmp_path), tmp_path, tiny_checkpoint("llama"), "next", streaming="never")
     assert remeasured  # the next plan measured the rate instead of trusting the disputed one
+
+
+def test_generation_passes_far_quicker_than_planned_have_their_rates_measured_again(tmp_path, tiny_checkpoint,
+                                                                                     monkeypatch):
+    """A layer call's cost cached while the machine was busy prices every decode pass far too long; nothing a
+    choice pass does heals it. The run's generation passes, adding up to a judgeable time far from their plan,
+    dispute every rate that priced them, and the next plan measures them again."""
+    import torch
+
+    from batchrun import measure
+    from batchrun.measure import cache
+
+    key = cache.compute_key("float32", "cpu", torch.get_num_threads())
+    cache.store("layer_call", key, {"seconds": 0.5})  # half a second a layer call: a badly disturbed figure
+    planned = []
+    run_job(generation_spec(tmp_path, max_new_tokens=6), tmp_path, tiny_checkpoint("llama"), "slow",
+            streaming="never", on_plan=lambda plan: planned.append(sum(plan.pass_seconds)))
+    disputed = cache.load()["layer_call"][key]["disputed"]
+    assert planned[0] >= 2.0 and disputed["generation_seconds"] < disputed["planned_seconds"] / 1.5
+    remeasured = []
+    monkeypatch.setattr(measure.layer_call, "seconds_per_layer_call", lambda device: remeasured.append(device) or 2e-4)
+    run_job(generation_spec(tmp_path, max_new_tokens=6), tmp_path, tiny_checkpoint("llama"), "next",
+            streaming="never")
+    assert remeasured == ["cpu"]  # the next plan measured the cost instead of trusting the disputed figure
+    assert cache.load()["layer_call"][key]["seconds"] == 2e-4

@@ -320,3 +320,35 @@ def test_the_matrices_timed_are_the_models_working_set_or_a_bounded_slice_of_it(
     huge = [(8192, 8192), (1024, 8192), (28672, 8192)]  # a 70B layer, bfloat16: 128, 16 and 448 MiB
     assert cycled_shapes(huge, 2, num_layers=80, cycled_bytes=256 << 20) == [(8192, 8192), (1024, 8192)]
     assert cycled_shapes(huge[2:], 2, num_layers=80, cycled_bytes=256 << 20) == [(28672, 8192)]  # at least one
+
+
+def test_generation_passes_that_disagree_with_their_plan_dispute_every_rate_that_priced_them():
+    """Rates measured while the machine was busy price decode passes far too slow: once the passes add up to a
+    judgeable time, every figure behind them is disputed, so the next plan measures them again on the machine as it
+    is; passes close to their plan, or too short to judge, dispute nothing."""
+    import torch
+
+    key = f"cpu:float32:threads={torch.get_num_threads()}"
+    decode_key = f"{key}|0123456789abcdef"
+
+    def seed():
+        cache.store("compute", key, {"flops_per_s": 1e9, "linear_kernel": "aten", "packs_weights": False})
+        cache.store("memory", key, {"bytes_per_s": 1e9, "linear_kernel": "aten"})
+        cache.store("layer_call", key, {"seconds": 1e-3})
+        cache.store("decode", decode_key, {"bytes_per_s": {"1": 1e9}, "linear_kernel": "aten"})
+        cache.store("decode", "cpu:bfloat16:threads=1|0123456789abcdef", {"bytes_per_s": {"1": 1e9}})
+
+    def disputed() -> set[str]:
+        return {f"{section}:{name}" for section, entries in cached_measurements().items()
+                for name, entry in entries.items() if entry.get("disputed")}
+
+    seed()
+    assert not measure.judge_generation_rates("float32", "cpu", 0.3, 1.2, job="j")  # too short to judge
+    assert measure.judge_generation_rates("float32", "cpu", 2.4, 3.0, job="j")  # judged: close enough
+    assert disputed() == set()
+    assert measure.judge_generation_rates("float32", "cpu", 2.7, 116.0, job="j")
+    assert disputed() == {f"compute:{key}", f"memory:{key}", f"layer_call:{key}", f"decode:{decode_key}"}
+    assert cached_measurements()["decode"][decode_key]["disputed"]["planned_seconds"] == 116.0
+    seed()
+    assert measure.judge_generation_rates("float32", "cpu", 9.0, 3.0, job="j")  # too slow: disputed as well
+    assert f"layer_call:{key}" in disputed()

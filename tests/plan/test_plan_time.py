@@ -175,3 +175,14 @@ def test_resident_eta_counts_loading_once_and_compute_per_pass():
     assert candidate.io_seconds_per_pass == 0
     assert candidate.eta_seconds > candidate.load_seconds == TINY.checkpoint_bytes / 1e9
     assert plan(TINY, compute_dtype="float32", compute_flops_per_s=None).eta_seconds is None
+
+
+def test_the_compute_bound_caveat_counts_prefill_and_decode_passes_apart():
+    """A streamed generation job whose layers read in no time: every pass computes longer than it reads, one with
+    the prompts' prefill and the rest decode steps, and the caveat says which, instead of calling all of them long
+    prefills."""
+    candidate = plan(rows=[RowCost(300, 6)] * 2, streaming="always", bandwidth=Bandwidth(1e15, "declared", "fast"),
+                     memory_budget_bytes=400 * GiB, compute_flops_per_s=4e11, memory_bytes_per_s=1e10)
+    assert candidate.passes == 6
+    caveat = next(c for c in candidate.caveats if "compute-bound" in c)
+    assert caveat.startswith("6 of 6 passes are compute-bound (1 with prefills, 5 decode only)")
