@@ -42,23 +42,36 @@ class ModelResult:
 
 
 def stratified_sample(requests: Sequence[Request], size: int) -> list[Request]:
-    """Up to `size` labelled rows, each label's share kept (at least one row of every label where size allows);
-    chosen by a hash of the row's id, so the same spec gives the same sample. Spec order is kept."""
+    """Exactly `min(size, labelled rows)` labelled rows, each label's share kept (at least one row of every label
+    where size allows); chosen by a hash of the row's id, so the same spec gives the same sample. Spec order is
+    kept."""
     by_label: dict[str, list[Request]] = {}
     for request in requests:
         if request.label is not None:
             by_label.setdefault(request.label, []).append(request)
-    total = sum(len(members) for members in by_label.values())
-    if total <= size:
-        chosen = [request for members in by_label.values() for request in members]
-    else:
-        quota = {label: max(1, round(size * len(members) / total)) for label, members in by_label.items()}
-        while sum(quota.values()) > size:  # rounding up the small labels can overshoot: trim the largest
-            largest = max(quota, key=quota.__getitem__)
-            quota[largest] -= 1
-        chosen = [request for label, members in by_label.items()
-                  for request in sorted(members, key=_row_hash)[:quota[label]]]
+    quota = label_quotas({label: len(members) for label, members in by_label.items()}, size)
+    chosen = [request for label, members in by_label.items()
+              for request in sorted(members, key=_row_hash)[:quota[label]]]
     return sorted(chosen, key=lambda request: request.index)
+
+
+def label_quotas(counts: dict[str, int], size: int) -> dict[str, int]:
+    """How many rows of each label a sample of `size` takes: largest-remainder apportionment, so the quotas add up
+    to exactly `min(size, total)`; ties go to the label seen first, so the split is the same every time."""
+    total = sum(counts.values())
+    if total <= size:
+        return dict(counts)
+    shares = {label: divmod(size * count, total) for label, count in counts.items()}  # exact, no float ties
+    quota = {label: whole for label, (whole, _) in shares.items()}
+    by_remainder = sorted(counts, key=lambda label: shares[label][1], reverse=True)
+    for label in by_remainder[:size - sum(quota.values())]:
+        quota[label] += 1
+    if size >= len(counts):  # a label with no row in the sample would go unjudged: lend it one from the largest
+        for label in counts:
+            if quota[label] == 0:
+                quota[max(quota, key=quota.__getitem__)] -= 1
+                quota[label] = 1
+    return quota
 
 
 def _row_hash(request: Request) -> str:

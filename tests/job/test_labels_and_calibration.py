@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from batchrun.job.compare import stratified_sample
 from batchrun.output import read_parquet_results
 from batchrun.quality import divide_prior, mean_probs
+from batchrun.spec import Request
 from tests.job.test_resume import assert_same_answers, job_status, run_killed, run_to_end, submit_args
 from tests.support import invoke, write_jsonl
 
@@ -158,3 +161,26 @@ def test_compare_judges_each_model_and_a_full_submit_reuses_its_rows(tmp_path, t
     assert full["rows_computed_now"] == len(REVIEWS) - 6
     sampled = pq.read_table(tmp_path / "a.parquet").to_pylist()
     assert len(sampled) == len(REVIEWS) and {row["label"] for row in sampled} == {"positive", "negative"}
+
+
+def sample_rows(labels: list[str]) -> list[Request]:
+    return [Request(index=i, id=f"r{i}", location=f"rev.jsonl:{i + 1}", messages=(("user", f"Review {i}"),),
+                    prompt=f"Review {i}", choices=("positive", "negative", "mixed"), max_new_tokens=0, stop=(),
+                    label=label) for i, label in enumerate(labels)]
+
+
+@pytest.mark.parametrize("labels", [
+    ["positive", "negative"] * 10,  # even classes: each share lands on a half
+    ["positive"] * 13 + ["negative"] * 5 + ["mixed"] * 2,
+    ["positive"] * 18 + ["negative"] + ["mixed"],  # rare classes the sample still shows
+], ids=["even", "uneven", "rare"])
+def test_compare_samples_exactly_the_rows_asked_for(labels):
+    rows = sample_rows(labels)
+    for size in range(1, len(rows) + 3):
+        chosen = stratified_sample(rows, size)
+        assert len(chosen) == min(size, len(rows)), size
+        assert [row.index for row in chosen] == sorted(row.index for row in chosen)  # spec order
+        if size >= len(set(labels)):
+            assert {row.label for row in chosen} == set(labels), size
+    shares = Counter(row.label for row in stratified_sample(rows, 10))
+    assert all(abs(shares[label] - 10 * count / len(rows)) <= 1 for label, count in Counter(labels).items())
