@@ -10,10 +10,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
+from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL, checkpoint_location
 from batchrun.errors import SettingRefused
 from batchrun.host import default_db_path, stored_spec
 from batchrun.job.options import JobOptions
-from batchrun.job.prepare import model_label, plan_report, read_job_spec
+from batchrun.job.prepare import model_label, names_default_model, plan_report, read_job_spec
 from batchrun.output import job_answers, quality
 from batchrun.plan import format_duration
 from batchrun.spec import Request
@@ -115,6 +116,7 @@ def compare(spec_path: Path, models: Sequence[str | None], options: JobOptions, 
 
     if len(models) < 2:
         raise SettingRefused("compare needs at least two models (--model A --model B)")
+    refuse_one_model_twice(models)
     requests = read_job_spec(spec_path, options).requests
     labelled = [request for request in requests if request.label is not None]
     if not labelled:
@@ -131,6 +133,19 @@ def compare(spec_path: Path, models: Sequence[str | None], options: JobOptions, 
         plan = plan_report(spec_path, [model], options)["candidates"][0]
         results.append(_model_result(model, summary.job_id, db_path, plan))
     return Comparison(str(spec_path), len(chosen), len(labelled), results, verdict(results))
+
+
+def refuse_one_model_twice(models: Sequence[str | None]) -> None:
+    """Two spellings of one checkpoint would judge a model against itself, a mistake: refused before any row runs,
+    naming both spellings as given."""
+    seen: dict[str, str] = {}
+    for model in models:
+        spelling = "default" if model is None else model
+        where = str(checkpoint_location(DEFAULT_REGISTRY_MODEL.name if names_default_model(model) else model))
+        if where in seen:
+            raise SettingRefused(f"--model {seen[where]} and --model {spelling} are the same model ({where}); "
+                                 "compare judges different models against each other: give another --model")
+        seen[where] = spelling
 
 
 def _model_result(model: str | None, job_id: str, db: Path, plan: dict) -> ModelResult:
