@@ -16,6 +16,7 @@ import zlib
 from pathlib import Path
 
 import click
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
@@ -322,6 +323,22 @@ def test_compare_takes_different_models_past_the_same_model_check(tiny_checkpoin
     from batchrun.job.compare import refuse_one_model_twice
 
     refuse_one_model_twice([None, str(tiny_checkpoint("llama")), str(tiny_checkpoint("qwen2")), "gemma3-270m"])
+
+
+def test_a_failed_corpus_row_keeps_its_kept_columns_in_the_output(tmp_path, model):
+    corpus = [{"doc": f"d{i}", "text": f"it works {i}", "site": f"site-{i}", "stars": i} for i in range(3)]
+    corpus[1]["text"] = None  # the template's field is null: this row cannot run
+    spec = write_jsonl(tmp_path / "corpus.jsonl", corpus)
+    out = tmp_path / "answers.parquet"
+    result = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db", "-o", out, "-q",
+                    "--template", "Review: {text}\nPositive?", "--choices", "yes,no", "--keep-columns", "*",
+                    "--skip-invalid")
+    assert result.exit_code == 0, result.output
+    rows = sorted(pq.read_table(out).to_pylist(), key=lambda row: row["id"])  # the line numbers
+    assert [row["doc"] for row in rows] == ["d0", "d1", "d2"]
+    assert [row["error"] is not None for row in rows] == [False, True, False]
+    for row, given in zip(rows, corpus):
+        assert {name: row[name] for name in given} == given
 
 
 def test_a_hub_error_spanning_lines_is_one_error_line(tmp_path, reviews, monkeypatch):
