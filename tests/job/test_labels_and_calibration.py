@@ -123,6 +123,37 @@ def test_calibrations_that_cannot_apply_are_refused_with_the_reason(tmp_path, ti
     assert refused.exit_code == 1 and "calibration applies to choice rows" in refused.stderr
 
 
+def test_labels_calibration_with_one_class_is_refused_before_any_row_runs(tmp_path, tiny_checkpoint):
+    one_class = write_jsonl(tmp_path / "yes.jsonl", [{**row, "label": "positive"} for row in labelled_rows()[:10]])
+    db = tmp_path / "j.db"
+    refused = invoke("submit", one_class, "--model", tiny_checkpoint("llama"), "--db", db, "--calibrate", "labels",
+                     "--json")
+    assert refused.exit_code == 1, refused.output
+    found = json.loads(refused.stdout)
+    assert found["kind"] == "SettingRefused" and found["error"] == (
+        "calibrate labels: every labelled choice row of this job is labelled 'positive'; a fit on one class answers "
+        "it everywhere, and accuracy would then say nothing about the choices. Label rows of two classes or more, "
+        "or use --calibrate auto (the model's own answers)")
+    assert f"Error: {found['error']}" in refused.stderr
+    assert invoke("status", "--db", db).exit_code == 1  # no job was recorded, no row computed
+
+
+def test_labels_calibration_leaves_a_one_class_choice_set_raw_and_says_so(tmp_path, tiny_checkpoint, caplog):
+    colours = [{"id": f"c{i}", "prompt": f"Sky {i}: red or blue?", "choices": ["red", "blue"], "label": "blue"}
+               for i in range(4)]
+    spec = write_jsonl(tmp_path / "mixed.jsonl", labelled_rows() + colours)
+    summary = run_to_end(submit_args(spec, tiny_checkpoint("llama"), tmp_path / "j.db", tmp_path / "a.parquet",
+                                     "--calibrate", "labels"))
+    note = ("labels calibration: every one of the 4 labelled row(s) offering ['red', 'blue'] is labelled 'blue', so a "
+            "fit on them would answer 'blue' everywhere and their accuracy would say nothing about the choices: those "
+            "rows are left uncalibrated (the model's own answers stand; label rows of two classes)")
+    assert note in summary["notes"]
+    assert note in [record.getMessage() for record in caplog.records if record.name == "batchrun"]
+    answers = {row["id"]: row for row in read_parquet_results(tmp_path / "a.parquet")}
+    assert all(answers[row["id"]]["calibrated_probs"] is None for row in colours)
+    assert all(answers[row["id"]]["calibrated_probs"] is not None for row in labelled_rows())
+
+
 def test_auto_without_labels_is_the_uncalibrated_job(tmp_path, tiny_checkpoint):
     unlabelled = write_jsonl(tmp_path / "plain.jsonl", [{key: value for key, value in row.items() if key != "label"}
                                                         for row in labelled_rows()])
