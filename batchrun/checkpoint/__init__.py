@@ -6,13 +6,14 @@ from batchrun.checkpoint.files import (DTYPE_BITS, CheckpointError, TensorInfo, 
 from batchrun.checkpoint.progress import progress_bars
 from batchrun.checkpoint.provision import DefaultModelError, default_model, registry_model
 from batchrun.checkpoint.registry import DEFAULT_REGISTRY_MODEL, REGISTRY, RegistryModel, registry_label
-from batchrun.checkpoint.resolve import resolve_checkpoint
+from batchrun.checkpoint.resolve import checkpoint_location, resolve_checkpoint
 from batchrun.checkpoint.sizes import (DTYPE_CODES, CheckpointSizes, attended_positions, checkpoint_sizes,
                                        kv_bytes_for_sequence, kv_bytes_per_token_per_layer)
 from batchrun.checkpoint.tokenizer import TokenizerOnDemand, load_tokenizer
 
 __all__ = ["CheckpointError", "CheckpointSizes", "DEFAULT_REGISTRY_MODEL", "DTYPE_BITS", "DTYPE_CODES",
            "DefaultModelError", "REGISTRY", "RegistryModel", "TensorInfo", "TokenizerOnDemand", "attended_positions",
-           "checkpoint_sizes", "default_model", "kv_bytes_for_sequence", "kv_bytes_per_token_per_layer",
-           "load_config", "load_tokenizer", "progress_bars", "read_tensor_infos", "registry_label", "registry_model",
-           "resolve_checkpoint", "storage_dtype", "tensor_index", "weight_sample_digest"]
+           "checkpoint_location", "checkpoint_sizes", "default_model", "kv_bytes_for_sequence",
+           "kv_bytes_per_token_per_layer", "load_config", "load_tokenizer", "progress_bars", "read_tensor_infos",
+           "registry_label", "registry_model", "resolve_checkpoint", "storage_dtype", "tensor_index",
+           "weight_sample_digest"]

@@ -104,10 +104,15 @@ def registry_model(name: str, home: Path | None = None, *, verify: bool = False)
     return provisioned_checkpoint(model, home, verify=verify)
 
 
+def registry_directory(model: RegistryModel, home: Path | None = None) -> Path:
+    """Where `model`'s converted checkpoint lies (or will), told without provisioning it."""
+    return (Path(home).expanduser() if home is not None else state_dir()) / "models" / model.directory
+
+
 def provisioned_checkpoint(model: RegistryModel, home: Path | None = None, *, verify: bool = False) -> Path:
     """The converted checkpoint of `model`, provisioned when missing and converted again when damaged."""
-    models_dir = (Path(home).expanduser() if home is not None else state_dir()) / "models"
-    target = models_dir / model.directory
+    target = registry_directory(model, home)
+    models_dir = target.parent
     if inspect_folder(target).intact and not verify:
         return target
     models_dir.mkdir(parents=True, exist_ok=True)

@@ -14,13 +14,14 @@ from batchrun.checkpoint.files import (CONFIG_NAME, DTYPE_BITS, INDEX_NAME, SING
                                        TensorInfo, decoder_layer_prefix, load_config, read_header, read_tensor_infos,
                                        read_weight_map, refuse_without_safetensors, storage_dtype, tensor_index)
 from batchrun.checkpoint.progress import hub_bars
-from batchrun.checkpoint.provision import registry_model
-from batchrun.checkpoint.registry import is_registry_name
+from batchrun.checkpoint.provision import registry_directory, registry_model
+from batchrun.checkpoint.registry import REGISTRY, is_registry_name
 from batchrun.checkpoint.sizes import CheckpointSizes, checkpoint_sizes, sizes_from_config
 from batchrun.host import one_line
 
 __all__ = [
-    "CONFIG_NAME", "DTYPE_BITS", "CheckpointError", "CheckpointSizes", "TensorInfo", "checkpoint_sizes",
+    "CONFIG_NAME", "DTYPE_BITS", "CheckpointError", "CheckpointSizes", "TensorInfo", "checkpoint_location",
+    "checkpoint_sizes",
     "decoder_layer_prefix", "load_config", "read_header", "read_tensor_infos", "resolve_checkpoint",
     "sizes_from_config", "storage_dtype", "tensor_index",
 ]
@@ -64,6 +65,18 @@ def resolve_checkpoint(
             f"repository {text} not found / not cached; no local directory of that name either. "
             f"Check the name, your network and access token (gated models need one). Hub said: {detail}"
         ) from None
+
+
+def checkpoint_location(model: str) -> Path | str:
+    """Where resolve_checkpoint finds `model`, told without converting or fetching anything: a local directory (its
+    links followed), a registry model's converted folder, else the repository id as given. Two spellings of one
+    checkpoint give the same answer."""
+    local = Path(model).expanduser()
+    if local.is_dir():
+        return local.resolve()
+    if is_registry_name(model):
+        return registry_directory(REGISTRY[model]).resolve()
+    return model
 
 
 def _looks_like_path(text: str) -> bool:

@@ -247,7 +247,7 @@ def _job_rows(prepared: PreparedJob) -> list[JobRow]:
     invalid one named by its id or location."""
     rows = [JobRow(row.request.index, row.request.id, prepared.row_keys[row.request.index], row.request.label,
                    row.request.carried) for row in prepared.rows]
-    rows += [JobRow(bad.index, bad.output_id) for bad in prepared.spec.invalid]
+    rows += [JobRow(bad.index, bad.output_id, carried=bad.carried) for bad in prepared.spec.invalid]
     return sorted(rows, key=lambda row: row.idx)
 
 

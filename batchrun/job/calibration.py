@@ -10,7 +10,7 @@ from typing import Callable
 from batchrun.errors import SettingRefused
 from batchrun.host import stored_spec
 from batchrun.job.prepare import PreparedJob
-from batchrun.spec import content_free_rows
+from batchrun.spec import Request, content_free_rows
 
 
 def calibration_refusal(prepared: PreparedJob) -> str | None:
@@ -21,9 +21,27 @@ def calibration_refusal(prepared: PreparedJob) -> str | None:
     choice_rows = [row.request for row in prepared.rows if row.request.choices is not None]
     if not choice_rows:
         return f"calibrate {method}: calibration applies to choice rows, and this job has none"
-    if method == "labels" and not any(request.label is not None for request in choice_rows):
+    if method == "labels":
+        return _labels_refusal(choice_rows)
+    return None
+
+
+def _labels_refusal(choice_rows: list[Request]) -> str | None:
+    """Why a fit on the job's labels cannot calibrate any choice set: no label, or a single class in every set
+    (the fit would answer that class everywhere, right on every labelled row and telling nothing)."""
+    classes: dict[tuple[str, ...], set[str]] = {}
+    for request in choice_rows:
+        if request.label is not None:
+            classes.setdefault(request.choices, set()).add(request.label)
+    if not classes:
         return ("calibrate labels: it fits one bias per choice on labelled rows, and no choice row of this job has "
                 "a label (give rows a label, or --label-column in corpus mode)")
+    if all(len(labels) < 2 for labels in classes.values()):
+        shown = ", ".join(sorted(repr(label) for labels in classes.values() for label in labels))
+        return (f"calibrate labels: every labelled choice row of this job is labelled {shown}"
+                + (" (one class per choice set)" if len(classes) > 1 else "")
+                + "; a fit on one class answers it everywhere, and accuracy would then say nothing about the "
+                "choices. Label rows of two classes or more, or use --calibrate auto (the model's own answers)")
     return None
 
 

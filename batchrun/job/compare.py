@@ -10,10 +10,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
+from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL, checkpoint_location
 from batchrun.errors import SettingRefused
 from batchrun.host import default_db_path, stored_spec
 from batchrun.job.options import JobOptions
-from batchrun.job.prepare import model_label, plan_report, read_job_spec
+from batchrun.job.prepare import model_label, names_default_model, plan_report, read_job_spec
 from batchrun.output import job_answers, quality
 from batchrun.plan import format_duration
 from batchrun.spec import Request
@@ -42,23 +43,36 @@ class ModelResult:
 
 
 def stratified_sample(requests: Sequence[Request], size: int) -> list[Request]:
-    """Up to `size` labelled rows, each label's share kept (at least one row of every label where size allows);
-    chosen by a hash of the row's id, so the same spec gives the same sample. Spec order is kept."""
+    """Exactly `min(size, labelled rows)` labelled rows, each label's share kept (at least one row of every label
+    where size allows); chosen by a hash of the row's id, so the same spec gives the same sample. Spec order is
+    kept."""
     by_label: dict[str, list[Request]] = {}
     for request in requests:
         if request.label is not None:
             by_label.setdefault(request.label, []).append(request)
-    total = sum(len(members) for members in by_label.values())
-    if total <= size:
-        chosen = [request for members in by_label.values() for request in members]
-    else:
-        quota = {label: max(1, round(size * len(members) / total)) for label, members in by_label.items()}
-        while sum(quota.values()) > size:  # rounding up the small labels can overshoot: trim the largest
-            largest = max(quota, key=quota.__getitem__)
-            quota[largest] -= 1
-        chosen = [request for label, members in by_label.items()
-                  for request in sorted(members, key=_row_hash)[:quota[label]]]
+    quota = label_quotas({label: len(members) for label, members in by_label.items()}, size)
+    chosen = [request for label, members in by_label.items()
+              for request in sorted(members, key=_row_hash)[:quota[label]]]
     return sorted(chosen, key=lambda request: request.index)
+
+
+def label_quotas(counts: dict[str, int], size: int) -> dict[str, int]:
+    """How many rows of each label a sample of `size` takes: largest-remainder apportionment, so the quotas add up
+    to exactly `min(size, total)`; ties go to the label seen first, so the split is the same every time."""
+    total = sum(counts.values())
+    if total <= size:
+        return dict(counts)
+    shares = {label: divmod(size * count, total) for label, count in counts.items()}  # exact, no float ties
+    quota = {label: whole for label, (whole, _) in shares.items()}
+    by_remainder = sorted(counts, key=lambda label: shares[label][1], reverse=True)
+    for label in by_remainder[:size - sum(quota.values())]:
+        quota[label] += 1
+    if size >= len(counts):  # a label with no row in the sample would go unjudged: lend it one from the largest
+        for label in counts:
+            if quota[label] == 0:
+                quota[max(quota, key=quota.__getitem__)] -= 1
+                quota[label] = 1
+    return quota
 
 
 def _row_hash(request: Request) -> str:
@@ -102,6 +116,7 @@ def compare(spec_path: Path, models: Sequence[str | None], options: JobOptions, 
 
     if len(models) < 2:
         raise SettingRefused("compare needs at least two models (--model A --model B)")
+    refuse_one_model_twice(models)
     requests = read_job_spec(spec_path, options).requests
     labelled = [request for request in requests if request.label is not None]
     if not labelled:
@@ -118,6 +133,19 @@ def compare(spec_path: Path, models: Sequence[str | None], options: JobOptions, 
         plan = plan_report(spec_path, [model], options)["candidates"][0]
         results.append(_model_result(model, summary.job_id, db_path, plan))
     return Comparison(str(spec_path), len(chosen), len(labelled), results, verdict(results))
+
+
+def refuse_one_model_twice(models: Sequence[str | None]) -> None:
+    """Two spellings of one checkpoint would judge a model against itself, a mistake: refused before any row runs,
+    naming both spellings as given."""
+    seen: dict[str, str] = {}
+    for model in models:
+        spelling = "default" if model is None else model
+        where = str(checkpoint_location(DEFAULT_REGISTRY_MODEL.name if names_default_model(model) else model))
+        if where in seen:
+            raise SettingRefused(f"--model {seen[where]} and --model {spelling} are the same model ({where}); "
+                                 "compare judges different models against each other: give another --model")
+        seen[where] = spelling
 
 
 def _model_result(model: str | None, job_id: str, db: Path, plan: dict) -> ModelResult:

@@ -219,7 +219,7 @@ def _all_row_ids(prepared: PreparedJob) -> list[JobRow]:
     ids = [JobRow(r.request.index, r.request.id, prepared.row_keys[r.request.index], r.request.label,
                   r.request.carried) for r in prepared.rows]
     # An invalid row whose id could not be read is named by its location ("spec.jsonl:12").
-    ids += [JobRow(bad.index, bad.output_id) for bad in prepared.spec.invalid]
+    ids += [JobRow(bad.index, bad.output_id, carried=bad.carried) for bad in prepared.spec.invalid]
     return sorted(ids, key=lambda row: row.idx)
 
 

@@ -81,7 +81,8 @@ def fingerprint(spec: JobSpec, model_identity: Sequence[bytes], compute_dtype: s
         for ids in (row.prompt_ids, *row.choice_ids):  # packed: a big corpus has hundreds of millions of tokens
             digest.update(array("q", [len(ids), *ids]).tobytes())
     for bad in spec.invalid:  # recorded as errored rows (--skip-invalid): their ids and reasons are answers too
-        digest.update(json.dumps([bad.index, bad.id, bad.location, bad.reason]).encode())
+        carried = [bad.carried] if bad.carried is not None else []  # kept columns: a corpus's failed rows carry them
+        digest.update(json.dumps([bad.index, bad.id, bad.location, bad.reason, *carried], sort_keys=True).encode())
     digest.update(json.dumps({"dtype": compute_dtype} if calibrate == "none"
                              else {"dtype": compute_dtype, "calibrate": calibrate}).encode())
     return digest.hexdigest()

@@ -8,7 +8,8 @@ Three ways to estimate the prior, per choice set (the rows that offer the same c
     "N/A", "" and "[MASK]"), computed by a small side job.
   * labels: one bias per choice, fitted by maximum likelihood on the labelled rows (softmax over log p + bias, a weak
     Gaussian prior on the biases); handles imbalanced corpora. A labelled row's own calibrated answer comes from a
-    fit that did not see it (k-fold), so accuracy over labelled rows is held-out, never in-sample.
+    fit that did not see it (k-fold), so accuracy over labelled rows is held-out, never in-sample. A choice set
+    whose labelled rows show a single class is left raw, as auto leaves it.
   * auto (the default): where a choice set has enough labelled rows, the one of none, batch and labels whose
     answers to the labelled rows are right most often (held-out for labels; a tie keeps the model's own answers);
     elsewhere none. Without labels nothing changes: batch calibration alone is what hurts an imbalanced corpus.
@@ -129,9 +130,16 @@ def _divide(found: Calibration, choices, members: Sequence[ChoiceRow], prior: di
 def _fit_labels(found: Calibration, choices: tuple[str, ...], members: Sequence[ChoiceRow]) -> None:
     """Unlabelled rows take the fit on every labelled row; labelled row i takes the fit without its fold."""
     labelled = sorted((row for row in members if row.label is not None), key=lambda row: row.idx)
-    found.rows_used[choices] = len(labelled)
+    classes = sorted({row.label for row in labelled})
+    found.rows_used[choices] = len(labelled) if len(classes) > 1 else 0
     if not labelled:
         found.notes.append(f"no labelled row offers choices {list(choices)}: those rows are left uncalibrated")
+        return
+    if len(classes) < 2:  # the fit would answer that class everywhere: right on every labelled row, saying nothing
+        found.notes.append(f"labels calibration: every one of the {len(labelled)} labelled row(s) offering "
+                           f"{list(choices)} is labelled {classes[0]!r}, so a fit on them would answer "
+                           f"{classes[0]!r} everywhere and their accuracy would say nothing about the choices: those "
+                           "rows are left uncalibrated (the model's own answers stand; label rows of two classes)")
         return
     everything = fit_biases(labelled, choices)
     found.biases[choices] = everything

@@ -69,6 +69,7 @@ class InvalidRow:
     location: str
     reason: str
     name: str | int | None = None  # its id in the output: the id, else its location, made unique among the ids
+    carried: dict | None = None  # corpus mode: its kept columns, which is how a user finds the row in the output
 
     @property
     def output_id(self) -> str | int:
@@ -261,7 +262,8 @@ def _check_rows(rows: Iterator[tuple[int, object]], numbering: _Numbering, job: 
                 raise RowProblem(f"duplicate id {shown}: {unit} {earlier[0]} has the same id{hint}")
             requests.append(_request(row, index, row_id, location, job))
         except RowProblem as problem:
-            invalid.append(InvalidRow(index=index, id=row_id, location=location, reason=str(problem)))
+            invalid.append(InvalidRow(index=index, id=row_id, location=location, reason=str(problem),
+                                      carried=_kept_columns_of_failed_row(row, job)))
             problems.append(numbering.problem(number, str(problem)))
     return requests, _named(invalid, set(ids_seen)), problems
 
@@ -342,8 +344,20 @@ def _kept_columns(row: dict, job: _Job) -> dict | None:
     missing = [name for name in names if name not in row]
     if missing:
         raise RowProblem(f"--keep-columns names {', '.join(map(repr, missing))}, which this row does not have")
+    return _cells(row, names)
+
+
+def _kept_columns_of_failed_row(row: object, job: _Job) -> dict | None:
+    """The kept columns a refused corpus row still has (one it lacks stays empty): the output names the row by
+    them beside its error."""
+    if not isinstance(row, dict) or job.template is None or job.keep_columns is None:
+        return None
+    return _cells(row, list(row) if job.keep_columns == ("*",) else job.keep_columns)
+
+
+def _cells(row: dict, names: Sequence[str]) -> dict:
     # JSON text for what a Parquet/JSON cell can hold beyond numbers and text (dates, decimals, bytes)
-    return {name: json.loads(json.dumps(row[name], default=str)) for name in names}
+    return {name: json.loads(json.dumps(row.get(name), default=str)) for name in names}
 
 
 def _request_shape(row: dict, index: int, row_id: str | int, location: str, job: _Job) -> Request:

@@ -16,6 +16,7 @@ import zlib
 from pathlib import Path
 
 import click
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
@@ -36,7 +37,8 @@ COMMAND_ARGS = {
 FORESEEN = {
     ("submit",): (["{tmp}/bad.jsonl", "--model", "{tmp}"], "SpecError", "bad.jsonl:line 1: malformed JSON"),
     ("plan",): (["{tmp}/bad.jsonl"], "SpecError", "bad.jsonl:line 1: malformed JSON"),
-    ("compare",): (["{tmp}/bad.jsonl", "-m", "{tmp}", "-m", "{tmp}"], "SpecError", "bad.jsonl:line 1: malformed JSON"),
+    ("compare",): (["{tmp}/bad.jsonl", "-m", "{tmp}/a", "-m", "{tmp}/b"], "SpecError",
+                   "bad.jsonl:line 1: malformed JSON"),
     ("report",): (["--db", "{tmp}/none.db"], "JobNotFound", "no jobs recorded"),
     ("status",): (["--db", "{tmp}/none.db"], "JobNotFound", "no jobs recorded"),
     ("jobs",): (["--db", "{tmp}/none.db"], "JobNotFound", "no database at"),
@@ -289,6 +291,54 @@ def test_a_job_that_computed_nothing_reports_no_rate(tmp_path, model):
     assert invoke("report", "--db", db, "-o", page).exit_code == 0
     rate = re.search(r"<th>Rows finished per hour</th><td>([^<]*)</td>", page.read_text()).group(1)
     assert rate == "none computed yet (no pass has finished a row)"
+
+
+@pytest.mark.parametrize("spellings", [
+    ("default", "smollm2-135m"),
+    ("smollm2-135m", "{home}/models/{default_directory}"),  # the registry model's converted folder, by its path
+    ("{model}", "{tmp}/linked"),  # a link to the same directory
+    ("{model}", "{model}/."),
+], ids=["default-and-its-registry-name", "registry-name-and-its-folder", "link", "same-directory"])
+def test_compare_refuses_one_model_under_two_names_before_running_anything(spellings, tmp_path, reviews, model,
+                                                                            isolated_state):
+    from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL
+    from batchrun.checkpoint.provision import registry_directory
+
+    registry_directory(DEFAULT_REGISTRY_MODEL).mkdir(parents=True)  # as if converted: no conversion runs here
+    (tmp_path / "linked").symlink_to(model, target_is_directory=True)
+    first, second = (spelling.format(home=isolated_state, default_directory=DEFAULT_REGISTRY_MODEL.directory,
+                                     model=model, tmp=tmp_path) for spelling in spellings)
+    db = tmp_path / "j.db"
+    result = invoke("compare", reviews, "-m", first, "-m", second, "--db", db, "--json")
+    assert result.exit_code == 1, result.output
+    found = only_json_object(result.stdout)
+    assert found["kind"] == "SettingRefused"
+    assert found["error"].startswith(f"--model {first} and --model {second} are the same model (")
+    assert found["error"].endswith("compare judges different models against each other: give another --model")
+    assert error_line(result.stderr) == f"Error: {found['error']}"
+    assert not db.exists()  # refused before the spec is read or any job recorded
+
+
+def test_compare_takes_different_models_past_the_same_model_check(tiny_checkpoint):
+    from batchrun.job.compare import refuse_one_model_twice
+
+    refuse_one_model_twice([None, str(tiny_checkpoint("llama")), str(tiny_checkpoint("qwen2")), "gemma3-270m"])
+
+
+def test_a_failed_corpus_row_keeps_its_kept_columns_in_the_output(tmp_path, model):
+    corpus = [{"doc": f"d{i}", "text": f"it works {i}", "site": f"site-{i}", "stars": i} for i in range(3)]
+    corpus[1]["text"] = None  # the template's field is null: this row cannot run
+    spec = write_jsonl(tmp_path / "corpus.jsonl", corpus)
+    out = tmp_path / "answers.parquet"
+    result = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db", "-o", out, "-q",
+                    "--template", "Review: {text}\nPositive?", "--choices", "yes,no", "--keep-columns", "*",
+                    "--skip-invalid")
+    assert result.exit_code == 0, result.output
+    rows = sorted(pq.read_table(out).to_pylist(), key=lambda row: row["id"])  # the line numbers
+    assert [row["doc"] for row in rows] == ["d0", "d1", "d2"]
+    assert [row["error"] is not None for row in rows] == [False, True, False]
+    for row, given in zip(rows, corpus):
+        assert {name: row[name] for name in given} == given
 
 
 def test_a_hub_error_spanning_lines_is_one_error_line(tmp_path, reviews, monkeypatch):

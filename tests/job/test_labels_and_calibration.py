@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from batchrun.job.compare import stratified_sample
 from batchrun.output import read_parquet_results
 from batchrun.quality import divide_prior, mean_probs
+from batchrun.spec import Request
 from tests.job.test_resume import assert_same_answers, job_status, run_killed, run_to_end, submit_args
 from tests.support import invoke, write_jsonl
 
@@ -120,6 +123,37 @@ def test_calibrations_that_cannot_apply_are_refused_with_the_reason(tmp_path, ti
     assert refused.exit_code == 1 and "calibration applies to choice rows" in refused.stderr
 
 
+def test_labels_calibration_with_one_class_is_refused_before_any_row_runs(tmp_path, tiny_checkpoint):
+    one_class = write_jsonl(tmp_path / "yes.jsonl", [{**row, "label": "positive"} for row in labelled_rows()[:10]])
+    db = tmp_path / "j.db"
+    refused = invoke("submit", one_class, "--model", tiny_checkpoint("llama"), "--db", db, "--calibrate", "labels",
+                     "--json")
+    assert refused.exit_code == 1, refused.output
+    found = json.loads(refused.stdout)
+    assert found["kind"] == "SettingRefused" and found["error"] == (
+        "calibrate labels: every labelled choice row of this job is labelled 'positive'; a fit on one class answers "
+        "it everywhere, and accuracy would then say nothing about the choices. Label rows of two classes or more, "
+        "or use --calibrate auto (the model's own answers)")
+    assert f"Error: {found['error']}" in refused.stderr
+    assert invoke("status", "--db", db).exit_code == 1  # no job was recorded, no row computed
+
+
+def test_labels_calibration_leaves_a_one_class_choice_set_raw_and_says_so(tmp_path, tiny_checkpoint, caplog):
+    colours = [{"id": f"c{i}", "prompt": f"Sky {i}: red or blue?", "choices": ["red", "blue"], "label": "blue"}
+               for i in range(4)]
+    spec = write_jsonl(tmp_path / "mixed.jsonl", labelled_rows() + colours)
+    summary = run_to_end(submit_args(spec, tiny_checkpoint("llama"), tmp_path / "j.db", tmp_path / "a.parquet",
+                                     "--calibrate", "labels"))
+    note = ("labels calibration: every one of the 4 labelled row(s) offering ['red', 'blue'] is labelled 'blue', so a "
+            "fit on them would answer 'blue' everywhere and their accuracy would say nothing about the choices: those "
+            "rows are left uncalibrated (the model's own answers stand; label rows of two classes)")
+    assert note in summary["notes"]
+    assert note in [record.getMessage() for record in caplog.records if record.name == "batchrun"]
+    answers = {row["id"]: row for row in read_parquet_results(tmp_path / "a.parquet")}
+    assert all(answers[row["id"]]["calibrated_probs"] is None for row in colours)
+    assert all(answers[row["id"]]["calibrated_probs"] is not None for row in labelled_rows())
+
+
 def test_auto_without_labels_is_the_uncalibrated_job(tmp_path, tiny_checkpoint):
     unlabelled = write_jsonl(tmp_path / "plain.jsonl", [{key: value for key, value in row.items() if key != "label"}
                                                         for row in labelled_rows()])
@@ -158,3 +192,26 @@ def test_compare_judges_each_model_and_a_full_submit_reuses_its_rows(tmp_path, t
     assert full["rows_computed_now"] == len(REVIEWS) - 6
     sampled = pq.read_table(tmp_path / "a.parquet").to_pylist()
     assert len(sampled) == len(REVIEWS) and {row["label"] for row in sampled} == {"positive", "negative"}
+
+
+def sample_rows(labels: list[str]) -> list[Request]:
+    return [Request(index=i, id=f"r{i}", location=f"rev.jsonl:{i + 1}", messages=(("user", f"Review {i}"),),
+                    prompt=f"Review {i}", choices=("positive", "negative", "mixed"), max_new_tokens=0, stop=(),
+                    label=label) for i, label in enumerate(labels)]
+
+
+@pytest.mark.parametrize("labels", [
+    ["positive", "negative"] * 10,  # even classes: each share lands on a half
+    ["positive"] * 13 + ["negative"] * 5 + ["mixed"] * 2,
+    ["positive"] * 18 + ["negative"] + ["mixed"],  # rare classes the sample still shows
+], ids=["even", "uneven", "rare"])
+def test_compare_samples_exactly_the_rows_asked_for(labels):
+    rows = sample_rows(labels)
+    for size in range(1, len(rows) + 3):
+        chosen = stratified_sample(rows, size)
+        assert len(chosen) == min(size, len(rows)), size
+        assert [row.index for row in chosen] == sorted(row.index for row in chosen)  # spec order
+        if size >= len(set(labels)):
+            assert {row.label for row in chosen} == set(labels), size
+    shares = Counter(row.label for row in stratified_sample(rows, 10))
+    assert all(abs(shares[label] - 10 * count / len(rows)) <= 1 for label, count in Counter(labels).items())

@@ -78,6 +78,17 @@ def test_labels_without_any_labelled_row_leave_the_rows_raw_with_a_note():
     assert found.probs == {} and "no labelled row" in found.notes[0]
 
 
+def test_labels_of_one_class_leave_the_rows_raw_with_a_note():
+    rows = [ChoiceRow(i, {"a": 0.3, "b": 0.7}, "a") for i in range(10)] + [ChoiceRow(10, {"a": 0.3, "b": 0.7})]
+    rows += [ChoiceRow(11 + i, {"x": 0.6, "y": 0.4}, "y" if i % 2 else "x") for i in range(6)]
+    found = calibrate(rows, "labels")
+    assert set(found.probs) == {row.idx for row in rows[11:]}  # the set with two classes is fitted
+    assert found.rows_used == {("a", "b"): 0, ("x", "y"): 6} and set(found.biases) == {("x", "y")}
+    (note,) = found.notes
+    assert note.startswith("labels calibration: every one of the 10 labelled row(s) offering ['a', 'b'] is "
+                           "labelled 'a', so a fit on them would answer 'a' everywhere")
+
+
 def test_auto_keeps_the_model_answers_without_enough_labels():
     rows = [ChoiceRow(i, {"a": 0.9, "b": 0.1}, "b" if i % 2 else "a") for i in range(AUTO_MIN_LABELLED - 1)]
     found = calibrate(rows, "auto")

@@ -56,6 +56,21 @@ def test_corpus_label_column_and_kept_columns_from_parquet(tmp_path):
     assert everything.requests[0].carried == {"text": "good", "gold": "yes", "site": "a", "unused": 1}
 
 
+def test_a_refused_corpus_row_keeps_the_columns_it_has(tmp_path):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"text": "good", "site": "a", "page": 1},
+                                              {"text": None, "site": "b", "page": 2},  # the template's field is null
+                                              {"text": "bad", "page": 3}])  # a kept column it lacks
+    everything = read_spec(path, template="Is {text} good?", choices=["yes", "no"], keep_columns=["*"],
+                           skip_invalid=True)
+    assert [(bad.index, bad.carried) for bad in everything.invalid] == [(1, {"text": None, "site": "b", "page": 2})]
+    named = read_spec(path, template="Is {text} good?", choices=["yes", "no"], keep_columns=["site", "page"],
+                      skip_invalid=True)
+    assert [(bad.index, bad.carried) for bad in named.invalid] == [(1, {"site": "b", "page": 2}),
+                                                                    (2, {"site": None, "page": 3})]
+    assert [bad.carried for bad in read_spec(path, template="Is {text} good?", choices=["yes", "no"],
+                                             skip_invalid=True).invalid] == [None]
+
+
 @pytest.mark.parametrize("options, reason", [
     ({"label_column": "gold"}, "label_column only applies with a template (corpus mode)"),
     ({"template": "Is {gold} right?", "label_column": "gold"},
