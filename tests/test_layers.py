@@ -3,6 +3,9 @@ its own subpackage), and no subpackage reaches into another's modules past its _
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import batchrun
@@ -68,3 +71,66 @@ def test_subpackages_are_reached_through_their_init_only():
             if len(parts) > 2 and parts[1] != own and module not in NAMESPACES:
                 reached.append(f"{name} imports {module}")
     assert not reached, "imports past another subpackage's __init__:\n" + "\n".join(reached)
+
+
+# Comments and docstrings state a rule and its why; the figures behind it (timings, rates, the machine and the model
+# they came from) live in docs/performance.md, where they can be dated and rerun. These are how such figures read.
+MEASURED_FIGURE = re.compile(
+    r"(?<![\w\"'.,/])\d[\d,]*(?:\.\d+)?\s?(?:ms|us|µs|s|min|[KMGT]i?B/s|[GT]FLOP/s)(?![\w/])"  # a time or a rate
+    r"|\bMeasured (?:on|with|here|before|at)\b|\bmeasured (?:on (?:a|an|the|\d)|here|with and without)\b"  # where, how
+    r"|\bpeak RSS (?:of )?~?\d|\d (?:[KMG]i?B) (?:measured|peak)\b"  # a measured memory peak
+    r"|\d\s?(?:[KMG]i?B|%)\s(?:against|vs\.?)\s~?\d"  # a before/after pair of sizes
+    r"|\b(?:EPYC|Xeon|Ryzen|Threadripper|Graviton|Neoverse)\b"  # the machine a figure came from
+    r"|\d(?:\.\d+)? ?GB (?:\w+ )?(?:Llama|model|checkpoint)\b"  # the model a figure came from
+)
+
+
+def comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
+    """(first line, text with whitespace collapsed) of each block of consecutive comment lines and each docstring."""
+    source = path.read_text()
+    found: list[tuple[int, str]] = []
+    block: list[str] = []
+    start = last = 0
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type != tokenize.COMMENT:
+            continue
+        line = token.start[0]
+        if block and line != last + 1:
+            found.append((start, " ".join(block)))
+            block = []
+        if not block:
+            start = line
+        block.append(token.string.lstrip("#").strip())
+        last = line
+    if block:
+        found.append((start, " ".join(block)))
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            docstring = ast.get_docstring(node, clean=False)
+            if docstring:
+                found.append((node.body[0].lineno, " ".join(docstring.split())))
+    return found
+
+
+def measured_figures(path: Path) -> list[str]:
+    return [f"{path.relative_to(PACKAGE.parent)}:{line}: {match.group(0)!r} in {text[:100]!r}"
+            for line, text in comments_and_docstrings(path) for match in MEASURED_FIGURE.finditer(text)]
+
+
+def test_comments_carry_no_measured_figures():
+    found = [figure for _, path in modules() for figure in measured_figures(path)]
+    assert not found, ("comments and docstrings state the rule and point to docs/performance.md; these carry a "
+                       "measured figure:\n" + "\n".join(found))
+
+
+def test_pointers_to_the_docs_name_a_heading():
+    def anchor(heading: str) -> str:  # as GitHub makes one
+        return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    headings = {path.name: {anchor(h) for h in re.findall(r"^#+ (.*)$", path.read_text(), re.M)}
+                for path in docs.glob("*.md")}
+    broken = [f"{path.relative_to(PACKAGE.parent)}: {pointer.group(0)}" for _, path in modules()
+              for pointer in re.finditer(r"docs/([\w-]+\.md)#([\w-]+)", path.read_text())
+              if pointer.group(2) not in headings.get(pointer.group(1), set())]
+    assert not broken, "pointers to no heading of the docs:\n" + "\n".join(broken)

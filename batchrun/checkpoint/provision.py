@@ -55,9 +55,9 @@ PIP_TIMEOUT_S = 1800
 COPY_CHUNK_BYTES = 1 << 20
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 # The saved tensors must equal the converted ones bit for bit. The logits of the two models then differ only by
-# float32 rounding, which is not reproducible call to call here: on a 2-core Xeon (AMX), the first forward of about
-# one process in four gave logits 3.1e-3 away from every later call (largest logit 38.8, 8e-5 of it). A config or
-# tokenizer that reloads differently moves the logits by whole units, so the bound is relative to the largest logit.
+# float32 rounding, which on some CPUs is not reproducible call to call: a small share of the largest logit. A config
+# or tokenizer that reloads differently moves the logits by whole units, so the bound is relative to the largest
+# logit (docs/models.md#how-a-model-is-provisioned).
 MAX_RELATIVE_LOGIT_DIFFERENCE = 1e-3
 EXPECTED_CONFIG = DEFAULT_REGISTRY_MODEL.expected_config
 PROBE_MESSAGE = "Is this review positive or negative? 'The battery lasts all day and the screen is sharp.'"
@@ -493,8 +493,9 @@ def _gguf_parsed_once() -> Iterator[None]:
     """Make transformers reuse one GGUFReader per file and one tensor-name map per architecture.
 
     transformers 5.24 parses the GGUF metadata (49k-token vocabulary, field by field) four times to load model
-    and tokenizer, and rebuilds gguf's tensor-name map once per module; sharing them cuts provisioning from
-    ~29 s to ~19 s on 2 cores. Both are read-only. If gguf is missing, loading reports that itself.
+    and tokenizer, and rebuilds gguf's tensor-name map once per module; sharing them cuts provisioning by about a
+    third (docs/models.md#how-a-model-is-provisioned). Both are read-only. If gguf is missing, loading reports that
+    itself.
     """
     try:
         import gguf

@@ -20,8 +20,8 @@ def load_tokenizer(checkpoint: Path, trust_remote_code: bool = False):
 
 def _drop_build_copies(tokenizer) -> None:
     """transformers keeps the vocabulary and merges it built the Rust tokenizer from as Python objects, which
-    encoding, decoding and chat templates never read again (they use the Rust tokenizer): Gemma 3's 262k vocabulary
-    held 570 MB loaded, 369 MB without them once the heap gave the freed pages back (the caller trims it)."""
+    encoding, decoding and chat templates never read again (they use the Rust tokenizer): hundreds of MB for a large
+    vocabulary, handed back once the caller trims the heap (docs/planning.md#the-memory-floor)."""
     if getattr(tokenizer, "_tokenizer", None) is None:  # a slow (Python) tokenizer encodes from its own tables
         return
     for name in ("_vocab", "_merges"):
@@ -30,8 +30,8 @@ def _drop_build_copies(tokenizer) -> None:
 
 
 class TokenizerOnDemand:
-    """A model handle's `.tokenizer`, loaded on first use: the executor brings the one it planned with (a 262k
-    vocabulary's holds ~300 MB). The handle sets `checkpoint` and `_trust_remote_code`."""
+    """A model handle's `.tokenizer`, loaded on first use: the executor brings the one it planned with (a large
+    vocabulary's holds hundreds of MB). The handle sets `checkpoint` and `_trust_remote_code`."""
 
     checkpoint: Path
     _trust_remote_code: bool = False

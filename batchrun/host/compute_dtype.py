@@ -5,10 +5,10 @@ the run will do.
 
 Why: transformers loads a checkpoint in its own dtype unless told otherwise (dtype="auto", its default since v5), so
 bfloat16 is what the plain in-memory model computes for most open checkpoints. Where the CPU has bfloat16 units
-(x86 AVX512-BF16 or AMX), its matmuls run ~1.8x float32's (AMD EPYC, 2 threads, oneDNN, 256-840 rows x 2048 -> 5632:
-770-800 against 410-430 GFLOP/s), a streamed layer needs no widening, and weights, KV cache and activations take half
-the memory. Without them torch emulates bfloat16, far slower than float32, so the CPU stays in float32 there, and for
-float32 and float16 checkpoints (float16 on a CPU is emulated too).
+(x86 AVX512-BF16 or AMX), its matmuls run nearly twice as fast as float32's (docs/streaming.md#compute-dtype), a
+streamed layer needs no widening, and weights, KV cache and activations take half the memory. Without them torch
+emulates bfloat16, far slower than float32, so the CPU stays in float32 there, and for float32 and float16
+checkpoints (float16 on a CPU is emulated too).
 """
 from __future__ import annotations
 

@@ -37,13 +37,12 @@ def glibc():
 def keep_heap_flat() -> None:
     """Serve activations from one heap whose freed pages go back to the kernel after every layer turn.
 
-    Activation-sized blocks come from the heap (not a fresh mapping each), and `return_freed_memory` runs after each
-    micro-batch's turn at a layer. Measured on a 32-sequence streamed prefill of a 3 GB Llama (7 micro-batches):
-    every block of 128 KiB or more in its own mapping (the previous rule) 49.2 s, 17.7 s of it in the kernel zeroing
-    fresh pages, 1.29 GB peak RSS; a 32 MiB threshold without trimming 43.4 s but 2.09 GB (the heap cannot shrink
-    around the KV cache and held hidden states allocated among the activations); with a trim after every turn 44.2 s
-    and 1.35 GB. Micro-batch threads would also each get an arena keeping its own high-water mark; one arena keeps
-    the retention of a single micro-batch, which is what the plan sizes. No-op where libc is not glibc."""
+    Activation-sized blocks come from the heap, not a fresh mapping each, whose pages the kernel would zero again
+    every time; and `return_freed_memory` runs after each micro-batch's turn at a layer, since an untrimmed heap
+    cannot shrink around the KV cache and held hidden states allocated among the activations. Micro-batch threads
+    would also each get an arena keeping its own high-water mark; one arena keeps the retention of a single
+    micro-batch, which is what the plan sizes. No-op where libc is not glibc. Time and memory of each rule:
+    docs/performance.md#mechanisms-and-what-they-are-worth."""
     libc = glibc()
     if libc is not None:
         libc.mallopt(M_ARENA_MAX, 1)
@@ -51,10 +50,10 @@ def keep_heap_flat() -> None:
 
 
 # A trim walks every hole of the heap and hands each back to the kernel again, even when the turn freed next to
-# nothing, as a decode step's turn does: ~0.75 ms a layer turn for SmolLM2, ~2.7 ms for a 3 GB Llama. So it is skipped
-# while the process holds less than this much more than right after the last trim. After a skip the process still
-# holds no more than this above what it held after some trim, which is what the per-turn trim keeps it to; the plan's
-# 10% headroom covers the difference.
+# nothing, as a decode step's turn does (docs/streaming.md#flat-memory). So it is skipped while the process holds
+# less than this much more than right after the last trim. After a skip the process still holds no more than this
+# above what it held after some trim, which is what the per-turn trim keeps it to; the plan's 10% headroom covers the
+# difference.
 TRIM_AFTER_GROWTH_BYTES = 16 << 20
 _resident_after_trim = 0  # process-wide: layer turns run one at a time
 _keep_below: int | None = None  # see keep_freed_pages_below
@@ -108,11 +107,9 @@ def keep_freed_pages_below(limit_bytes: int | None):
 
     The executor passes the plan's peak less the largest turn's activations (plan.memory.largest_turn_bytes): a turn
     that finds none of its pages free still ends under the plan's peak. glibc's own trim of the heap's top on free()
-    is off meanwhile: it would hand back the same pages. The trims cost what faulting the pages in again costs: on
-    the benchmark's classification pass (3 GB Llama, bfloat16, AMX, 2 cores) 5.3 million page faults and 9.8 s of
-    system time, pass 20.3 s; keeping the pages 0.85-1.5 million, 2.5-3.6 s and 15.8-16.5 s, peak RSS 896-916 MB
-    against the plan's 1,275 MB. None: trim after every turn. Afterwards glibc's trim threshold is the one it started
-    with."""
+    is off meanwhile: it would hand back the same pages. The trims cost what faulting the pages in again costs, in
+    page faults and system time (docs/performance.md#mechanisms-and-what-they-are-worth). None: trim after every
+    turn. Afterwards glibc's trim threshold is the one it started with."""
     global _keep_below
     previous, _keep_below = _keep_below, limit_bytes
     libc = glibc()

@@ -1,10 +1,10 @@
 """Which machine a cached measurement belongs to. No torch.
 
 A state directory outlives the machine it was measured on: a home directory shared over NFS by cluster nodes of
-different kinds, a cloud disk attached to another instance type, a CI cache restored elsewhere. Seen here: a
-directory whose float32 rates were measured on a 2-core AVX2 EPYC (137 GFLOP/s, 3.7 GB/s, aten linears) served
-plans on an AMX Xeon that measures 303 GFLOP/s, 17.4 GB/s and picks oneDNN linears. So every cached figure carries
-the identity of what it measured, and a figure whose identity differs from this machine's is measured again.
+different kinds, a cloud disk attached to another instance type, a CI cache restored elsewhere; and two machines'
+rates, even their faster linear kernel, can differ several times over (docs/planning.md#time). So every cached
+figure carries the identity of what it measured, and a figure whose identity differs from this machine's is
+measured again.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from batchrun.spec import (EncodedRow, JobSpec, SpecSettings, encode_requests, k
 DEFAULT_MODEL_LABEL = "default (SmolLM2-135M-Instruct)"  # shown, stored and written for jobs run without --model
 # A model resolved with the process's peak this much higher was converted here (a registry model's first use)
 PROVISIONING_PEAK_BYTES = 64 << 20
-ASSUMED_BANDWIDTH = 1.0e9  # bytes/s: the low end of cold sequential reads measured on this kind of machine
+ASSUMED_BANDWIDTH = 1.0e9  # bytes/s: below the cold reads in docs/performance.md, so an unmeasured disk plans slow
 
 
 @dataclass
@@ -102,12 +102,12 @@ def prepare_model(model: str | None, options: JobOptions) -> PreparedModel:
     import transformers.models.auto.tokenization_auto  # noqa: F401
     before = resident_bytes()
     tokenizer = load_tokenizer(checkpoint, options.trust_remote_code)
-    gc.collect()  # what building it freed (the parsed tokenizer.json: ~200 MB for Gemma 3) goes back to the kernel
+    gc.collect()  # what building it freed (the parsed tokenizer.json) goes back to the kernel
     return_freed_memory(always=True)
     after = resident_bytes()
     if tokenizer is None:
         raise CheckpointError(f"{checkpoint}: the checkpoint ships no tokenizer, so text prompts cannot be encoded")
-    # A 262k-entry vocabulary (Gemma 3) holds ~310 MB, SmolLM2's ~50 MB: part of the run's fixed cost.
+    # A large vocabulary holds hundreds of MB: part of the run's fixed cost (docs/planning.md#the-memory-floor).
     tokenizer_bytes = max(after - before, 0) if before is not None and after is not None else 0
     return PreparedModel(model_label(model), checkpoint, sizes, tokenizer, sizes.max_position_embeddings,
                          tokenizer_bytes, *_decode_attention(checkpoint, options))
@@ -213,9 +213,10 @@ def memory_budget(options: JobOptions, device: str, runtime_bytes: int) -> int:
     or the cgroup's limit less its usage) already leaves out what this process holds, while the plan counts the
     runtime (`runtime_bytes`: imports, tokenizer) on its own: so what this process holds is given back, up to what
     the plan counts for it (its anonymous memory: the files it maps are page cache, which a cgroup's headroom may
-    already count as free). Counted twice, a 1200 MB cgroup left an 824 MiB budget, of which 515 MiB went to the
-    runtime again. What the process holds beyond that (the encoded rows of a large spec) stays taken. A model a
-    Ray worker keeps open from its last shard (job.models) is given back too: the plan counts its weights."""
+    already count as free). Counted twice, the runtime would take its share of a small budget a second time
+    (docs/planning.md#memory-the-plan-counts). What the process holds beyond that (the encoded rows of a large
+    spec) stays taken. A model a Ray worker keeps open from its last shard (job.models) is given back too: the plan
+    counts its weights."""
     if options.memory_gb:
         return int(options.memory_gb * 1e9)
     available = available_memory_bytes(device)
@@ -353,7 +354,7 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
 def with_start_seconds(candidate: dict, spec_seconds: float) -> dict:
     """`candidate` with what `submit` spends before its first pass counted in its ETA and first answer: importing
     the runtime (measure.runtime_import_seconds) and reading and encoding the spec (`spec_seconds`, as this process
-    just did). On 2 cores the imports alone take ~3 s, as long as the passes of a small job."""
+    just did). On a small CPU the imports alone last as long as a small job's passes (docs/planning.md#time)."""
     start = (measure.runtime_import_seconds() or 0.0) + spec_seconds
     candidate["start_seconds"] = start
     for key in ("eta_seconds", "first_answer_seconds"):

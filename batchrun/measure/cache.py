@@ -52,8 +52,8 @@ def dispute(section: str, key: str, evidence: dict) -> bool:
 def identity(section: str, key: str) -> dict:
     """What a figure of `section` depends on besides its key: the disk's mount for a bandwidth; the processor and
     torch build for a rate, and the accelerator's name off the CPU; for a layer call's cost also transformers; for
-    the runtime's memory also transformers and the native libraries' cache settings (native_env: a user's
-    ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 measured 536 MiB against 467 MiB at batchrun's 64)."""
+    the runtime's memory also transformers and the native libraries' cache settings (native_env: a user's own cache
+    capacity changes what the runtime holds, docs/performance.md#native-library-caches)."""
     if section == "bandwidth":
         return disk_identity(int(key))
     identity = kernels_identity()

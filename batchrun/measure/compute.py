@@ -18,9 +18,9 @@ from batchrun.measure.cache import SHAPES_SEPARATOR, cached, compute_key, disput
 # A matmul shaped like a batch of a few hundred tokens through a 2k-wide layer (median of COMPUTE_REPEATS or more).
 COMPUTE_SHAPE = (256, 2048, 2048)
 COMPUTE_REPEATS = 9
-# Rounds go on until they span this long: nine rounds of COMPUTE_SHAPE take ~0.1 s on 2 cores, and a burst of other
-# work that long on this shared machine once halved a cached rate (107 GFLOP/s against 210 a minute later), which
-# every later plan then priced its passes at.
+# Rounds go on until they span this long: COMPUTE_REPEATS rounds of COMPUTE_SHAPE can take a fraction of a second, and
+# a burst of other work that long on a shared machine can halve the cached rate every later plan prices its passes
+# at (docs/planning.md#time).
 MEASURE_MIN_SECONDS = 1.0
 MEASURE_MAX_ROUNDS = 500
 PACKED = "packed"  # the packed-weight kernel's name among those timed (linear_kernels.packed_weight_linear)
@@ -95,11 +95,9 @@ def _median(times: list[float]) -> float:
 
 def _interleaved_seconds(works: dict, wait) -> dict[str, list[float]]:
     """Wall times of each of `works` (name -> callable), timed in turn round by round (COMPUTE_REPEATS rounds or as
-    many as MEASURE_MIN_SECONDS takes, after one untimed run of each), so a stretch of noise on this shared machine
+    many as MEASURE_MIN_SECONDS takes, after one untimed run of each), so a stretch of noise on a shared machine
     slows every kernel alike instead of whichever was being timed, and the median outlasts a short burst. Timed
-    one after another, the packed kernel read 906 GFLOP/s against the plain one's 989 in 2 of 12 fresh processes
-    (1,026-1,098 against 891-1,059 otherwise), and one such run left packing off: its classification pass took
-    23.3 s against 19.6-20.6 s packed."""
+    one after another, a burst can turn the faster kernel into the slower (docs/performance.md#packing)."""
     for work in works.values():
         work()
         wait()
@@ -120,9 +118,8 @@ def _interleaved_seconds(works: dict, wait) -> dict[str, list[float]]:
 def faster_at_best(candidate: list[float], incumbent: list[float]) -> bool:
     """Whether `candidate` is the faster kernel, judged by each one's fastest round. Noise on a shared machine only
     ever slows a round down, so the fastest of the interleaved rounds is a kernel's own speed with the least noise
-    in it; medians keep some. On an AVX512-BF16 EPYC where packing is ~4% faster, 30 measurements in one process: by
-    medians plain won once, by fastest rounds never; judged by medians, 1 of ~45 fresh processes (927 against 932
-    GFLOP/s) left packing off, and its classification pass spent 18.4 s in linears against 16.5-17.3 s packed."""
+    in it; medians keep some, enough to pick the slower of two kernels a few percent apart
+    (docs/performance.md#packing)."""
     return min(candidate) < min(incumbent)
 
 
@@ -218,7 +215,8 @@ def packs_weights(dtype: str, device: str = "cpu") -> bool:
     """Whether long prefills multiply packed weights (linear_kernels.pack_weights): only on a CPU computing in
     bfloat16, where the packed kernel ran COMPUTE_SHAPE faster than the plain one in its fastest round
     (faster_at_best; measured now if it never was).
-    Its 256 rows are a small prefill call: on a 2-core AMX Xeon such calls run slower packed."""
+    Its 256 rows are a small prefill call: on some CPUs such calls run slower packed
+    (docs/streaming.md#packed-bfloat16-weights-in-long-prefills)."""
     if device.split(":")[0] != "cpu" or dtype != "bfloat16":
         return False
     entry = _compute_entry(dtype, device)

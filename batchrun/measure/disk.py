@@ -22,8 +22,8 @@ def measure_read_bandwidth(path: Path, max_bytes: int = 1 << 30) -> Bandwidth:
     """Cold sequential read rate of the storage holding `path` (a checkpoint directory: its weight files in order),
     read the way the streamer reads a layer (loader.py): large positional reads through the page cache, each file's
     pages dropped before it is read and each chunk's after. The kernel's readahead keeps several requests in flight;
-    O_DIRECT at one request at a time measured a third slower than those reads on the same disk (1.02 vs 1.58 GB/s,
-    medians of 4), so it would understate what a pass can read. Cached per filesystem."""
+    O_DIRECT at one request at a time reads markedly slower on the same disk (docs/performance.md#reading-a-layer),
+    so it would understate what a pass can read. Cached per filesystem."""
     files = _weight_files(Path(path))
     seconds, read, files_read = _timed_reads_after_dropping_cache(files, max_bytes)
     if read == 0:

@@ -1,7 +1,7 @@
 """What one forward call of a decoder layer costs beyond its matmuls and its memory traffic: the Python of
 transformers' module, the dispatch of its dozen-odd small ops (norms, rotary, activation, residual adds, the cache
-update, attention). A decode step of a small model is largely this: SmolLM2-135M (30
-layers, 576 wide) decoding 16 sequences resident took 53-60 ms a pass where its weights and FLOPs account for 41 ms.
+update, attention). A decode step of a small model is largely this: its weights and FLOPs leave much of the pass
+unaccounted for (docs/planning.md#time).
 
 Timed on a tiny Llama built from a transformers config (every weight a few KiB, so nothing but the fixed cost is
 left): decode steps of a 9-layer model against a 1-layer one, in alternating rounds, so the embedding, the head and
@@ -27,8 +27,7 @@ def seconds_per_layer_call(device: str = "cpu") -> float:
     """Seconds one decoder layer's forward call costs on `device` with nothing to compute (cost_per_layer of the
     probe models' rounds; other work on the machine only ever slows a round, so the fastest counts). Timed on one
     torch thread: the cost is Python and dispatch, which threads do not share, and a team of threads meeting at
-    every tiny op waits on any core another process holds (on 2 cores beside a competing torch process: 0.38-0.41
-    ms a layer on two threads, 2.76 ms once, against 0.17 ms idle on either)."""
+    every tiny op waits on any core another process holds, which can multiply the cost (docs/performance.md#probes)."""
     import torch
 
     threads = torch.get_num_threads()

@@ -2,10 +2,9 @@
 
 A pass multiplies every layer's matrices once per forward call, and by the time a layer comes round again its
 weights have left the CPU's caches. A probe of one fixed shape misses two things that decide a decode step: the
-checkpoint's own shapes, and the row count. Measured on 2 AMX cores in float32 (both kernels): SmolLM2's layer
-matrices (576 wide) stream at ~10 GB/s at 16 rows, 23-28 GB/s at one row and 6-7 GB/s at 64, while the 8-row
-2048 x 8192 probe (measure.DECODE_SHAPE) reads 17.6 GB/s; 16-row float32 sgemm there is neither memory- nor
-compute-bound. So decode passes are priced at their own row count's rate, measured here on layer 0's shapes.
+checkpoint's own shapes, and the row count: a small model's matrices stream several times faster at one row than at
+a few dozen, and neither rate is the fixed probe's (docs/planning.md#time). So decode passes are priced at their own
+row count's rate, timed on layer 0's shapes.
 Importing this module imports no torch.
 """
 from __future__ import annotations
@@ -15,8 +14,8 @@ import statistics
 import time
 from typing import Sequence
 
-# Layers' worth of matrices cycled per sweep: beyond the CPU caches (an AMX Xeon's L3 is 480 MiB), or the whole
-# decoder of a model smaller than that, which is the working set its decode passes meet.
+# Layers' worth of matrices cycled per sweep: beyond the CPU caches (a server's L3 can hold hundreds of MiB), or the
+# whole decoder of a model smaller than that, which is the working set its decode passes meet.
 CYCLED_BYTES = 512 << 20
 
 

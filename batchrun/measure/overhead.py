@@ -26,7 +26,7 @@ RUNTIME_OVERHEAD_FALLBACK_BYTES = 700 << 20
 # warmed by a forward pass (with KV cache) of a model too small to count, and the kernel caches of its dtype's
 # linears filled to their caps (native_env) as a long run fills them, one matmul shape at a time: oneDNN's for
 # float32 linears, ideep's for half-precision ones. Each cache's growth is printed apart: a run fills only its own
-# (measured on a 2-core EPYC: ~45 MB each).
+# (docs/planning.md#the-memory-floor).
 _RUNTIME_PROBE = (
     "def peak():\n"
     # VmHWM belongs to this process's own address space; ru_maxrss would carry over the parent's peak across

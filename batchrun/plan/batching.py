@@ -130,9 +130,8 @@ def pack_in_order(rows: Sequence[RowCost], order: Sequence[int], max_sequences: 
 
 
 # A micro-batch computes every padding position like a real token; each further micro-batch costs one more turn at
-# every layer (a hand-off and a heap trim: 2.8 s over 198 turns on the benchmark's classification sweep with a thread
-# per call, about 30 tokens' float32 compute a turn on 2 cores) and a smaller matmul. Charged as this many padded
-# tokens per layer.
+# every layer (a hand-off and a heap trim) and a smaller matmul. Charged as this many padded tokens per layer, about
+# what a turn costs on a CPU (docs/performance.md#micro-batches).
 MICRO_BATCH_COST_TOKENS = 32
 
 
@@ -168,8 +167,8 @@ def _least_padding_cuts(ordered: Sequence[int], size: int) -> dict[int, int]:
     group: no padding is added). So for a group ending at `end`, of the starts whose sequences are all as long as its
     longest the earliest is best, and once the padding plus the least grouping before any allowed start costs more
     than the best found, no earlier start can win. Without a size cap no cut falls inside a run of equal lengths
-    (moving the run's upper part down adds no padding), so only run boundaries are tried. That groups 20,000
-    sequences of one CPU pass in 0.02 s, where trying every start was quadratic (24 s)."""
+    (moving the run's upper part down adds no padding), so only run boundaries are tried: trying every start is
+    quadratic in a pass's sequences (docs/performance.md#micro-batches)."""
     count = len(ordered)
     tokens_before = [0]
     for length in ordered:
@@ -202,9 +201,9 @@ def _least_padding_cuts(ordered: Sequence[int], size: int) -> dict[int, int]:
 
 def prefill_groups(lengths: Sequence[int], size: int | None, device) -> list[list[int]]:
     """The forward calls of a prefill: micro_batches within the planned `size`. With none planned (every sequence's
-    activations fit at once), a CPU still cuts by length, where a padded position costs what a token does (the
-    benchmark's classification sweep resident: one call 69.6 s, cut by length 53.8 s); an accelerator makes one call,
-    where a call costs more than padding does. `device`: "cpu", "cuda:0", a torch.device."""
+    activations fit at once), a CPU still cuts by length, where a padded position costs what a token does
+    (docs/streaming.md#micro-batches); an accelerator makes one call, where a call costs more than padding does.
+    `device`: "cpu", "cuda:0", a torch.device."""
     if size is None and str(device).split(":")[0] == "cpu":
         size = len(lengths)
     return micro_batches(lengths, size)

@@ -20,11 +20,8 @@ ATTENTION_SCORE_BYTES = 4  # an unfused attention materialises heads x S x S flo
 SCORES_MATERIALISED_ON = frozenset({"mps"})  # ...while torch's SDPA computes them in tiles on CUDA and on CPU
 LOGIT_BYTES = 4  # logits are upcast to float32
 # glibc malloc keeps some freed activation memory even with host.heap.keep_heap_flat: what a layer turn frees stays in
-# the heap until the turn ends and the heap is trimmed, and fragments it meanwhile. Measured with the per-turn trim
-# (3 GB Llama under a 1.55 GB cap, 32 sequences of ~100 own tokens): peak RSS 1.33 GB with micro-batches of 5,
-# 1.365 GB with 9, 1.40 GB with 11: 120 KB per extra token where the live activations are 100 KB; a whole batch in
-# one forward call keeps more (SmolLM2, 16 sequences streamed: 974 MB measured, 855 MB predicted at a quarter). Half
-# a copy, on the safe side of both.
+# the heap until the turn ends and the heap is trimmed, and fragments it meanwhile. Half a copy covers both a
+# micro-batched pass and a whole batch in one forward call, which keeps more (docs/performance.md#heap-memory).
 HEAP_RETAINED_ACTIVATION_COPIES = 0.5
 HEAP_RETAINS_ON = frozenset({"cpu"})  # accelerator allocators hold freed blocks for reuse: no growth beyond the peak
 
@@ -32,7 +29,7 @@ HEAP_RETAINS_ON = frozenset({"cpu"})  # accelerator allocators hold freed blocks
 # turns, so only one micro-batch's activations are live while every sequence's KV cache and hidden state wait.
 HELD_HIDDEN_COPIES = 2  # a waiting micro-batch holds its hidden states and the residual they add to
 # Each of a prefill's forward calls is held suspended between its turns (runtime.turns.run_interleaved), keeping its saved
-# stack and Python frames until the pass ends: ~40 KiB a call measured (200 suspended calls of a tiny Llama); its
+# stack and Python frames until the pass ends, counted with a wide margin (docs/planning.md#memory-the-plan-counts); its
 # activations are counted apart. The OpenMP team and matmul scratch are the one calling thread's, in the runtime.
 PREFILL_CALL_BYTES = 256 << 10
 # A decode step that attends to its keys and values where they lie (decode_in_place) may still copy one layer's
@@ -99,17 +96,14 @@ def batch_bytes(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: S
     batch).
 
     A whole batch's prefill cut into several calls (always on a CPU: prefill_calls) holds one call's activations at
-    a time: 1,500 choice rows of SmolLM2 resident in 13 calls measured 1.97 GB peak RSS where counting every
-    sequence's activations at once planned 4.97 GB (batch_cut_bytes).
+    a time (batch_cut_bytes).
 
     `interleaved`: the calls take turns at each layer (a streamed model reads each layer once for all of them), so
     every call but the one computing waits suspended with its hidden states. A resident model runs its calls one
     after another through the whole stack: a call not yet begun holds only its tokens, one finished only its kept
-    log-probabilities (9,089 choice rows of SmolLM2 in one resident pass, calls of 1,316: 9.3 GB planned with held
-    hidden states, 7.3 GB without, 5.84-6.25 GB peak RSS measured). Nor does a resident call's heap keep what its
-    earlier layers freed (each layer's hook returns it, host.heap): the copies counted are its whole live set
-    (SmolLM2, one call of 1,317 x 45 tokens in plain transformers, no trim: 19.3 KB a token beyond its kept
-    log-probabilities, against the 27.6 KB counted)."""
+    log-probabilities. Nor does a resident call's heap keep what its earlier layers freed (each layer's hook returns
+    it, host.heap): the copies counted are its whole live set. Measured peaks against these counts:
+    docs/planning.md#memory-the-plan-counts."""
     sequences, longest, prefill, positions = batch_shape(rows, batch)
     holds_cache = any(rows[i].holds_cache for i in batch)
     kv = kv_bytes_for_sequence(sizes, compute_bytes, longest) if holds_cache else 0
@@ -290,8 +284,8 @@ def memory_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows:
         # The job needs fewer sequences than memory holds. Every row is held at the longest row's length, so the
         # token budget packs them all into one batch, and the micro-batch gets what that leaves (at least one
         # sequence, fewer than all), each of its sequences at the longest row's activations like the batch's peak:
-        # usually more than the fixed share, and larger micro-batches run faster (float32 on 2 cores, one layer
-        # over 3,100 tokens: 186 GFLOP/s in micro-batches of 485 tokens, 214 of 1,067, 233 in one).
+        # usually more than the fixed share, and larger micro-batches run faster
+        # (docs/performance.md#tokens-a-forward-call).
         max_sequences = wanted
         leftover = free_bytes - wanted * (longest * held_per_token + per_sequence)
 

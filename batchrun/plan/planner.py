@@ -1,7 +1,7 @@
 """Offload arithmetic as named steps: memory, batch, passes and time, and the auto/always/never policy. No torch.
 
-Each intermediate is named and says where its number comes from; the activation coefficients below are first
-estimates, kept at the top so measurement can calibrate them.
+Each intermediate is named and says where its number comes from; the activation coefficients are first estimates,
+kept at the top of plan/memory.py so measurement can calibrate them.
 """
 from __future__ import annotations
 
@@ -63,10 +63,6 @@ def parse_streaming(value: str | None, env: Mapping[str, str] = os.environ) -> s
         raise ValueError(f"{source}: unknown streaming policy {value!r}; accepted: auto, always, never, "
                          "yes/no, on/off, true/false, 1/0")
     return STREAMING_WORDS[word]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Memory, as named steps (what the weights hold: plan/weights.py)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -435,10 +431,8 @@ def _peak(job: _Job, fixed: _Fixed, batching: _Batching, schedule: _Schedule) ->
 
     A decode pass computes little per layer, so it is read-bound; with the planned depth the reader idles whenever a
     layer's compute outlasts the next layer's read (they share the cores). Where the memory the prefill's activations
-    held fits another layer slot beside the KV cache, decode passes read one layer further ahead. Measured on 2 cores
-    (3 GB bf16 Llama under a 1.55 GB cap, 32 sequences, 12 new tokens, page cache dropped): median decode pass 2.27 s
-    reading one layer ahead, 2.03 s reading two (3 runs each); as planned, 1.98 -> 1.88 s (3 alternating pairs, each
-    pair faster reading two), peak RSS 1.05 -> 1.17 GB."""
+    held fits another layer slot beside the KV cache, decode passes read one layer further ahead
+    (docs/streaming.md#what-bounds-a-pass)."""
     peak_batch_bytes = _largest_batch_bytes(job, batching, schedule, default=fixed.largest_row_bytes,
                                             interleaved=fixed.mode == "streamed")
     calls = _decode_calls(job, batching)

@@ -18,12 +18,10 @@ from batchrun.plan.refill import ScheduledPass
 KV_COPIES_PER_DECODE = 1
 # A host streaming a layer moves it through RAM besides the disk read: the kernel copies it out of the page cache
 # (read + write), and a checkpoint narrower than the compute dtype is widened in its slot (read + a wider write).
-# That traffic shares the memory bus with the pass's own compute. Measured on the 3 GB bf16 Llama streamed in float32
-# (2 cores, 32 sequences decoding): widening 1.1 s and copying 0.7 s of reader time per pass, decode passes 3.0 s
-# where reads took 1.6 s and the matmuls alone would take 1.9 s. A decode pass leaves the linear weights narrow and
-# widens them tile by tile inside the matmul (stream.run_pass, linear_kernels.widening_linear): the copy only, and the
-# matmuls at about the time they take on float32 weights from RAM (3 GB Llama layer, 32 rows, 2 cores: 43 against
-# 32-50 ms), so their weight term stays as it is.
+# That traffic shares the memory bus with the pass's own compute. A decode pass leaves the linear weights narrow and
+# widens them tile by tile inside the matmul (stream.run_pass, linear_kernels.widening_linear): the copy only, and
+# matmuls about as fast as on float32 weights from RAM, so their weight term stays as it is.
+# See docs/performance.md#host-streaming-traffic.
 PAGE_CACHE_COPY_TRAFFIC = 2
 
 
@@ -168,8 +166,8 @@ def batch_prefill_flops(sizes: CheckpointSizes, rows: Sequence[RowCost], batch: 
 
 def own_prefill_flops(sizes: CheckpointSizes, rows: Sequence[RowCost], batch: Sequence[int], context_before: int,
                       cut: tuple[int | None, str] | None) -> int:
-    """The prefill's FLOPs beside a shared prefix. A CPU cuts even an unplanned prefill by length, so padding to the
-    batch's longest overcounted: 1,500 of SmolLM2's choice rows pad to 79,500 tokens, cut into 13 calls to 65,755."""
+    """The prefill's FLOPs beside a shared prefix. A CPU cuts even an unplanned prefill by length, so each call is
+    padded to its own longest row, not the batch's (docs/planning.md#memory-the-plan-counts)."""
     positions = batch_shape(rows, batch)[3]
     if cut is None:
         sequences, _, prefill, _ = batch_shape(rows, batch)

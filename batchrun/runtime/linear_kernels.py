@@ -1,14 +1,14 @@
 """Which kernel runs the model's nn.Linear layers on the CPU: torch's own (`aten`: MKL's sgemm on x86) or oneDNN's
 inner product (`onednn`), the library torch already ships for its mkldnn ops.
 
-Why a choice: on an AMD EPYC (AVX-512, 2 cores) oneDNN ran float32 linears of the shapes a pass computes 20-50%
-faster than aten (1 thread, 32 rows x 2048 -> 5632: 79 against 52 GFLOP/s; 2 threads, 512 rows: 215 against 175).
-Elsewhere (other CPUs, other MKL builds) aten may win, so batchrun.measure times both and the run uses the faster
-(BATCHRUN_LINEAR_KERNEL overrides). The layers stay transformers' own modules: only their matmul changes, and only
-for float32 CPU tensors outside autograd; anything else takes F.linear as before, a strided bfloat16 CPU input made
-contiguous first (dense_if_strided_bfloat16). A weight left at its checkpoint's half precision under float32 inputs
-(a streamed decode pass, stream.py) is widened a tile of rows at a time as it is multiplied (widening_linear). A
-long bfloat16 prefill multiplies packed copies of a streamed layer's weights (pack_weights).
+Why a choice: on some CPUs oneDNN runs float32 linears of the shapes a pass computes markedly faster than aten; on
+others (other CPUs, other MKL builds) aten wins, so batchrun.measure times both and the run uses the faster
+(BATCHRUN_LINEAR_KERNEL overrides; docs/performance.md#linear-layers). The layers stay transformers' own modules:
+only their matmul changes, and only for float32 CPU tensors outside autograd; anything else takes F.linear, a strided
+bfloat16 CPU input made contiguous first (dense_if_strided_bfloat16). A weight left at its checkpoint's half
+precision under float32 inputs (a streamed decode pass, stream.py) is widened a tile of rows at a time as it is
+multiplied (widening_linear). A long bfloat16 prefill multiplies packed copies of a streamed layer's weights
+(pack_weights).
 """
 from __future__ import annotations
 
@@ -65,17 +65,16 @@ def kernel_linear(kernel: str):
 def dense_if_strided_bfloat16(inputs: torch.Tensor) -> torch.Tensor:
     """A strided bfloat16 CPU input made contiguous. transformers hands the head the last position of each sequence
     as a strided view ([b, S, d][:, -1:]), and torch's CPU bfloat16 linear of such an input expands the weight once
-    per sequence: 32 sequences x a 8192 x 2048 head measured 2.05 s and +1 GB of memory, against 5 ms contiguous.
-    float32 takes the strided input as it is (3x slower for the head, but its rounding is the reference's)."""
+    per sequence, far slower and larger than the same rows made contiguous. float32 takes the strided input as it is
+    (slower for the head, but its rounding is the reference's). See docs/performance.md#linear-layers."""
     if inputs.dtype == torch.bfloat16 and inputs.device.type == "cpu" and not inputs.is_contiguous():
         return inputs.contiguous()
     return inputs
 
 
-# The float32 tile a half-precision weight is widened into: 2 MiB stays in this CPU's caches while its rows are
-# multiplied. Measured on a 2-core AVX2 EPYC, one 3 GB Llama layer's seven matrices in bf16 against 32 float32 rows:
-# 1 MiB tiles 52 ms, 2 MiB 43 ms, 4 MiB 48 ms (2 threads); the same matmuls on weights widened beforehand 50 ms (aten),
-# plus 75 ms for the widening itself, which also wrote and then read the float32 weights through RAM.
+# The float32 tile a half-precision weight is widened into: small enough to stay in the CPU's caches while its rows
+# are multiplied, so the float32 weights never go through RAM; smaller or larger tiles run slower
+# (docs/performance.md#widening-tiles).
 WIDEN_TILE_BYTES = 2 << 20
 _tiles = threading.local()  # one tile per thread: a forward call never yields inside a linear (runtime/turns.py's greenlets)
 
@@ -107,9 +106,8 @@ def sharing_tiles(workers: int):
     """Within: widening_linear spreads its tiles over `workers` single-threaded workers (the calling thread and
     helpers), each taking the next tile when done with its last. Why not torch's own threads: a decode pass's tile
     is a small matmul, and OpenMP splits each one across fixed threads that meet at its end; a core taken by the
-    layer reader (its page-cache copy) stalls the other thread at every tile. Measured on 2 cores (3 GB bf16 Llama
-    under a 1.55 GB cap, 32-sequence decode passes in one call): median pass 2.01 s with one torch thread, 2.84 s
-    with two, 1.75 s with tiles shared by two workers."""
+    layer reader (its page-cache copy) stalls the other thread at every tile, where a worker the reader delays holds
+    up no other (docs/performance.md#decode-threads)."""
     previous = getattr(_sharing, "workers", 1)
     _sharing.workers = max(1, workers)
     try:
@@ -175,11 +173,9 @@ def widening_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 # Packing: oneDNN multiplies a bfloat16 weight it has reordered into its own blocked layout faster than torch's plain
-# [out, in] one, which its matmul re-blocks on every call. Measured on a 2-core AVX512-BF16 EPYC, one 3 GB Llama
-# layer's seven matrices against 256-1,462 rows: 9-26% faster, the same bits; the reorder itself takes ~20 ms a layer
-# alone (26-33 ms in a pass, beside the next layer's read), about what packing gains over 2,000 rows. So a streamed
-# pass packs a layer once, for all its micro-batches, when it multiplies each layer by at least this many rows
-# (stream.run_pass).
+# [out, in] one, which its matmul re-blocks on every call, and with the same bits. The reorder itself costs about what
+# packing gains over this many rows, so a streamed pass packs a layer once, for all its micro-batches, when it
+# multiplies each layer by at least this many rows (stream.run_pass; docs/performance.md#packing).
 PACK_MIN_ROWS = 2048
 
 
@@ -251,8 +247,8 @@ def _forward(module: torch.nn.Linear, kernel: str, inputs: torch.Tensor) -> torc
 
 class _RoutedLinear(torch.nn.Linear):
     """nn.Linear with its matmul on `kernel`. A module is moved into this class (`__class__`), not given a forward
-    attribute: a bound or partial forward stored on the module refers back to it, and that cycle kept every weight of
-    a closed model alive until the cyclic garbage collector ran (+600 MB after one SmolLM2 job)."""
+    attribute: a bound or partial forward stored on the module refers back to it, and that cycle would keep every
+    weight of a closed model alive until the cyclic garbage collector runs (docs/performance.md#linear-layers)."""
 
     kernel = "aten"
 

@@ -86,8 +86,8 @@ class LayerLoader:
                      ) -> tuple[torch.Tensor, memoryview, torch.Tensor]:
         """The slot's buffer for `name`, a view of its last bytes (where the read of `source` values lands, so a
         widening can run front to back) and those values as a tensor of `like`'s shape, made once per slot: every
-        torch call on the reader thread gives the GIL up and waits to get it back from the forward thread; per
-        tensor and load, that was ~0.5 ms of an idle disk."""
+        torch call on the reader thread gives the GIL up and waits to get it back from the forward thread, leaving
+        the disk idle meanwhile (docs/performance.md#reading-a-layer)."""
         key = (slot, name, tuple(like.shape), like.dtype, source)
         cached = self._read_targets.get(key)
         if cached is None:
@@ -145,9 +145,9 @@ class LayerLoader:
         try:
             read: list[TensorInfo] = []
             # CPU: read straight into the parameter's buffer, in the order the bytes lie in the shards. The kernel's
-            # readahead follows a sequential reader: the same 3 GB checkpoint read tensor by tensor in module order
-            # (q, k, v, o, gate, up, down, a layer at a time) measured 1.58 against 3.0 GB/s in file order (5 cold
-            # reads each). Checkpoints store a layer's tensors in whatever order their writer chose.
+            # readahead follows a sequential reader, and reads in module order (q, k, v, o, gate, up, down) run far
+            # slower (docs/performance.md#reading-a-layer). Checkpoints store a layer's tensors in whatever order
+            # their writer chose.
             for recipe in sorted(direct + widened, key=_file_position):
                 name = recipe.target[len(prefix):]
                 info = recipe.sources[0]
@@ -161,8 +161,8 @@ class LayerLoader:
                     continue
                 tensors[name] = buf
                 if recipe in widened:
-                    # Widened on its own thread while the next tensor is read: done in turn, a widening left the
-                    # disk idle for ~40% of a one-sequence pass (3 GB bf16 model: reads 1.6 s, widening 1.1 s).
+                    # Widened on its own thread while the next tensor is read: done in turn, a widening would leave
+                    # the disk idle for much of a short pass (docs/performance.md#widening-tiles).
                     widenings.append(self._widener().submit(_widen_on_thread, buf, source))
             for path, start, end in contiguous_runs(read):
                 self._advise_dropped(path, start, end - start)
@@ -176,8 +176,8 @@ class LayerLoader:
         except BaseException:
             wait(widenings)  # a failed load gives its slot back: nothing may still be writing into it
             raise
-        # Not waited for here: the last widenings of a layer end ~6 ms after its last read (3 GB bf16 model, 2 cores),
-        # time in which the reader would leave the disk idle before the next layer.
+        # Not waited for here: the last widenings of a layer end shortly after its last read, time in which the reader
+        # would leave the disk idle before the next layer.
         return LayerWeights(index=index, slot=slot, tensors=tensors, ready=ready, widenings=widenings, narrow=narrowed)
 
     def widen_narrow(self, weights: LayerWeights) -> None:
@@ -282,7 +282,7 @@ def _file_position(recipe: Recipe) -> tuple[str, int]:
 
 def contiguous_runs(infos: list[TensorInfo]) -> list[tuple[object, int, int]]:
     """(file, start, end) of each run of back-to-back byte ranges: one page-cache advice per run, not per tensor
-    (~0.4 ms a call for a 23 MB tensor, and a GIL round trip)."""
+    (each call costs time, and a GIL round trip; docs/performance.md#reading-a-layer)."""
     runs: list[tuple[object, int, int]] = []
     for info in sorted(infos, key=lambda i: (str(i.file), i.offset)):
         end = info.offset + info.nbytes

@@ -3,12 +3,11 @@
 A decode step of a micro-batch whose sequences share a prompt prefix (prefill.PrefixSharedLayer) would
 otherwise concatenate the prefix's keys and values [1, H, P, D], expanded to every sequence, with each
 sequence's own [b, H, S, D] at every layer of every pass: b copies of the prefix written and read again
-per layer. Measured on a 32-sequence decode pass of a 3 GB Llama (158-token prefix, 33 layers): 0.36 s of
-a 3.0 s pass. Here the scores against the prefix come from one batched matmul that reads the prefix once,
-the scores against the own tokens from another; the softmax runs over both together, as attention over
-the concatenation would. A prefill of such a micro-batch attends to the concatenation; on a CPU this runs
-it through torch's SDPA in grouped-query mode, where transformers' sdpa (given a mask) would first copy the
-keys and values once per query head.
+per layer (docs/streaming.md#decoding-without-copying-the-cache). Here the scores against the prefix come
+from one batched matmul that reads the prefix once, the scores against the own tokens from another; the
+softmax runs over both together, as attention over the concatenation would. A prefill of such a
+micro-batch attends to the concatenation; on a CPU this runs it through torch's SDPA in grouped-query mode,
+where transformers' sdpa (given a mask) would first copy the keys and values once per query head.
 
 transformers owns the attention: this wraps its registered "sdpa" function and takes over only a call the
 cache layer has marked (on the calling thread) just before it; every other call goes to transformers' own
@@ -132,10 +131,9 @@ _PLAIN_KWARGS = frozenset({"dropout", "scaling", "is_causal", "position_ids", "o
 def attend_grouped(query, keys, values, mask, scaling: float | None):
     """A prefill's attention over [prefix | own tokens] on a CPU, each key head paired with its group of query heads
     without copying it per query head (transformers, given a mask, would first copy the keys and values once per
-    query head): on a 3 GB Llama (32 query heads, 4 key heads), 9 sequences x 92 tokens after a 241-token prefix,
-    21.4 ms a call with the copies, 15.7 without. float32 runs torch's SDPA in grouped-query mode; half precision
-    attend_in_chunks, faster there. Shapes: query [b, Hq, S, D]; keys, values [b, H, P + S, D]; mask [b, 1, S, P + S].
-    Returns [b, S, Hq, D]."""
+    query head; docs/streaming.md#shared-prefix). float32 runs torch's SDPA in grouped-query mode; half
+    precision attend_in_chunks, faster there. Shapes: query [b, Hq, S, D]; keys, values [b, H, P + S, D];
+    mask [b, 1, S, P + S]. Returns [b, S, Hq, D]."""
     if query.dtype in (torch.bfloat16, torch.float16) and (mask is None or mask.shape[1] == 1):  # every head one mask
         return attend_in_chunks(query, keys, values, mask, query.shape[-1] ** -0.5 if scaling is None else scaling)
     output = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
@@ -145,9 +143,8 @@ def attend_grouped(query, keys, values, mask, scaling: float | None):
 
 def attend_in_chunks(query, keys, values, mask, scaling: float):
     """attend_grouped for half precision, as transformers' eager attention computes it (scores in the input dtype,
-    softmax in float32), one sequence and a chunk of its query rows at a time, so the scores stay small. torch's
-    flash kernel for a CPU runs bfloat16 attention at ~100 GFLOP/s; on the benchmark's classification pass
-    (AVX512-BF16, 2 cores, 33 layers) this took its suffixes' attention from 4.6 to 3.9-4.2 s (medians of 7, alone).
+    softmax in float32), one sequence and a chunk of its query rows at a time, so the scores stay small: faster than
+    torch's flash kernel for a CPU in half precision (docs/streaming.md#shared-prefix).
     A chunk skips the keys after its last row where the mask hides them all (a causal mask does). Masked scores get
     float32's lowest value, not -inf: a row with nothing to attend averages instead of dividing by zero (its output
     is never used, but NaN would reach every row through the next layer's values). Shapes as attend_grouped."""

@@ -109,7 +109,7 @@ def _read_sequentially(files, chunk: int = 16 << 20) -> None:
     """Pull the shards into the page cache with large reads before transformers maps them.
 
     transformers 5 memory-maps safetensors; from a cold cache the first pass would then fault the
-    weights in 4 KiB at a time (measured here: a 17 s first pass instead of 4 s)."""
+    weights in 4 KiB at a time, several times slower (docs/performance.md#resident-loads)."""
     buffer = bytearray(chunk)
     for file in files:
         with open(file, "rb", buffering=0) as handle:
@@ -120,9 +120,9 @@ def _read_sequentially(files, chunk: int = 16 << 20) -> None:
 def copy_out_of_file_mappings(model: torch.nn.Module, files) -> int:
     """Resident means resident: copy tensors that still point into a memory map of one of the checkpoint's `files`
     into process memory, so the kernel cannot drop them and fault them back in from disk in the middle of a job.
-    Tensors transformers already converted (a bf16 checkpoint computed in float32) live in process memory: copying
-    every tensor anyway took 6.1 s of an 18 s load of a 3 GB checkpoint. Where /proc/self/maps cannot tell which
-    memory is mapped from a file (not Linux), every tensor is copied. Returns how many were."""
+    Tensors transformers already converted (a bf16 checkpoint computed in float32) live in process memory, and
+    copying them again costs a large share of the load (docs/performance.md#resident-loads). Where /proc/self/maps
+    cannot tell which memory is mapped from a file (not Linux), every tensor is copied. Returns how many were."""
     mapped = file_mapped_ranges(files)
     copied = 0
     with torch.no_grad():
@@ -139,7 +139,7 @@ COPY_CHUNK_BYTES = 16 << 20
 
 def copy_releasing_pages(original: torch.Tensor) -> torch.Tensor:
     """A copy of a file-mapped tensor, made COPY_CHUNK_BYTES at a time, each chunk's file pages unmapped once copied:
-    a whole-tensor copy held the tensor twice at its end (Gemma 3's 335 MB embedding: a 137 MB spike at load)."""
+    a whole-tensor copy would hold the tensor twice at its end, a spike at load (docs/performance.md#resident-loads)."""
     if not original.is_contiguous():  # a view: its byte span may hold other tensors' bytes, so nothing is released
         return original.clone()
     copy = torch.empty_like(original)
@@ -158,8 +158,8 @@ MADV_DONTNEED = 4  # Linux
 
 def release_mapped_pages(address: int, nbytes: int) -> None:
     """Unmap from this process the file pages wholly inside [address, address + nbytes) of a tensor copied out:
-    the file mapping stays until its last tensor is copied, and meanwhile every page the copies read stayed resident
-    beside the copies (SmolLM2 resident, float32: a 1,495 MB peak at load where the loaded model held 957 MB). Pages a
+    the file mapping stays until its last tensor is copied, and meanwhile every page the copies read would stay
+    resident beside the copies (docs/streaming.md#resident-runs). Pages a
     neighbouring tensor shares are kept; the page cache keeps them all, and the mapping faults a page back in from
     it if anything reads it again. Only the copied tensor's own pages go, so whatever was written there is in its
     copy."""

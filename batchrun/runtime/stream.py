@@ -361,9 +361,9 @@ class StreamedModel(TokenizerOnDemand):
 
     @contextlib.contextmanager
     def _leaving_a_core(self, light: bool):
-        # Measured on 2 cores (3 GB bf16 model, 32-sequence decode passes under a cap): with two threads the matmuls
-        # kept stalling on the core that the reader's page-cache copy and the widening were using; one thread fewer
-        # took the median pass from 2.19 to 2.07 s. A prefill keeps every core: its compute outlasts the reads.
+        # A decode pass computes on one thread fewer: with every core, the matmuls keep stalling on the one that the
+        # reader's page-cache copy and the widening are using (docs/streaming.md#what-bounds-a-pass). A prefill
+        # keeps every core: its compute outlasts the reads.
         # The widening linears' tiles, most of a decode pass's compute, still go to every core, a tile per worker at
         # a time (linear_kernels.sharing_tiles): a worker the reader delays holds up no other.
         threads = torch.get_num_threads()

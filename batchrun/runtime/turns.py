@@ -84,9 +84,8 @@ def run_interleaved(group: PassGroup, calls: list[Callable[[], object]], wrap) -
     first failure after every call has unwound.
 
     Why not a thread per call: torch's OpenMP keeps a team of worker threads per calling thread, and
-    teams taking turns on the same cores run every op slower than one team does. Measured on 2 cores (bfloat16, 6
-    micro-batches x 12 layers of the benchmark's shapes): 4.84-5.23 s with a thread per micro-batch, 4.14-4.18 s
-    interleaved on one thread, 4.11-4.28 s for the same work in one plain loop. A greenlet holds a suspended
+    teams taking turns on the same cores run every op slower than one team does, where greenlets on one thread run
+    as fast as a plain loop (docs/performance.md#mechanisms-and-what-they-are-worth). A greenlet holds a suspended
     forward call's stack; each has its own context variables (transformers' output capture uses one), while torch's
     thread-local modes are shared: `wrap` (inference mode) is held around the whole pass, so every call runs in it.
     A stop (Ctrl-C, SIGTERM) lands in whichever call is running; the others are resumed to unwind at their next
