@@ -179,17 +179,7 @@ class Store:
 
     def commit_batch(self, job_id: str, results: Sequence[RowResult], passes: int) -> None:
         """Save finished rows, drop their partial tokens and count the passes, all in one transaction."""
-        if passes < 0:
-            raise ValueError(f"passes must be >= 0, got {passes}")
-        updates = [row_update_params(job_id, result) for result in results]
-        with self._write(f"save {len(updates)} answers") as conn:
-            updated = conn.executemany(ROW_UPDATE_SQL, updates).rowcount
-            if updated != len(updates):
-                raise ValueError(f"job {job_id} has no rows {self._missing_rows(job_id, results)}")
-            conn.executemany(
-                "delete from partial where job_id = ? and idx = ?", [(job_id, r.idx) for r in results]
-            )
-            mark_alive(conn, job_id, self._current_run.get(job_id), passes)
+        self.commit_pass(job_id, results, {}, passes)
 
     def record_errors(self, job_id: str, results: Sequence[RowResult]) -> None:
         """Save rows that failed before any pass (invalid input, prompt too long)."""
@@ -198,30 +188,25 @@ class Store:
                 raise ValueError(f"row {result.idx} is not an error: use commit_batch for answers")
         self.commit_batch(job_id, results, passes=0)
 
-    def save_partial(self, job_id: str, partial: Mapping[int, tuple[Sequence[int], float]], passes: int = 1) -> None:
-        """Save the tokens generated so far (and their summed logprob) for in-flight rows, and count the
-        pass(es), in one transaction."""
-        self.commit_pass(job_id, [], partial, passes)
-
     def commit_pass(self, job_id: str, finished: Sequence[RowResult],
                     partial: Mapping[int, tuple[Sequence[int], float]], passes: int = 1) -> None:
-        """After one decode pass: rows that finished in it, tokens of the rows still going, the pass count.
+        """After one pass: rows that finished in it (their tokens so far dropped), the tokens generated so far (and
+        their summed logprob) of the rows still going, the pass count.
 
         One transaction, so a crash leaves either the state before the pass or the state after it.
         """
+        if passes < 0:
+            raise ValueError(f"passes must be >= 0, got {passes}")
         now = _now()
         updates = [row_update_params(job_id, result) for result in finished]
         upserts = []
         for idx, (token_ids, logprob) in partial.items():
             as_ints = [int(token) for token in token_ids]  # numpy / tensor scalars are not JSON
             upserts.append((job_id, idx, json.dumps(as_ints), len(as_ints), float(logprob), now))
-        with self._write("save generated tokens") as conn:
-            if updates:
-                updated = conn.executemany(ROW_UPDATE_SQL, updates).rowcount
-                if updated != len(updates):
-                    raise ValueError(f"job {job_id} has no rows {self._missing_rows(job_id, finished)}")
-                conn.executemany("delete from partial where job_id = ? and idx = ?",
-                                 [(job_id, r.idx) for r in finished])
+        with self._write("save generated tokens" if partial else f"save {len(updates)} answers") as conn:
+            if conn.executemany(ROW_UPDATE_SQL, updates).rowcount != len(updates):
+                raise ValueError(f"job {job_id} has no rows {self._missing_rows(job_id, finished)}")
+            conn.executemany("delete from partial where job_id = ? and idx = ?", [(job_id, r.idx) for r in finished])
             conn.executemany(
                 "insert into partial (job_id, idx, token_ids_json, token_count, logprob, updated_at) "
                 "values (?, ?, ?, ?, ?, ?) "
