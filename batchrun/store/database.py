@@ -308,16 +308,9 @@ class Store:
         if unknown:
             raise ValueError(f"unknown progress fields {sorted(unknown)}; known: {', '.join(PROGRESS_COLUMNS)}")
         values = {**progress, "job_id": job_id, "run_no": self._require_current_run(job_id), "updated_at": _now()}
-        conn = self.db.conn
-        with self._translate_errors("record the pass in flight"):
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                conn.execute(f"insert or replace into pass_progress ({', '.join(values)}) "
-                             f"values ({', '.join('?' * len(values))})", tuple(values.values()))
-                conn.execute("COMMIT")
-            except BaseException:
-                _rollback_quietly(conn)
-                raise
+        with self._write("record the pass in flight", fault_point=None) as conn:
+            conn.execute(f"insert or replace into pass_progress ({', '.join(values)}) "
+                         f"values ({', '.join('?' * len(values))})", tuple(values.values()))
 
     def release(self, job_id: str, end_state: str, error: str | None = None) -> None:
         """Close this process's run with end_state (and, for a failure, why), drop its lock, and set the job state
@@ -529,15 +522,17 @@ class Store:
             raise error_class(describe_failure(self.path, action, exc)) from exc
 
     @contextmanager
-    def _write(self, action: str) -> Iterator[sqlite3.Connection]:
+    def _write(self, action: str, *, fault_point: str | None = "commit") -> Iterator[sqlite3.Connection]:
         """One write transaction. IMMEDIATE takes the write lock up front, so two processes checking and
-        taking a job lock at once are serialised instead of both reading "free"."""
+        taking a job lock at once are serialised instead of both reading "free". `fault_point` is reached just
+        before COMMIT (None for a write that commits no progress)."""
         conn = self.db.conn
         with self._translate_errors(action):
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
-                faults.reached("commit")
+                if fault_point is not None:
+                    faults.reached(fault_point)
                 conn.execute("COMMIT")
             except BaseException:
                 _rollback_quietly(conn)
