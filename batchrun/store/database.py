@@ -29,6 +29,8 @@ __all__ = ["DatabaseDamaged", "JobLocked", "JobNotFound", "RowResult", "Store", 
 BUSY_TIMEOUT_S = 30.0  # how long a reader (`status`) or a second writer waits for a running job's commit
 JOB_STATES = ("pending", "running", "interrupted", "done", "failed")
 RUN_END_STATES = ("done", "interrupted", "failed")  # what a run says as it ends; one that could not is 'died'
+PREVIOUS_RUN_KEYS = ("run_no", "pid", "host", "started_at", "ended_at", "end_state", "batch_size", "planned_peak_bytes",
+                     "passes", "memory_cgroup", "oom_kills_at_start")
 # What a running job tells of its pass in flight (record_progress; migrations.m012_pass_progress).
 PROGRESS_COLUMNS = ("pass_no", "passes_planned", "turns_done", "turns_total", "rows_in_flight", "eta_seconds",
                     "started_at")
@@ -348,23 +350,12 @@ class Store:
                 conn.execute("update jobs set state = ? where id = ?", (end_state, job_id))
 
     def previous_runs(self, job_id: str) -> list[dict]:
-        """Every run before the current one, oldest first; end_state 'died' for one whose process ended without
-        closing it (SIGKILL, the OOM killer, a power cut), 'interrupted' for one stopped by Ctrl-C or SIGTERM."""
+        """Every run before the current one, oldest first, with what a new run learns from it (PREVIOUS_RUN_KEYS):
+        end_state 'died' for one whose process ended without closing it (SIGKILL, the OOM killer, a power cut),
+        'interrupted' for one stopped by Ctrl-C or SIGTERM."""
         current = self._current_run.get(job_id)
-        with self._read():
-            sql = "select * from runs where job_id = ?" + (" and run_no < ?" if current is not None else "")
-            params = (job_id, current) if current is not None else (job_id,)
-            runs = list(self.db.query(sql + " order by run_no", params))
-            lock = self._lock_row(job_id)
-        live_run_no = self._live_run_no(job_id, lock)
-        keys = ("run_no", "pid", "host", "started_at", "ended_at", "end_state", "batch_size",
-                "planned_peak_bytes", "passes", "memory_cgroup", "oom_kills_at_start")
-        found = []
-        for run in runs:
-            if run["end_state"] == "running" and live_run_no != run["run_no"]:
-                run["end_state"] = "died"
-            found.append({key: run[key] for key in keys})
-        return found
+        return [{key: run[key] for key in PREVIOUS_RUN_KEYS} for run in self.runs(job_id)
+                if current is None or run["run_no"] < current]
 
     # ---- reading state -------------------------------------------------------------------------
 
