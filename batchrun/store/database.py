@@ -24,10 +24,9 @@ from batchrun.store.locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, enable
 from batchrun.store.reuse import Reused, fill_duplicates, reuse_answers
 from batchrun.store.rows import ROW_UPDATE_SQL, JobRow, RowResult, row_result_from_db, row_update_params
 
-__all__ = ["DatabaseDamaged", "JobLocked", "JobNotFound", "RowResult", "Store", "StoreError", "integrity_ok"]
+__all__ = ["DatabaseDamaged", "JobLocked", "JobNotFound", "RowResult", "Store", "StoreError"]
 
 BUSY_TIMEOUT_S = 30.0  # how long a reader (`status`) or a second writer waits for a running job's commit
-JOB_STATES = ("pending", "running", "interrupted", "done", "failed")
 RUN_END_STATES = ("done", "interrupted", "failed")  # what a run says as it ends; one that could not is 'died'
 PREVIOUS_RUN_KEYS = ("run_no", "pid", "host", "started_at", "ended_at", "end_state", "batch_size", "planned_peak_bytes",
                      "passes", "memory_cgroup", "oom_kills_at_start")
@@ -59,20 +58,6 @@ class DatabaseDamaged(StoreError):
 
 class JobNotFound(BatchrunError, LookupError):
     """A job reference matched no job, or more than one."""
-
-
-def integrity_ok(path: Path | str) -> bool:
-    """PRAGMA integrity_check on a database file, opened read-only; False if missing or not a database."""
-    try:
-        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
-    except sqlite3.Error:
-        return False
-    try:
-        return conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    except sqlite3.DatabaseError:
-        return False
-    finally:
-        conn.close()
 
 
 class Store:

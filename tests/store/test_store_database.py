@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from batchrun.store import migrations as store_migrations
-from batchrun.store.database import Store, StoreError, integrity_ok
-from tests.support import answer, make_job, start_python
+from batchrun.store import Store, StoreError
+from tests.support import answer, integrity_ok, make_job, start_python
 
 
 # ---- migrations and connection -------------------------------------------------------------------
