@@ -1,4 +1,5 @@
-"""The durable progress store: jobs, their rows, runs, passes and locks, in SQLite through sqlite-utils.
+"""The durable progress store: jobs, their rows and the answers committed for them, in SQLite through sqlite-utils,
+over the runs and locks of store/runs.py and the transactions of store/connection.py.
 
 A batch of answers is committed in one transaction with synchronous=FULL, so once commit_batch returns
 those answers survive a crash or a power cut, and a resumed job redoes only what was never committed.
@@ -6,91 +7,21 @@ those answers survive a crash or a power cut, and a resumed job redoes only what
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
-from contextlib import contextmanager
-from datetime import datetime, timezone
-from pathlib import Path
+from datetime import datetime
 from typing import Iterator, Mapping, Sequence
 
-import sqlite_utils
-
-from batchrun.errors import BatchrunError
-from batchrun.host import faults
-from batchrun.store import migrations as store_migrations
-from batchrun.store.files import SpaceReserve, describe_failure, is_damage, is_disk_full, orphaned_log_message
-from batchrun.store.locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, enable_wal, eta_seconds, job_summary,
-                                  lock_holder_alive, log, mark_alive, process_identity, run_seconds)
+from batchrun.store.errors import DatabaseDamaged, JobNotFound, StoreError
+from batchrun.store.locks import eta_seconds, job_summary, log, mark_alive, run_seconds, timestamp, utc_now
 from batchrun.store.reuse import Reused, fill_duplicates, reuse_answers
 from batchrun.store.rows import ROW_UPDATE_SQL, JobRow, RowResult, row_result_from_db, row_update_params
+from batchrun.store.runs import Runs
 
-__all__ = ["DatabaseDamaged", "JobLocked", "JobNotFound", "RowResult", "Store", "StoreError"]
-
-BUSY_TIMEOUT_S = 30.0  # how long a reader (`status`) or a second writer waits for a running job's commit
-RUN_END_STATES = ("done", "interrupted", "failed")  # what a run says as it ends; one that could not is 'died'
-PREVIOUS_RUN_KEYS = ("run_no", "pid", "host", "started_at", "ended_at", "end_state", "batch_size", "planned_peak_bytes",
-                     "passes", "memory_cgroup", "oom_kills_at_start")
-# What a running job tells of its pass in flight (record_progress; migrations.m012_pass_progress).
-PROGRESS_COLUMNS = ("pass_no", "passes_planned", "turns_done", "turns_total", "rows_in_flight", "eta_seconds",
-                    "started_at")
-
-# (database path, job id) pairs whose lock this process holds: tells "our own pid, still running here"
-# apart from "our pid, left behind by an earlier process that had the same pid".
-_HELD_IN_THIS_PROCESS: set[tuple[str, str]] = set()
+__all__ = ["Store"]
 
 
-class JobLocked(BatchrunError, RuntimeError):
-    """Another live process is running the same job; it holds the job's lock until it ends."""
-
-    def __init__(self, job_id: str, pid: int, host: str, since: str):
-        self.job_id, self.pid, self.host, self.since = job_id, pid, host, since
-        super().__init__(f"job {job_id} is being run by process {pid} on {host} since {since}; wait for it or stop it")
-
-
-class StoreError(BatchrunError, RuntimeError):
-    """The progress database could not be read or written (disk full, I/O error, not a database)."""
-
-
-class DatabaseDamaged(StoreError):
-    """SQLite reports the database file malformed: pages torn, truncated or overwritten. `batchrun db salvage` copies
-    what is still readable into a new database."""
-
-
-class JobNotFound(BatchrunError, LookupError):
-    """A job reference matched no job, or more than one."""
-
-
-class Store:
-    def __init__(self, path: Path | str):
-        self.path = Path(path)
-        self._lock_key_prefix = str(self.path.resolve())
-        self._current_run: dict[str, int] = {}  # job id -> run_no this Store opened in acquire()
-        self._reserves: dict[str, SpaceReserve] = {}  # job id -> the disk space its run keeps to record its end
-        if (orphaned := orphaned_log_message(self.path)) is not None:
-            raise StoreError(orphaned)
-        with self._translate_errors("open the progress database"):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S)
-            try:
-                self.db = sqlite_utils.Database(conn, execute_plugins=False)
-                enable_wal(self.db, BUSY_TIMEOUT_S)
-                # FULL, not NORMAL: in WAL mode NORMAL may lose the last commits on power loss.
-                self.db.execute("PRAGMA synchronous=FULL")
-                if store_migrations.pending_migrations(self.db):
-                    with self._write("upgrade the database schema"):
-                        store_migrations.apply_pending(self.db)
-            except BaseException:
-                conn.close()
-                raise
-
-    def close(self) -> None:
-        # A closed store can commit nothing more: its locks no longer count as held by this process, so a
-        # later acquire here takes them over (the rows stay for other processes to see until then).
-        for job_id in self._current_run:
-            _HELD_IN_THIS_PROCESS.discard(self._lock_key(job_id))
-        for reserve in self._reserves.values():
-            reserve.free()
-        self.db.close()
+class Store(Runs):
+    """Jobs, their rows and the answers committed for them, on top of the runs and locks of Runs."""
 
     def __enter__(self) -> Store:
         return self
@@ -127,7 +58,7 @@ class Store:
             conn.execute(
                 "insert into jobs (id, fingerprint, spec_path, model, settings_json, created_at, state, "
                 "total_rows, passes_done) values (?, ?, ?, ?, ?, ?, 'pending', ?, 0)",
-                (job_id, fingerprint, str(spec_path), model, json.dumps(settings, sort_keys=True), _now(), len(rows)),
+                (job_id, fingerprint, str(spec_path), model, json.dumps(settings, sort_keys=True), timestamp(), len(rows)),
             )
             conn.executemany("insert" + _PENDING_ROW_SQL, _pending_row_values(job_id, rows))
         return job_id
@@ -184,7 +115,7 @@ class Store:
         """
         if passes < 0:
             raise ValueError(f"passes must be >= 0, got {passes}")
-        now = _now()
+        now = timestamp()
         updates = [row_update_params(job_id, result) for result in finished]
         upserts = []
         for idx, (token_ids, logprob) in partial.items():
@@ -209,139 +140,6 @@ class Store:
             cursor = self.db.execute("select idx, token_ids_json, logprob from partial where job_id = ?", (job_id,))
             return {idx: (json.loads(token_ids), logprob or 0.0) for idx, token_ids, logprob in cursor}
 
-    def heartbeat_while_running(self, job_id: str, every_s: float = HEARTBEAT_EVERY_S) -> LockHeartbeat:
-        """A context in which a thread refreshes this process's lock on the job every `every_s` seconds."""
-        return LockHeartbeat(self.path, job_id, self._require_current_run(job_id), every_s)
-
-    # ---- locks and runs ------------------------------------------------------------------------
-
-    def acquire(self, job_id: str) -> None:
-        """Lock the job for this process, take over a dead holder's lock, mark the job running, open a run."""
-        now = _now()
-        with self._write("lock the job") as conn:
-            self._require_job(conn, job_id)
-            lock = self._lock_row(job_id)
-            if lock is not None and self._holder_alive(job_id, lock):
-                raise JobLocked(job_id, lock["pid"], lock["host"], lock["acquired_at"])
-            # Runs still marked running belong to a dead holder: they died at their last sign of life.
-            conn.execute(
-                "update runs set end_state = 'died', ended_at = coalesce(last_active_at, started_at) "
-                "where job_id = ? and end_state = 'running'",
-                (job_id,),
-            )
-            (run_no,) = conn.execute(
-                "select coalesce(max(run_no), 0) + 1 from runs where job_id = ?", (job_id,)
-            ).fetchone()
-            conn.execute(
-                "insert into runs (job_id, run_no, pid, host, started_at, last_active_at, end_state, passes) "
-                "values (?, ?, ?, ?, ?, ?, 'running', 0)",
-                (job_id, run_no, os.getpid(), HOST, now, now),
-            )
-            conn.execute(
-                "insert or replace into locks (job_id, pid, host, process_identity, run_no, acquired_at, "
-                "heartbeat_at) values (?, ?, ?, ?, ?, ?, ?)",
-                (job_id, os.getpid(), HOST, process_identity(os.getpid()), run_no, now, now),
-            )
-            conn.execute("update jobs set state = 'running' where id = ?", (job_id,))
-        self._current_run[job_id] = run_no
-        _HELD_IN_THIS_PROCESS.add(self._lock_key(job_id))
-        self._reserves[job_id] = SpaceReserve(self.path, job_id)
-        self._reserves[job_id].hold()
-
-    def record_run_plan(self, job_id: str, *, batch_size: int, planned_peak_bytes: int,
-                        memory_cgroup: str | None = None, oom_kills_at_start: int | None = None,
-                        planned_passes: int | None = None) -> None:
-        """Note the current run's batch size, planned peak memory, OOM-kill baseline (read after a crash) and
-        planned passes (for status's ETA)."""
-        run_no = self._require_current_run(job_id)
-        with self._write("record the run plan") as conn:
-            conn.execute(
-                "update runs set batch_size = ?, planned_peak_bytes = ?, memory_cgroup = ?, oom_kills_at_start = ?, "
-                "planned_passes = ? where job_id = ? and run_no = ?",
-                (batch_size, planned_peak_bytes, memory_cgroup, oom_kills_at_start, planned_passes, job_id, run_no),
-            )
-
-    def record_run_estimate(self, job_id: str, *, mode: str, planned_seconds: float | None) -> None:
-        """Note the current run's mode (resident or streamed) and the plan's ETA for the rows it started with."""
-        run_no = self._require_current_run(job_id)
-        with self._write("record the run's estimate") as conn:
-            conn.execute("update runs set mode = ?, planned_seconds = ? where job_id = ? and run_no = ?",
-                         (mode, planned_seconds, job_id, run_no))
-
-    def record_pass(self, job_id: str, *, seconds: float, rows_finished: int, bytes_read: int | None = None,
-                    read_seconds: float | None = None, peak_memory_bytes: int | None = None,
-                    planned_seconds: float | None = None) -> int:
-        """Record one committed pass of the current run (numbered 1, 2, ... within the run); returns its number.
-        `bytes_read`, `read_seconds`, `peak_memory_bytes` and `planned_seconds` are None where not known."""
-        if seconds < 0 or rows_finished < 0:
-            raise ValueError(f"a pass takes seconds >= 0 and rows_finished >= 0; got {seconds}, {rows_finished}")
-        run_no = self._require_current_run(job_id)
-        with self._write("record the pass's timing") as conn:
-            (pass_no,) = conn.execute("select coalesce(max(pass_no), 0) + 1 from passes where job_id = ? and "
-                                      "run_no = ?", (job_id, run_no)).fetchone()
-            conn.execute(
-                "insert into passes (job_id, run_no, pass_no, finished_at, seconds, rows_finished, bytes_read, "
-                "read_seconds, peak_memory_bytes, planned_seconds) values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (job_id, run_no, pass_no, _now(), float(seconds), int(rows_finished), bytes_read, read_seconds,
-                 peak_memory_bytes, planned_seconds),
-            )
-        return pass_no
-
-    def record_progress(self, job_id: str, progress: Mapping[str, object]) -> None:
-        """The current run's pass in flight (PROGRESS_COLUMNS: pass_no, turns_done, ...), replacing what the job said
-        before, for `status` (another process). It commits no answer, so no fault point sits in it; the caller
-        decides what a failed write costs."""
-        unknown = set(progress) - set(PROGRESS_COLUMNS)
-        if unknown:
-            raise ValueError(f"unknown progress fields {sorted(unknown)}; known: {', '.join(PROGRESS_COLUMNS)}")
-        values = {**progress, "job_id": job_id, "run_no": self._require_current_run(job_id), "updated_at": _now()}
-        with self._write("record the pass in flight", fault_point=None) as conn:
-            conn.execute(f"insert or replace into pass_progress ({', '.join(values)}) "
-                         f"values ({', '.join('?' * len(values))})", tuple(values.values()))
-
-    def release(self, job_id: str, end_state: str, error: str | None = None) -> None:
-        """Close this process's run with end_state (and, for a failure, why), drop its lock, and set the job state
-        to end_state."""
-        _check_choice("run end state", end_state, RUN_END_STATES)
-        run_no = self._current_run.pop(job_id, None)
-        reserve = self._reserves.pop(job_id, None)
-        try:
-            try:
-                self._close_run(job_id, run_no, end_state, error)
-            except StoreError as failure:
-                # On a full disk the reserve's blocks make room for this last write.
-                if not (is_disk_full(failure.__cause__) and reserve is not None and reserve.free()):
-                    raise
-                self._close_run(job_id, run_no, end_state, error)
-        finally:
-            _HELD_IN_THIS_PROCESS.discard(self._lock_key(job_id))
-            if reserve is not None:
-                reserve.free()
-
-    def _close_run(self, job_id: str, run_no: int | None, end_state: str, error: str | None) -> None:
-        now = _now()
-        with self._write("release the job") as conn:
-            if run_no is not None:
-                conn.execute(
-                    "update runs set end_state = ?, ended_at = ?, last_active_at = ?, error = ? "
-                    "where job_id = ? and run_no = ?",
-                    (end_state, now, now, error, job_id, run_no),
-                )
-            conn.execute(
-                "delete from locks where job_id = ? and pid = ? and host = ?", (job_id, os.getpid(), HOST)
-            )
-            # If another process took the lock over meanwhile, the job's state is its to set.
-            if conn.execute("select 1 from locks where job_id = ?", (job_id,)).fetchone() is None:
-                conn.execute("update jobs set state = ? where id = ?", (end_state, job_id))
-
-    def previous_runs(self, job_id: str) -> list[dict]:
-        """Every run before the current one, oldest first, with what a new run learns from it (PREVIOUS_RUN_KEYS):
-        end_state 'died' for one whose process ended without closing it (SIGKILL, the OOM killer, a power cut),
-        'interrupted' for one stopped by Ctrl-C or SIGTERM."""
-        current = self._current_run.get(job_id)
-        return [{key: run[key] for key in PREVIOUS_RUN_KEYS} for run in self.runs(job_id)
-                if current is None or run["run_no"] < current]
-
     # ---- reading state -------------------------------------------------------------------------
 
     def status(self, job_id: str) -> dict:
@@ -356,7 +154,7 @@ class Store:
             lock = self._lock_row(job_id)
             progress = next(iter(self.db.query("select * from pass_progress where job_id = ?", (job_id,))), None)
         live_run_no = self._live_run_no(job_id, lock)
-        now = datetime.now(timezone.utc)
+        now = utc_now()
         elapsed = sum(run_seconds(run, live=run["run_no"] == live_run_no, now=now) for run in runs)
         summary = job_summary(job, counts, live=live_run_no is not None)
         live = next((run for run in runs if run["run_no"] == live_run_no), None)
@@ -377,25 +175,6 @@ class Store:
             "running_pid": lock["pid"] if live_run_no is not None else None,
             "running_host": lock["host"] if live_run_no is not None else None,
         }
-
-    def passes(self, job_id: str) -> list[dict]:
-        """Every recorded pass of the job, in the order they ran (run by run), each as its `passes` row."""
-        with self._read() as conn:
-            self._require_job(conn, job_id)
-            return list(self.db.query("select * from passes where job_id = ? order by run_no, pass_no", (job_id,)))
-
-    def runs(self, job_id: str) -> list[dict]:
-        """Every run of the job, the live one included, oldest first, each with all its columns; end_state 'died'
-        for one left 'running' by a process that no longer runs it."""
-        with self._read() as conn:
-            self._require_job(conn, job_id)
-            runs = list(self.db.query("select * from runs where job_id = ? order by run_no", (job_id,)))
-            lock = self._lock_row(job_id)
-        live_run_no = self._live_run_no(job_id, lock)
-        for run in runs:
-            if run["end_state"] == "running" and live_run_no != run["run_no"]:
-                run["end_state"] = "died"
-        return runs
 
     def job_settings(self, job_id: str) -> dict:
         """The answer settings the job was recorded with (template, choices, max_new_tokens, ...)."""
@@ -487,73 +266,6 @@ class Store:
         listed = ", ".join(_describe_job(job) for job in matches[:10])
         raise JobNotFound(f'job reference "{ref}" is ambiguous; it matches {len(matches)} jobs: {listed}')
 
-    # ---- internals -----------------------------------------------------------------------------
-
-    @contextmanager
-    def _translate_errors(self, action: str) -> Iterator[None]:
-        try:
-            yield
-        except (sqlite3.DatabaseError, OSError) as exc:
-            error_class = DatabaseDamaged if is_damage(exc) else StoreError
-            raise error_class(describe_failure(self.path, action, exc)) from exc
-
-    @contextmanager
-    def _write(self, action: str, *, fault_point: str | None = "commit") -> Iterator[sqlite3.Connection]:
-        """One write transaction. IMMEDIATE takes the write lock up front, so two processes checking and
-        taking a job lock at once are serialised instead of both reading "free". `fault_point` is reached just
-        before COMMIT (None for a write that commits no progress)."""
-        conn = self.db.conn
-        with self._translate_errors(action):
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-                if fault_point is not None:
-                    faults.reached(fault_point)
-                conn.execute("COMMIT")
-            except BaseException:
-                _rollback_quietly(conn)
-                raise
-
-    @contextmanager
-    def _read(self, action: str = "read the progress database") -> Iterator[sqlite3.Connection]:
-        """A read transaction: several queries see one snapshot even while a job commits (WAL)."""
-        conn = self.db.conn
-        with self._translate_errors(action):
-            conn.execute("BEGIN")
-            try:
-                yield conn
-            finally:
-                _rollback_quietly(conn)
-
-    def _require_job(self, conn: sqlite3.Connection, job_id: str) -> dict:
-        cursor = conn.execute("select * from jobs where id = ?", (job_id,))
-        row = cursor.fetchone()
-        if row is None:
-            raise JobNotFound(f"no job {job_id} in {self.path}")
-        return dict(zip([column[0] for column in cursor.description], row))
-
-    def _require_current_run(self, job_id: str) -> int:
-        run_no = self._current_run.get(job_id)
-        if run_no is None:
-            raise RuntimeError(f"job {job_id} is not acquired by this store: call acquire() first")
-        return run_no
-
-    def _lock_row(self, job_id: str) -> dict | None:
-        rows = list(self.db.query("select * from locks where job_id = ?", (job_id,)))
-        return rows[0] if rows else None
-
-    def _lock_key(self, job_id: str) -> tuple[str, str]:
-        return (self._lock_key_prefix, job_id)
-
-    def _holder_alive(self, job_id: str, lock: dict) -> bool:
-        return lock_holder_alive(lock, held_by_this_process=self._lock_key(job_id) in _HELD_IN_THIS_PROCESS)
-
-    def _live_run_no(self, job_id: str, lock: dict | None) -> int | None:
-        """The run_no of the run a live lock holder is executing, None if nobody holds the job."""
-        if lock is None or not self._holder_alive(job_id, lock):
-            return None
-        return lock["run_no"]
-
     def _missing_rows(self, job_id: str, results: Sequence[RowResult]) -> list[int]:
         known = {idx for (idx,) in self.db.conn.execute("select idx from rows where job_id = ?", (job_id,))}
         return sorted({r.idx for r in results} - known)
@@ -594,21 +306,3 @@ def _in_pass(progress: dict | None, live: dict | None, now: datetime) -> dict | 
 
 def _describe_job(job: dict) -> str:
     return f"{job['id']} ({job['spec_path']}, created {job['created_at']})"
-
-
-def _rollback_quietly(conn: sqlite3.Connection) -> None:
-    # After an I/O error SQLite may already have rolled back; a failing ROLLBACK must not hide the cause.
-    if conn.in_transaction:
-        try:
-            conn.execute("ROLLBACK")
-        except sqlite3.Error:
-            pass
-
-
-def _check_choice(what: str, value: str, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{what} must be one of {', '.join(allowed)}; got {value!r}")
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")

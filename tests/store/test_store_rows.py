@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from batchrun.store.database import JobNotFound
+from batchrun.store import JobNotFound
 from tests.support import FINGERPRINT, answer, failure, make_job
 
 
