@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Iterator
 
 import sqlite_utils
+from sqlite_utils.db import NotFoundError
 
 from batchrun.host import faults
 from batchrun.store import migrations as store_migrations
@@ -79,12 +80,17 @@ class Connection:
             finally:
                 _rollback_quietly(conn)
 
-    def _require_job(self, conn: sqlite3.Connection, job_id: str) -> dict:
-        cursor = conn.execute("select * from jobs where id = ?", (job_id,))
-        row = cursor.fetchone()
-        if row is None:
+    def _row(self, table: str, key: str | tuple) -> dict | None:
+        """The row of `table` whose primary key is `key`, None if it has none."""
+        try:
+            return self.db[table].get(key)
+        except NotFoundError:
+            return None
+
+    def _require_job(self, job_id: str) -> dict:
+        if (job := self._row("jobs", job_id)) is None:
             raise JobNotFound(f"no job {job_id} in {self.path}")
-        return dict(zip([column[0] for column in cursor.description], row))
+        return job
 
 
 def _rollback_quietly(conn: sqlite3.Connection) -> None:

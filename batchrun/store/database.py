@@ -45,22 +45,20 @@ class Store(Runs):
         if len(fingerprint) < 16:
             raise ValueError(f"job fingerprint {fingerprint!r} is too short: need at least 16 characters")
         job_id = fingerprint[:16]
-        with self._write("record the job") as conn:
-            existing = conn.execute("select fingerprint from jobs where id = ?", (job_id,)).fetchone()
-            if existing is not None:
-                if existing[0] != fingerprint:
-                    raise StoreError(
-                        f"job id {job_id} in {self.path} already belongs to fingerprint {existing[0]}, "
-                        f"not {fingerprint}"
-                    )
-                _restore_lost_rows(conn, job_id, rows)
-                return job_id
-            conn.execute(
-                "insert into jobs (id, fingerprint, spec_path, model, settings_json, created_at, state, "
-                "total_rows, passes_done) values (?, ?, ?, ?, ?, ?, 'pending', ?, 0)",
-                (job_id, fingerprint, str(spec_path), model, json.dumps(settings, sort_keys=True), timestamp(), len(rows)),
-            )
-            conn.executemany("insert" + _PENDING_ROW_SQL, _pending_row_values(job_id, rows))
+        with self._write("record the job"):
+            known = self._row("jobs", job_id)
+            if known is None:
+                self.db["jobs"].insert({
+                    "id": job_id, "fingerprint": fingerprint, "spec_path": str(spec_path), "model": model,
+                    "settings_json": json.dumps(settings, sort_keys=True), "created_at": timestamp(),
+                    "state": "pending", "total_rows": len(rows), "passes_done": 0})
+            elif known["fingerprint"] != fingerprint:
+                raise StoreError(f"job id {job_id} in {self.path} already belongs to fingerprint "
+                                 f"{known['fingerprint']}, not {fingerprint}")
+            # A known job short of rows lost them from a damaged database (the rest salvaged): recorded again, as
+            # pending, or a resumed job would end without ever answering them.
+            if known is None or self.db["rows"].count_where("job_id = ?", [job_id]) < len(rows):
+                self.db["rows"].insert_all(_pending_rows(job_id, rows), ignore=known is not None)
         return job_id
 
     def reuse_answers(self, job_id: str) -> Reused:
@@ -80,18 +78,14 @@ class Store(Runs):
 
     def pending_indices(self, job_id: str) -> list[int]:
         with self._translate_errors("read pending rows"):
-            cursor = self.db.execute(
-                "select idx from rows where job_id = ? and state = 'pending' order by idx", (job_id,)
-            )
-            return [idx for (idx,) in cursor]
+            return [row["idx"] for row in self.db["rows"].rows_where(
+                "job_id = ? and state = 'pending'", [job_id], select="idx", order_by="idx")]
 
     def results(self, job_id: str) -> list[RowResult]:
         """Finished rows (answered or errored) in input order."""
         with self._translate_errors("read results"):
-            rows = self.db.query(
-                "select * from rows where job_id = ? and state != 'pending' order by idx", (job_id,)
-            )
-            return [row_result_from_db(row) for row in rows]
+            return [row_result_from_db(row) for row in self.db["rows"].rows_where(
+                "job_id = ? and state != 'pending'", [job_id], order_by="idx")]
 
     # ---- committing progress -------------------------------------------------------------------
 
@@ -117,42 +111,33 @@ class Store(Runs):
             raise ValueError(f"passes must be >= 0, got {passes}")
         now = timestamp()
         updates = [row_update_params(job_id, result) for result in finished]
-        upserts = []
-        for idx, (token_ids, logprob) in partial.items():
-            as_ints = [int(token) for token in token_ids]  # numpy / tensor scalars are not JSON
-            upserts.append((job_id, idx, json.dumps(as_ints), len(as_ints), float(logprob), now))
+        tokens = list(_tokens_so_far(job_id, partial, now))
         with self._write("save generated tokens" if partial else f"save {len(updates)} answers") as conn:
+            # One statement for the batch (sqlite-utils updates row by row); its row count tells a row the job lacks.
             if conn.executemany(ROW_UPDATE_SQL, updates).rowcount != len(updates):
                 raise ValueError(f"job {job_id} has no rows {self._missing_rows(job_id, finished)}")
             conn.executemany("delete from partial where job_id = ? and idx = ?", [(job_id, r.idx) for r in finished])
-            conn.executemany(
-                "insert into partial (job_id, idx, token_ids_json, token_count, logprob, updated_at) "
-                "values (?, ?, ?, ?, ?, ?) "
-                "on conflict (job_id, idx) do update set token_ids_json = excluded.token_ids_json, "
-                "token_count = excluded.token_count, logprob = excluded.logprob, updated_at = excluded.updated_at",
-                upserts,
-            )
+            self.db["partial"].upsert_all(tokens, pk=("job_id", "idx"))
             mark_alive(conn, job_id, self._current_run.get(job_id), passes, now)
 
     def partial_tokens(self, job_id: str) -> dict[int, tuple[list[int], float]]:
         """idx -> (tokens generated so far, their summed logprob) for rows interrupted mid-generation."""
         with self._translate_errors("read generated tokens"):
-            cursor = self.db.execute("select idx, token_ids_json, logprob from partial where job_id = ?", (job_id,))
-            return {idx: (json.loads(token_ids), logprob or 0.0) for idx, token_ids, logprob in cursor}
+            return {row["idx"]: (json.loads(row["token_ids_json"]), row["logprob"] or 0.0)
+                    for row in self.db["partial"].rows_where("job_id = ?", [job_id])}
 
     # ---- reading state -------------------------------------------------------------------------
 
     def status(self, job_id: str) -> dict:
         """jobs()'s summary plus partial progress, elapsed time, ETA and the live holder's pid."""
         with self._read(f"read job {job_id}") as conn:
-            job = self._require_job(conn, job_id)
-            counts = dict(conn.execute("select state, count(*) from rows where job_id = ? group by state", (job_id,)))
+            job = self._require_job(job_id)
+            counts = _rows_by_state(conn, job_id)
             partial_rows, partial_token_count = conn.execute(
                 "select count(*), coalesce(sum(token_count), 0) from partial where job_id = ?", (job_id,)
             ).fetchone()
-            runs = list(self.db.query("select * from runs where job_id = ?", (job_id,)))
-            lock = self._lock_row(job_id)
-            progress = next(iter(self.db.query("select * from pass_progress where job_id = ?", (job_id,))), None)
+            runs = list(self.db["runs"].rows_where("job_id = ?", [job_id]))
+            lock, progress = self._row("locks", job_id), self._row("pass_progress", job_id)
         live_run_no = self._live_run_no(job_id, lock)
         now = utc_now()
         elapsed = sum(run_seconds(run, live=run["run_no"] == live_run_no, now=now) for run in runs)
@@ -178,15 +163,15 @@ class Store(Runs):
 
     def job_settings(self, job_id: str) -> dict:
         """The answer settings the job was recorded with (template, choices, max_new_tokens, ...)."""
-        with self._read() as conn:
-            return json.loads(self._require_job(conn, job_id)["settings_json"] or "{}")
+        with self._read():
+            return json.loads(self._require_job(job_id)["settings_json"] or "{}")
 
     def jobs(self) -> list[dict]:
         """One summary per job, newest first, with its last run's reason where that run failed. A job whose rows sit
         on damaged pages is listed with state 'damaged' and why, its counts None: the others list as usual."""
         with self._read() as conn:
-            jobs = list(self.db.query("select * from jobs order by created_at desc, rowid desc"))
-            locks = {lock["job_id"]: lock for lock in self.db.query("select * from locks")}
+            jobs = list(self.db["jobs"].rows_where(order_by="created_at desc, rowid desc"))
+            locks = {lock["job_id"]: lock for lock in self.db["locks"].rows}
             failures = dict(conn.execute(
                 "select job_id, error from runs where end_state = 'failed' and run_no = "
                 "(select max(run_no) from runs last where last.job_id = runs.job_id)"))
@@ -220,8 +205,7 @@ class Store(Runs):
         for job_id in job_ids:
             try:
                 with self._read(f"read job {job_id}") as conn:
-                    found[job_id] = dict(conn.execute(
-                        "select state, count(*) from rows where job_id = ? group by state", (job_id,)))
+                    found[job_id] = _rows_by_state(conn, job_id)
             except DatabaseDamaged as damaged:
                 found[job_id] = damaged
         return found
@@ -229,18 +213,17 @@ class Store(Runs):
     def job_record(self, job_id: str) -> dict:
         """The job as recorded: id, fingerprint, spec path, model, settings, creation time, and the provenance its
         output was last written with (provenance_json: model checkpoint and fingerprint, spec sha256)."""
-        with self._read(f"read job {job_id}") as conn:
-            job = self._require_job(conn, job_id)
+        with self._read(f"read job {job_id}"):
+            job = self._require_job(job_id)
         job["settings"] = json.loads(job.pop("settings_json") or "{}")
         job["provenance"] = json.loads(job.pop("provenance_json", None) or "{}")
         return job
 
     def record_provenance(self, job_id: str, values: Mapping[str, object]) -> None:
         """Merge `values` (JSON values) into what the job's outputs say of where they came from."""
-        with self._write("record where the job's answers come from") as conn:
-            known = json.loads(self._require_job(conn, job_id).get("provenance_json") or "{}")
-            conn.execute("update jobs set provenance_json = ? where id = ?",
-                         (json.dumps({**known, **values}, sort_keys=True), job_id))
+        with self._write("record where the job's answers come from"):
+            known = json.loads(self._require_job(job_id).get("provenance_json") or "{}")
+            self.db["jobs"].update(job_id, {"provenance_json": json.dumps({**known, **values}, sort_keys=True)})
 
     def find_job(self, ref: str | None) -> str:
         """A job id from a full id, a unique prefix of the id or fingerprint, or None for the job run last (or
@@ -267,27 +250,26 @@ class Store(Runs):
         raise JobNotFound(f'job reference "{ref}" is ambiguous; it matches {len(matches)} jobs: {listed}')
 
     def _missing_rows(self, job_id: str, results: Sequence[RowResult]) -> list[int]:
-        known = {idx for (idx,) in self.db.conn.execute("select idx from rows where job_id = ?", (job_id,))}
+        known = {row["idx"] for row in self.db["rows"].rows_where("job_id = ?", [job_id], select="idx")}
         return sorted({r.idx for r in results} - known)
 
 
-def _restore_lost_rows(conn: sqlite3.Connection, job_id: str, rows: Sequence[tuple]) -> None:
-    """Record again, as pending, rows a known job no longer has (lost from a damaged database, the rest salvaged):
-    without them a resumed job would end without ever answering them."""
-    (recorded,) = conn.execute("select count(*) from rows where job_id = ?", (job_id,)).fetchone()
-    if recorded >= len(rows):
-        return
-    conn.executemany("insert or ignore" + _PENDING_ROW_SQL, _pending_row_values(job_id, rows))
-
-
-_PENDING_ROW_SQL = (" into rows (job_id, idx, id_json, row_key, label, carried_json, state) "
-                    "values (?, ?, ?, ?, ?, ?, 'pending')")
-
-
-def _pending_row_values(job_id: str, rows: Sequence[tuple]) -> Iterator[tuple]:
+def _pending_rows(job_id: str, rows: Sequence[tuple]) -> Iterator[dict]:
     for row in map(lambda fields: JobRow(*fields), rows):
-        yield (job_id, row.idx, json.dumps(row.id), row.key, row.label,
-               None if row.carried is None else json.dumps(row.carried, sort_keys=True))
+        yield {"job_id": job_id, "idx": row.idx, "id_json": json.dumps(row.id), "row_key": row.key, "label": row.label,
+               "carried_json": None if row.carried is None else json.dumps(row.carried, sort_keys=True),
+               "state": "pending"}
+
+
+def _tokens_so_far(job_id: str, partial: Mapping[int, tuple[Sequence[int], float]], now: str) -> Iterator[dict]:
+    for idx, (token_ids, logprob) in partial.items():
+        as_ints = [int(token) for token in token_ids]  # numpy / tensor scalars are not JSON
+        yield {"job_id": job_id, "idx": idx, "token_ids_json": json.dumps(as_ints), "token_count": len(as_ints),
+               "logprob": float(logprob), "updated_at": now}
+
+
+def _rows_by_state(conn: sqlite3.Connection, job_id: str) -> dict[str, int]:
+    return dict(conn.execute("select state, count(*) from rows where job_id = ? group by state", (job_id,)))
 
 
 def _in_pass(progress: dict | None, live: dict | None, now: datetime) -> dict | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping
 
 from batchrun.store.connection import Connection
 from batchrun.store.errors import JobLocked, StoreError
@@ -44,32 +44,23 @@ class Runs(Connection):
 
     def acquire(self, job_id: str) -> None:
         """Lock the job for this process, take over a dead holder's lock, mark the job running, open a run."""
-        now = timestamp()
+        now, pid = timestamp(), os.getpid()
         with self._write("lock the job") as conn:
-            self._require_job(conn, job_id)
-            lock = self._lock_row(job_id)
+            self._require_job(job_id)
+            lock = self._row("locks", job_id)
             if lock is not None and self._holder_alive(job_id, lock):
                 raise JobLocked(job_id, lock["pid"], lock["host"], lock["acquired_at"])
             # Runs still marked running belong to a dead holder: they died at their last sign of life.
-            conn.execute(
-                "update runs set end_state = 'died', ended_at = coalesce(last_active_at, started_at) "
-                "where job_id = ? and end_state = 'running'",
-                (job_id,),
-            )
-            (run_no,) = conn.execute(
-                "select coalesce(max(run_no), 0) + 1 from runs where job_id = ?", (job_id,)
-            ).fetchone()
-            conn.execute(
-                "insert into runs (job_id, run_no, pid, host, started_at, last_active_at, end_state, passes) "
-                "values (?, ?, ?, ?, ?, ?, 'running', 0)",
-                (job_id, run_no, os.getpid(), HOST, now, now),
-            )
-            conn.execute(
-                "insert or replace into locks (job_id, pid, host, process_identity, run_no, acquired_at, "
-                "heartbeat_at) values (?, ?, ?, ?, ?, ?, ?)",
-                (job_id, os.getpid(), HOST, process_identity(os.getpid()), run_no, now, now),
-            )
-            conn.execute("update jobs set state = 'running' where id = ?", (job_id,))
+            conn.execute("update runs set end_state = 'died', ended_at = coalesce(last_active_at, started_at) "
+                         "where job_id = ? and end_state = 'running'", (job_id,))
+            (run_no,) = conn.execute("select coalesce(max(run_no), 0) + 1 from runs where job_id = ?",
+                                     (job_id,)).fetchone()
+            self.db["runs"].insert({"job_id": job_id, "run_no": run_no, "pid": pid, "host": HOST, "started_at": now,
+                                    "last_active_at": now, "end_state": "running", "passes": 0})
+            self.db["locks"].insert({"job_id": job_id, "pid": pid, "host": HOST, "run_no": run_no,
+                                     "process_identity": process_identity(pid), "acquired_at": now,
+                                     "heartbeat_at": now}, replace=True)
+            self.db["jobs"].update(job_id, {"state": "running"})
         self._current_run[job_id] = run_no
         _HELD_IN_THIS_PROCESS.add(self._lock_key(job_id))
         self._reserves[job_id] = SpaceReserve(self.path, job_id)
@@ -84,20 +75,14 @@ class Runs(Connection):
                         planned_passes: int | None = None) -> None:
         """Note the current run's batch size, planned peak memory, OOM-kill baseline (read after a crash) and
         planned passes (for status's ETA)."""
-        run_no = self._require_current_run(job_id)
-        with self._write("record the run plan") as conn:
-            conn.execute(
-                "update runs set batch_size = ?, planned_peak_bytes = ?, memory_cgroup = ?, oom_kills_at_start = ?, "
-                "planned_passes = ? where job_id = ? and run_no = ?",
-                (batch_size, planned_peak_bytes, memory_cgroup, oom_kills_at_start, planned_passes, job_id, run_no),
-            )
+        self._update_current_run(job_id, "record the run plan", {
+            "batch_size": batch_size, "planned_peak_bytes": planned_peak_bytes, "memory_cgroup": memory_cgroup,
+            "oom_kills_at_start": oom_kills_at_start, "planned_passes": planned_passes})
 
     def record_run_estimate(self, job_id: str, *, mode: str, planned_seconds: float | None) -> None:
         """Note the current run's mode (resident or streamed) and the plan's ETA for the rows it started with."""
-        run_no = self._require_current_run(job_id)
-        with self._write("record the run's estimate") as conn:
-            conn.execute("update runs set mode = ?, planned_seconds = ? where job_id = ? and run_no = ?",
-                         (mode, planned_seconds, job_id, run_no))
+        self._update_current_run(job_id, "record the run's estimate",
+                                 {"mode": mode, "planned_seconds": planned_seconds})
 
     def record_pass(self, job_id: str, *, seconds: float, rows_finished: int, bytes_read: int | None = None,
                     read_seconds: float | None = None, peak_memory_bytes: int | None = None,
@@ -110,12 +95,11 @@ class Runs(Connection):
         with self._write("record the pass's timing") as conn:
             (pass_no,) = conn.execute("select coalesce(max(pass_no), 0) + 1 from passes where job_id = ? and "
                                       "run_no = ?", (job_id, run_no)).fetchone()
-            conn.execute(
-                "insert into passes (job_id, run_no, pass_no, finished_at, seconds, rows_finished, bytes_read, "
-                "read_seconds, peak_memory_bytes, planned_seconds) values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (job_id, run_no, pass_no, timestamp(), float(seconds), int(rows_finished), bytes_read, read_seconds,
-                 peak_memory_bytes, planned_seconds),
-            )
+            self.db["passes"].insert({
+                "job_id": job_id, "run_no": run_no, "pass_no": pass_no, "finished_at": timestamp(),
+                "seconds": float(seconds), "rows_finished": int(rows_finished), "bytes_read": bytes_read,
+                "read_seconds": read_seconds, "peak_memory_bytes": peak_memory_bytes,
+                "planned_seconds": planned_seconds})
         return pass_no
 
     def record_progress(self, job_id: str, progress: Mapping[str, object]) -> None:
@@ -126,14 +110,14 @@ class Runs(Connection):
         if unknown:
             raise ValueError(f"unknown progress fields {sorted(unknown)}; known: {', '.join(PROGRESS_COLUMNS)}")
         values = {**progress, "job_id": job_id, "run_no": self._require_current_run(job_id), "updated_at": timestamp()}
-        with self._write("record the pass in flight", fault_point=None) as conn:
-            conn.execute(f"insert or replace into pass_progress ({', '.join(values)}) "
-                         f"values ({', '.join('?' * len(values))})", tuple(values.values()))
+        with self._write("record the pass in flight", fault_point=None):
+            self.db["pass_progress"].insert(values, replace=True)
 
     def release(self, job_id: str, end_state: str, error: str | None = None) -> None:
         """Close this process's run with end_state (and, for a failure, why), drop its lock, and set the job state
         to end_state."""
-        _check_choice("run end state", end_state, RUN_END_STATES)
+        if end_state not in RUN_END_STATES:
+            raise ValueError(f"run end state must be one of {', '.join(RUN_END_STATES)}; got {end_state!r}")
         run_no = self._current_run.pop(job_id, None)
         reserve = self._reserves.pop(job_id, None)
         try:
@@ -151,28 +135,22 @@ class Runs(Connection):
 
     def _close_run(self, job_id: str, run_no: int | None, end_state: str, error: str | None) -> None:
         now = timestamp()
-        with self._write("release the job") as conn:
+        with self._write("release the job"):
             if run_no is not None:
-                conn.execute(
-                    "update runs set end_state = ?, ended_at = ?, last_active_at = ?, error = ? "
-                    "where job_id = ? and run_no = ?",
-                    (end_state, now, now, error, job_id, run_no),
-                )
-            conn.execute(
-                "delete from locks where job_id = ? and pid = ? and host = ?", (job_id, os.getpid(), HOST)
-            )
+                self.db["runs"].update((job_id, run_no), {"end_state": end_state, "ended_at": now,
+                                                          "last_active_at": now, "error": error})
+            self.db["locks"].delete_where("job_id = ? and pid = ? and host = ?", [job_id, os.getpid(), HOST])
             # If another process took the lock over meanwhile, the job's state is its to set.
-            if conn.execute("select 1 from locks where job_id = ?", (job_id,)).fetchone() is None:
-                conn.execute("update jobs set state = ? where id = ?", (end_state, job_id))
+            if self._row("locks", job_id) is None:
+                self.db["jobs"].update(job_id, {"state": end_state})
 
     def runs(self, job_id: str) -> list[dict]:
         """Every run of the job, the live one included, oldest first, each with all its columns; end_state 'died'
         for one left 'running' by a process that no longer runs it."""
-        with self._read() as conn:
-            self._require_job(conn, job_id)
-            runs = list(self.db.query("select * from runs where job_id = ? order by run_no", (job_id,)))
-            lock = self._lock_row(job_id)
-        live_run_no = self._live_run_no(job_id, lock)
+        with self._read():
+            self._require_job(job_id)
+            runs = list(self.db["runs"].rows_where("job_id = ?", [job_id], order_by="run_no"))
+            live_run_no = self._live_run_no(job_id, self._row("locks", job_id))
         for run in runs:
             if run["end_state"] == "running" and live_run_no != run["run_no"]:
                 run["end_state"] = "died"
@@ -188,19 +166,20 @@ class Runs(Connection):
 
     def passes(self, job_id: str) -> list[dict]:
         """Every recorded pass of the job, in the order they ran (run by run), each as its `passes` row."""
-        with self._read() as conn:
-            self._require_job(conn, job_id)
-            return list(self.db.query("select * from passes where job_id = ? order by run_no, pass_no", (job_id,)))
+        with self._read():
+            self._require_job(job_id)
+            return list(self.db["passes"].rows_where("job_id = ?", [job_id], order_by="run_no, pass_no"))
+
+    def _update_current_run(self, job_id: str, action: str, values: Mapping[str, object]) -> None:
+        run_no = self._require_current_run(job_id)
+        with self._write(action):
+            self.db["runs"].update((job_id, run_no), dict(values))
 
     def _require_current_run(self, job_id: str) -> int:
         run_no = self._current_run.get(job_id)
         if run_no is None:
             raise RuntimeError(f"job {job_id} is not acquired by this store: call acquire() first")
         return run_no
-
-    def _lock_row(self, job_id: str) -> dict | None:
-        rows = list(self.db.query("select * from locks where job_id = ?", (job_id,)))
-        return rows[0] if rows else None
 
     def _lock_key(self, job_id: str) -> tuple[str, str]:
         return (self._lock_key_prefix, job_id)
@@ -213,8 +192,3 @@ class Runs(Connection):
         if lock is None or not self._holder_alive(job_id, lock):
             return None
         return lock["run_no"]
-
-
-def _check_choice(what: str, value: str, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{what} must be one of {', '.join(allowed)}; got {value!r}")

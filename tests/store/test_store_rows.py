@@ -30,20 +30,16 @@ def test_row_ids_keep_their_type(store):
 
 def test_ensure_job_records_100k_rows_in_one_transaction(store):
     """A commit per row would take minutes with synchronous=FULL: the rows go in with one BEGIN and one COMMIT."""
-    statements, row_inserts = [], [0]
+    statements = []
 
     def trace(statement: str) -> None:
-        if statement.startswith("insert into rows"):
-            row_inserts[0] += 1  # not kept: 100k of them
-        else:
-            statements.append(statement.split()[0].upper())
+        statements.append(statement.split(None, 1)[0].upper())
 
     store.db.conn.set_trace_callback(trace)
     try:
         job_id = make_job(store, ids=list(range(100_000)))
     finally:
         store.db.conn.set_trace_callback(None)
-    assert row_inserts[0] == 100_000
     assert (statements[0], statements[-1]) == ("BEGIN", "COMMIT")
     assert statements.count("BEGIN") == statements.count("COMMIT") == 1
     assert store.pending_indices(job_id) == list(range(100_000))
