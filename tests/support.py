@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -105,6 +106,20 @@ def failure(idx: int, message="prompt has 9000 tokens; the context holds 8192") 
     """Row `idx` failed with `message`."""
     return RowResult(idx=idx, id="x", answer=None, choice_probs=None, score=None, logprob=None,
                      prompt_tokens=None, output_tokens=None, finish_reason="error", error=message)
+
+
+def integrity_ok(path: Path | str) -> bool:
+    """SQLite's integrity check on a database file, opened read-only; False if missing or not a database."""
+    try:
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return False
+    try:
+        return conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    except sqlite3.DatabaseError:
+        return False
+    finally:
+        conn.close()
 
 
 # ---- edited copies of checkpoints -------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The durable progress store: jobs, their rows, runs, passes and locks, in SQLite through sqlite-utils.
+"""The durable progress store: jobs, their rows and the answers committed for them, in SQLite through sqlite-utils,
+over the runs and locks of store/runs.py and the transactions of store/connection.py.
 
 A batch of answers is committed in one transaction with synchronous=FULL, so once commit_batch returns
 those answers survive a crash or a power cut, and a resumed job redoes only what was never committed.
@@ -6,104 +7,21 @@ those answers survive a crash or a power cut, and a resumed job redoes only what
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
-from contextlib import contextmanager
-from datetime import datetime, timezone
-from pathlib import Path
+from datetime import datetime
 from typing import Iterator, Mapping, Sequence
 
-import sqlite_utils
-
-from batchrun.errors import BatchrunError
-from batchrun.host import faults
-from batchrun.store import migrations as store_migrations
-from batchrun.store.files import SpaceReserve, describe_failure, is_damage, is_disk_full, orphaned_log_message
-from batchrun.store.locks import (HEARTBEAT_EVERY_S, HOST, LockHeartbeat, enable_wal, eta_seconds, job_summary,
-                                  lock_holder_alive, log, mark_alive, process_identity, run_seconds)
+from batchrun.store.errors import DatabaseDamaged, JobNotFound, StoreError
+from batchrun.store.locks import eta_seconds, job_summary, log, mark_alive, run_seconds, timestamp, utc_now
 from batchrun.store.reuse import Reused, fill_duplicates, reuse_answers
 from batchrun.store.rows import ROW_UPDATE_SQL, JobRow, RowResult, row_result_from_db, row_update_params
+from batchrun.store.runs import Runs
 
-__all__ = ["DatabaseDamaged", "JobLocked", "JobNotFound", "RowResult", "Store", "StoreError", "integrity_ok"]
-
-BUSY_TIMEOUT_S = 30.0  # how long a reader (`status`) or a second writer waits for a running job's commit
-JOB_STATES = ("pending", "running", "interrupted", "done", "failed")
-RUN_END_STATES = ("done", "interrupted", "failed")  # what a run says as it ends; one that could not is 'died'
-# What a running job tells of its pass in flight (record_progress; migrations.m012_pass_progress).
-PROGRESS_COLUMNS = ("pass_no", "passes_planned", "turns_done", "turns_total", "rows_in_flight", "eta_seconds",
-                    "started_at")
-
-# (database path, job id) pairs whose lock this process holds: tells "our own pid, still running here"
-# apart from "our pid, left behind by an earlier process that had the same pid".
-_HELD_IN_THIS_PROCESS: set[tuple[str, str]] = set()
+__all__ = ["Store"]
 
 
-class JobLocked(BatchrunError, RuntimeError):
-    """Another live process is running the same job; it holds the job's lock until it ends."""
-
-    def __init__(self, job_id: str, pid: int, host: str, since: str):
-        self.job_id, self.pid, self.host, self.since = job_id, pid, host, since
-        super().__init__(f"job {job_id} is being run by process {pid} on {host} since {since}; wait for it or stop it")
-
-
-class StoreError(BatchrunError, RuntimeError):
-    """The progress database could not be read or written (disk full, I/O error, not a database)."""
-
-
-class DatabaseDamaged(StoreError):
-    """SQLite reports the database file malformed: pages torn, truncated or overwritten. `batchrun db salvage` copies
-    what is still readable into a new database."""
-
-
-class JobNotFound(BatchrunError, LookupError):
-    """A job reference matched no job, or more than one."""
-
-
-def integrity_ok(path: Path | str) -> bool:
-    """PRAGMA integrity_check on a database file, opened read-only; False if missing or not a database."""
-    try:
-        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
-    except sqlite3.Error:
-        return False
-    try:
-        return conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    except sqlite3.DatabaseError:
-        return False
-    finally:
-        conn.close()
-
-
-class Store:
-    def __init__(self, path: Path | str):
-        self.path = Path(path)
-        self._lock_key_prefix = str(self.path.resolve())
-        self._current_run: dict[str, int] = {}  # job id -> run_no this Store opened in acquire()
-        self._reserves: dict[str, SpaceReserve] = {}  # job id -> the disk space its run keeps to record its end
-        if (orphaned := orphaned_log_message(self.path)) is not None:
-            raise StoreError(orphaned)
-        with self._translate_errors("open the progress database"):
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S)
-            try:
-                self.db = sqlite_utils.Database(conn, execute_plugins=False)
-                enable_wal(self.db, BUSY_TIMEOUT_S)
-                # FULL, not NORMAL: in WAL mode NORMAL may lose the last commits on power loss.
-                self.db.execute("PRAGMA synchronous=FULL")
-                if store_migrations.pending_migrations(self.db):
-                    with self._write("upgrade the database schema"):
-                        store_migrations.apply_pending(self.db)
-            except BaseException:
-                conn.close()
-                raise
-
-    def close(self) -> None:
-        # A closed store can commit nothing more: its locks no longer count as held by this process, so a
-        # later acquire here takes them over (the rows stay for other processes to see until then).
-        for job_id in self._current_run:
-            _HELD_IN_THIS_PROCESS.discard(self._lock_key(job_id))
-        for reserve in self._reserves.values():
-            reserve.free()
-        self.db.close()
+class Store(Runs):
+    """Jobs, their rows and the answers committed for them, on top of the runs and locks of Runs."""
 
     def __enter__(self) -> Store:
         return self
@@ -127,22 +45,20 @@ class Store:
         if len(fingerprint) < 16:
             raise ValueError(f"job fingerprint {fingerprint!r} is too short: need at least 16 characters")
         job_id = fingerprint[:16]
-        with self._write("record the job") as conn:
-            existing = conn.execute("select fingerprint from jobs where id = ?", (job_id,)).fetchone()
-            if existing is not None:
-                if existing[0] != fingerprint:
-                    raise StoreError(
-                        f"job id {job_id} in {self.path} already belongs to fingerprint {existing[0]}, "
-                        f"not {fingerprint}"
-                    )
-                _restore_lost_rows(conn, job_id, rows)
-                return job_id
-            conn.execute(
-                "insert into jobs (id, fingerprint, spec_path, model, settings_json, created_at, state, "
-                "total_rows, passes_done) values (?, ?, ?, ?, ?, ?, 'pending', ?, 0)",
-                (job_id, fingerprint, str(spec_path), model, json.dumps(settings, sort_keys=True), _now(), len(rows)),
-            )
-            conn.executemany("insert" + _PENDING_ROW_SQL, _pending_row_values(job_id, rows))
+        with self._write("record the job"):
+            known = self._row("jobs", job_id)
+            if known is None:
+                self.db["jobs"].insert({
+                    "id": job_id, "fingerprint": fingerprint, "spec_path": str(spec_path), "model": model,
+                    "settings_json": json.dumps(settings, sort_keys=True), "created_at": timestamp(),
+                    "state": "pending", "total_rows": len(rows), "passes_done": 0})
+            elif known["fingerprint"] != fingerprint:
+                raise StoreError(f"job id {job_id} in {self.path} already belongs to fingerprint "
+                                 f"{known['fingerprint']}, not {fingerprint}")
+            # A known job short of rows lost them from a damaged database (the rest salvaged): recorded again, as
+            # pending, or a resumed job would end without ever answering them.
+            if known is None or self.db["rows"].count_where("job_id = ?", [job_id]) < len(rows):
+                self.db["rows"].insert_all(_pending_rows(job_id, rows), ignore=known is not None)
         return job_id
 
     def reuse_answers(self, job_id: str) -> Reused:
@@ -162,34 +78,20 @@ class Store:
 
     def pending_indices(self, job_id: str) -> list[int]:
         with self._translate_errors("read pending rows"):
-            cursor = self.db.execute(
-                "select idx from rows where job_id = ? and state = 'pending' order by idx", (job_id,)
-            )
-            return [idx for (idx,) in cursor]
+            return [row["idx"] for row in self.db["rows"].rows_where(
+                "job_id = ? and state = 'pending'", [job_id], select="idx", order_by="idx")]
 
     def results(self, job_id: str) -> list[RowResult]:
         """Finished rows (answered or errored) in input order."""
         with self._translate_errors("read results"):
-            rows = self.db.query(
-                "select * from rows where job_id = ? and state != 'pending' order by idx", (job_id,)
-            )
-            return [row_result_from_db(row) for row in rows]
+            return [row_result_from_db(row) for row in self.db["rows"].rows_where(
+                "job_id = ? and state != 'pending'", [job_id], order_by="idx")]
 
     # ---- committing progress -------------------------------------------------------------------
 
     def commit_batch(self, job_id: str, results: Sequence[RowResult], passes: int) -> None:
         """Save finished rows, drop their partial tokens and count the passes, all in one transaction."""
-        if passes < 0:
-            raise ValueError(f"passes must be >= 0, got {passes}")
-        updates = [row_update_params(job_id, result) for result in results]
-        with self._write(f"save {len(updates)} answers") as conn:
-            updated = conn.executemany(ROW_UPDATE_SQL, updates).rowcount
-            if updated != len(updates):
-                raise ValueError(f"job {job_id} has no rows {self._missing_rows(job_id, results)}")
-            conn.executemany(
-                "delete from partial where job_id = ? and idx = ?", [(job_id, r.idx) for r in results]
-            )
-            mark_alive(conn, job_id, self._current_run.get(job_id), passes)
+        self.commit_pass(job_id, results, {}, passes)
 
     def record_errors(self, job_id: str, results: Sequence[RowResult]) -> None:
         """Save rows that failed before any pass (invalid input, prompt too long)."""
@@ -198,211 +100,46 @@ class Store:
                 raise ValueError(f"row {result.idx} is not an error: use commit_batch for answers")
         self.commit_batch(job_id, results, passes=0)
 
-    def save_partial(self, job_id: str, partial: Mapping[int, tuple[Sequence[int], float]], passes: int = 1) -> None:
-        """Save the tokens generated so far (and their summed logprob) for in-flight rows, and count the
-        pass(es), in one transaction."""
-        self.commit_pass(job_id, [], partial, passes)
-
     def commit_pass(self, job_id: str, finished: Sequence[RowResult],
                     partial: Mapping[int, tuple[Sequence[int], float]], passes: int = 1) -> None:
-        """After one decode pass: rows that finished in it, tokens of the rows still going, the pass count.
+        """After one pass: rows that finished in it (their tokens so far dropped), the tokens generated so far (and
+        their summed logprob) of the rows still going, the pass count.
 
         One transaction, so a crash leaves either the state before the pass or the state after it.
         """
-        now = _now()
+        if passes < 0:
+            raise ValueError(f"passes must be >= 0, got {passes}")
+        now = timestamp()
         updates = [row_update_params(job_id, result) for result in finished]
-        upserts = []
-        for idx, (token_ids, logprob) in partial.items():
-            as_ints = [int(token) for token in token_ids]  # numpy / tensor scalars are not JSON
-            upserts.append((job_id, idx, json.dumps(as_ints), len(as_ints), float(logprob), now))
-        with self._write("save generated tokens") as conn:
-            if updates:
-                updated = conn.executemany(ROW_UPDATE_SQL, updates).rowcount
-                if updated != len(updates):
-                    raise ValueError(f"job {job_id} has no rows {self._missing_rows(job_id, finished)}")
-                conn.executemany("delete from partial where job_id = ? and idx = ?",
-                                 [(job_id, r.idx) for r in finished])
-            conn.executemany(
-                "insert into partial (job_id, idx, token_ids_json, token_count, logprob, updated_at) "
-                "values (?, ?, ?, ?, ?, ?) "
-                "on conflict (job_id, idx) do update set token_ids_json = excluded.token_ids_json, "
-                "token_count = excluded.token_count, logprob = excluded.logprob, updated_at = excluded.updated_at",
-                upserts,
-            )
+        tokens = list(_tokens_so_far(job_id, partial, now))
+        with self._write("save generated tokens" if partial else f"save {len(updates)} answers") as conn:
+            # One statement for the batch (sqlite-utils updates row by row); its row count tells a row the job lacks.
+            if conn.executemany(ROW_UPDATE_SQL, updates).rowcount != len(updates):
+                raise ValueError(f"job {job_id} has no rows {self._missing_rows(job_id, finished)}")
+            conn.executemany("delete from partial where job_id = ? and idx = ?", [(job_id, r.idx) for r in finished])
+            self.db["partial"].upsert_all(tokens, pk=("job_id", "idx"))
             mark_alive(conn, job_id, self._current_run.get(job_id), passes, now)
 
     def partial_tokens(self, job_id: str) -> dict[int, tuple[list[int], float]]:
         """idx -> (tokens generated so far, their summed logprob) for rows interrupted mid-generation."""
         with self._translate_errors("read generated tokens"):
-            cursor = self.db.execute("select idx, token_ids_json, logprob from partial where job_id = ?", (job_id,))
-            return {idx: (json.loads(token_ids), logprob or 0.0) for idx, token_ids, logprob in cursor}
-
-    def heartbeat_while_running(self, job_id: str, every_s: float = HEARTBEAT_EVERY_S) -> LockHeartbeat:
-        """A context in which a thread refreshes this process's lock on the job every `every_s` seconds."""
-        return LockHeartbeat(self.path, job_id, self._require_current_run(job_id), every_s)
-
-    # ---- locks and runs ------------------------------------------------------------------------
-
-    def acquire(self, job_id: str) -> None:
-        """Lock the job for this process, take over a dead holder's lock, mark the job running, open a run."""
-        now = _now()
-        with self._write("lock the job") as conn:
-            self._require_job(conn, job_id)
-            lock = self._lock_row(job_id)
-            if lock is not None and self._holder_alive(job_id, lock):
-                raise JobLocked(job_id, lock["pid"], lock["host"], lock["acquired_at"])
-            # Runs still marked running belong to a dead holder: they died at their last sign of life.
-            conn.execute(
-                "update runs set end_state = 'died', ended_at = coalesce(last_active_at, started_at) "
-                "where job_id = ? and end_state = 'running'",
-                (job_id,),
-            )
-            (run_no,) = conn.execute(
-                "select coalesce(max(run_no), 0) + 1 from runs where job_id = ?", (job_id,)
-            ).fetchone()
-            conn.execute(
-                "insert into runs (job_id, run_no, pid, host, started_at, last_active_at, end_state, passes) "
-                "values (?, ?, ?, ?, ?, ?, 'running', 0)",
-                (job_id, run_no, os.getpid(), HOST, now, now),
-            )
-            conn.execute(
-                "insert or replace into locks (job_id, pid, host, process_identity, run_no, acquired_at, "
-                "heartbeat_at) values (?, ?, ?, ?, ?, ?, ?)",
-                (job_id, os.getpid(), HOST, process_identity(os.getpid()), run_no, now, now),
-            )
-            conn.execute("update jobs set state = 'running' where id = ?", (job_id,))
-        self._current_run[job_id] = run_no
-        _HELD_IN_THIS_PROCESS.add(self._lock_key(job_id))
-        self._reserves[job_id] = SpaceReserve(self.path, job_id)
-        self._reserves[job_id].hold()
-
-    def record_run_plan(self, job_id: str, *, batch_size: int, planned_peak_bytes: int,
-                        memory_cgroup: str | None = None, oom_kills_at_start: int | None = None,
-                        planned_passes: int | None = None) -> None:
-        """Note the current run's batch size, planned peak memory, OOM-kill baseline (read after a crash) and
-        planned passes (for status's ETA)."""
-        run_no = self._require_current_run(job_id)
-        with self._write("record the run plan") as conn:
-            conn.execute(
-                "update runs set batch_size = ?, planned_peak_bytes = ?, memory_cgroup = ?, oom_kills_at_start = ?, "
-                "planned_passes = ? where job_id = ? and run_no = ?",
-                (batch_size, planned_peak_bytes, memory_cgroup, oom_kills_at_start, planned_passes, job_id, run_no),
-            )
-
-    def record_run_estimate(self, job_id: str, *, mode: str, planned_seconds: float | None) -> None:
-        """Note the current run's mode (resident or streamed) and the plan's ETA for the rows it started with."""
-        run_no = self._require_current_run(job_id)
-        with self._write("record the run's estimate") as conn:
-            conn.execute("update runs set mode = ?, planned_seconds = ? where job_id = ? and run_no = ?",
-                         (mode, planned_seconds, job_id, run_no))
-
-    def record_pass(self, job_id: str, *, seconds: float, rows_finished: int, bytes_read: int | None = None,
-                    read_seconds: float | None = None, peak_memory_bytes: int | None = None,
-                    planned_seconds: float | None = None) -> int:
-        """Record one committed pass of the current run (numbered 1, 2, ... within the run); returns its number.
-        `bytes_read`, `read_seconds`, `peak_memory_bytes` and `planned_seconds` are None where not known."""
-        if seconds < 0 or rows_finished < 0:
-            raise ValueError(f"a pass takes seconds >= 0 and rows_finished >= 0; got {seconds}, {rows_finished}")
-        run_no = self._require_current_run(job_id)
-        with self._write("record the pass's timing") as conn:
-            (pass_no,) = conn.execute("select coalesce(max(pass_no), 0) + 1 from passes where job_id = ? and "
-                                      "run_no = ?", (job_id, run_no)).fetchone()
-            conn.execute(
-                "insert into passes (job_id, run_no, pass_no, finished_at, seconds, rows_finished, bytes_read, "
-                "read_seconds, peak_memory_bytes, planned_seconds) values (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (job_id, run_no, pass_no, _now(), float(seconds), int(rows_finished), bytes_read, read_seconds,
-                 peak_memory_bytes, planned_seconds),
-            )
-        return pass_no
-
-    def record_progress(self, job_id: str, progress: Mapping[str, object]) -> None:
-        """The current run's pass in flight (PROGRESS_COLUMNS: pass_no, turns_done, ...), replacing what the job said
-        before, for `status` (another process). It commits no answer, so no fault point sits in it; the caller
-        decides what a failed write costs."""
-        unknown = set(progress) - set(PROGRESS_COLUMNS)
-        if unknown:
-            raise ValueError(f"unknown progress fields {sorted(unknown)}; known: {', '.join(PROGRESS_COLUMNS)}")
-        values = {**progress, "job_id": job_id, "run_no": self._require_current_run(job_id), "updated_at": _now()}
-        conn = self.db.conn
-        with self._translate_errors("record the pass in flight"):
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                conn.execute(f"insert or replace into pass_progress ({', '.join(values)}) "
-                             f"values ({', '.join('?' * len(values))})", tuple(values.values()))
-                conn.execute("COMMIT")
-            except BaseException:
-                _rollback_quietly(conn)
-                raise
-
-    def release(self, job_id: str, end_state: str, error: str | None = None) -> None:
-        """Close this process's run with end_state (and, for a failure, why), drop its lock, and set the job state
-        to end_state."""
-        _check_choice("run end state", end_state, RUN_END_STATES)
-        run_no = self._current_run.pop(job_id, None)
-        reserve = self._reserves.pop(job_id, None)
-        try:
-            try:
-                self._close_run(job_id, run_no, end_state, error)
-            except StoreError as failure:
-                # On a full disk the reserve's blocks make room for this last write.
-                if not (is_disk_full(failure.__cause__) and reserve is not None and reserve.free()):
-                    raise
-                self._close_run(job_id, run_no, end_state, error)
-        finally:
-            _HELD_IN_THIS_PROCESS.discard(self._lock_key(job_id))
-            if reserve is not None:
-                reserve.free()
-
-    def _close_run(self, job_id: str, run_no: int | None, end_state: str, error: str | None) -> None:
-        now = _now()
-        with self._write("release the job") as conn:
-            if run_no is not None:
-                conn.execute(
-                    "update runs set end_state = ?, ended_at = ?, last_active_at = ?, error = ? "
-                    "where job_id = ? and run_no = ?",
-                    (end_state, now, now, error, job_id, run_no),
-                )
-            conn.execute(
-                "delete from locks where job_id = ? and pid = ? and host = ?", (job_id, os.getpid(), HOST)
-            )
-            # If another process took the lock over meanwhile, the job's state is its to set.
-            if conn.execute("select 1 from locks where job_id = ?", (job_id,)).fetchone() is None:
-                conn.execute("update jobs set state = ? where id = ?", (end_state, job_id))
-
-    def previous_runs(self, job_id: str) -> list[dict]:
-        """Every run before the current one, oldest first; end_state 'died' for one whose process ended without
-        closing it (SIGKILL, the OOM killer, a power cut), 'interrupted' for one stopped by Ctrl-C or SIGTERM."""
-        current = self._current_run.get(job_id)
-        with self._read():
-            sql = "select * from runs where job_id = ?" + (" and run_no < ?" if current is not None else "")
-            params = (job_id, current) if current is not None else (job_id,)
-            runs = list(self.db.query(sql + " order by run_no", params))
-            lock = self._lock_row(job_id)
-        live_run_no = self._live_run_no(job_id, lock)
-        keys = ("run_no", "pid", "host", "started_at", "ended_at", "end_state", "batch_size",
-                "planned_peak_bytes", "passes", "memory_cgroup", "oom_kills_at_start")
-        found = []
-        for run in runs:
-            if run["end_state"] == "running" and live_run_no != run["run_no"]:
-                run["end_state"] = "died"
-            found.append({key: run[key] for key in keys})
-        return found
+            return {row["idx"]: (json.loads(row["token_ids_json"]), row["logprob"] or 0.0)
+                    for row in self.db["partial"].rows_where("job_id = ?", [job_id])}
 
     # ---- reading state -------------------------------------------------------------------------
 
     def status(self, job_id: str) -> dict:
         """jobs()'s summary plus partial progress, elapsed time, ETA and the live holder's pid."""
         with self._read(f"read job {job_id}") as conn:
-            job = self._require_job(conn, job_id)
-            counts = dict(conn.execute("select state, count(*) from rows where job_id = ? group by state", (job_id,)))
+            job = self._require_job(job_id)
+            counts = _rows_by_state(conn, job_id)
             partial_rows, partial_token_count = conn.execute(
                 "select count(*), coalesce(sum(token_count), 0) from partial where job_id = ?", (job_id,)
             ).fetchone()
-            runs = list(self.db.query("select * from runs where job_id = ?", (job_id,)))
-            lock = self._lock_row(job_id)
-            progress = next(iter(self.db.query("select * from pass_progress where job_id = ?", (job_id,))), None)
+            runs = list(self.db["runs"].rows_where("job_id = ?", [job_id]))
+            lock, progress = self._row("locks", job_id), self._row("pass_progress", job_id)
         live_run_no = self._live_run_no(job_id, lock)
-        now = datetime.now(timezone.utc)
+        now = utc_now()
         elapsed = sum(run_seconds(run, live=run["run_no"] == live_run_no, now=now) for run in runs)
         summary = job_summary(job, counts, live=live_run_no is not None)
         live = next((run for run in runs if run["run_no"] == live_run_no), None)
@@ -424,36 +161,17 @@ class Store:
             "running_host": lock["host"] if live_run_no is not None else None,
         }
 
-    def passes(self, job_id: str) -> list[dict]:
-        """Every recorded pass of the job, in the order they ran (run by run), each as its `passes` row."""
-        with self._read() as conn:
-            self._require_job(conn, job_id)
-            return list(self.db.query("select * from passes where job_id = ? order by run_no, pass_no", (job_id,)))
-
-    def runs(self, job_id: str) -> list[dict]:
-        """Every run of the job, the live one included, oldest first, each with all its columns; end_state 'died'
-        for one left 'running' by a process that no longer runs it."""
-        with self._read() as conn:
-            self._require_job(conn, job_id)
-            runs = list(self.db.query("select * from runs where job_id = ? order by run_no", (job_id,)))
-            lock = self._lock_row(job_id)
-        live_run_no = self._live_run_no(job_id, lock)
-        for run in runs:
-            if run["end_state"] == "running" and live_run_no != run["run_no"]:
-                run["end_state"] = "died"
-        return runs
-
     def job_settings(self, job_id: str) -> dict:
         """The answer settings the job was recorded with (template, choices, max_new_tokens, ...)."""
-        with self._read() as conn:
-            return json.loads(self._require_job(conn, job_id)["settings_json"] or "{}")
+        with self._read():
+            return json.loads(self._require_job(job_id)["settings_json"] or "{}")
 
     def jobs(self) -> list[dict]:
         """One summary per job, newest first, with its last run's reason where that run failed. A job whose rows sit
         on damaged pages is listed with state 'damaged' and why, its counts None: the others list as usual."""
         with self._read() as conn:
-            jobs = list(self.db.query("select * from jobs order by created_at desc, rowid desc"))
-            locks = {lock["job_id"]: lock for lock in self.db.query("select * from locks")}
+            jobs = list(self.db["jobs"].rows_where(order_by="created_at desc, rowid desc"))
+            locks = {lock["job_id"]: lock for lock in self.db["locks"].rows}
             failures = dict(conn.execute(
                 "select job_id, error from runs where end_state = 'failed' and run_no = "
                 "(select max(run_no) from runs last where last.job_id = runs.job_id)"))
@@ -487,8 +205,7 @@ class Store:
         for job_id in job_ids:
             try:
                 with self._read(f"read job {job_id}") as conn:
-                    found[job_id] = dict(conn.execute(
-                        "select state, count(*) from rows where job_id = ? group by state", (job_id,)))
+                    found[job_id] = _rows_by_state(conn, job_id)
             except DatabaseDamaged as damaged:
                 found[job_id] = damaged
         return found
@@ -496,18 +213,17 @@ class Store:
     def job_record(self, job_id: str) -> dict:
         """The job as recorded: id, fingerprint, spec path, model, settings, creation time, and the provenance its
         output was last written with (provenance_json: model checkpoint and fingerprint, spec sha256)."""
-        with self._read(f"read job {job_id}") as conn:
-            job = self._require_job(conn, job_id)
+        with self._read(f"read job {job_id}"):
+            job = self._require_job(job_id)
         job["settings"] = json.loads(job.pop("settings_json") or "{}")
         job["provenance"] = json.loads(job.pop("provenance_json", None) or "{}")
         return job
 
     def record_provenance(self, job_id: str, values: Mapping[str, object]) -> None:
         """Merge `values` (JSON values) into what the job's outputs say of where they came from."""
-        with self._write("record where the job's answers come from") as conn:
-            known = json.loads(self._require_job(conn, job_id).get("provenance_json") or "{}")
-            conn.execute("update jobs set provenance_json = ? where id = ?",
-                         (json.dumps({**known, **values}, sort_keys=True), job_id))
+        with self._write("record where the job's answers come from"):
+            known = json.loads(self._require_job(job_id).get("provenance_json") or "{}")
+            self.db["jobs"].update(job_id, {"provenance_json": json.dumps({**known, **values}, sort_keys=True)})
 
     def find_job(self, ref: str | None) -> str:
         """A job id from a full id, a unique prefix of the id or fingerprint, or None for the job run last (or
@@ -533,93 +249,27 @@ class Store:
         listed = ", ".join(_describe_job(job) for job in matches[:10])
         raise JobNotFound(f'job reference "{ref}" is ambiguous; it matches {len(matches)} jobs: {listed}')
 
-    # ---- internals -----------------------------------------------------------------------------
-
-    @contextmanager
-    def _translate_errors(self, action: str) -> Iterator[None]:
-        try:
-            yield
-        except (sqlite3.DatabaseError, OSError) as exc:
-            error_class = DatabaseDamaged if is_damage(exc) else StoreError
-            raise error_class(describe_failure(self.path, action, exc)) from exc
-
-    @contextmanager
-    def _write(self, action: str) -> Iterator[sqlite3.Connection]:
-        """One write transaction. IMMEDIATE takes the write lock up front, so two processes checking and
-        taking a job lock at once are serialised instead of both reading "free"."""
-        conn = self.db.conn
-        with self._translate_errors(action):
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-                faults.reached("commit")
-                conn.execute("COMMIT")
-            except BaseException:
-                _rollback_quietly(conn)
-                raise
-
-    @contextmanager
-    def _read(self, action: str = "read the progress database") -> Iterator[sqlite3.Connection]:
-        """A read transaction: several queries see one snapshot even while a job commits (WAL)."""
-        conn = self.db.conn
-        with self._translate_errors(action):
-            conn.execute("BEGIN")
-            try:
-                yield conn
-            finally:
-                _rollback_quietly(conn)
-
-    def _require_job(self, conn: sqlite3.Connection, job_id: str) -> dict:
-        cursor = conn.execute("select * from jobs where id = ?", (job_id,))
-        row = cursor.fetchone()
-        if row is None:
-            raise JobNotFound(f"no job {job_id} in {self.path}")
-        return dict(zip([column[0] for column in cursor.description], row))
-
-    def _require_current_run(self, job_id: str) -> int:
-        run_no = self._current_run.get(job_id)
-        if run_no is None:
-            raise RuntimeError(f"job {job_id} is not acquired by this store: call acquire() first")
-        return run_no
-
-    def _lock_row(self, job_id: str) -> dict | None:
-        rows = list(self.db.query("select * from locks where job_id = ?", (job_id,)))
-        return rows[0] if rows else None
-
-    def _lock_key(self, job_id: str) -> tuple[str, str]:
-        return (self._lock_key_prefix, job_id)
-
-    def _holder_alive(self, job_id: str, lock: dict) -> bool:
-        return lock_holder_alive(lock, held_by_this_process=self._lock_key(job_id) in _HELD_IN_THIS_PROCESS)
-
-    def _live_run_no(self, job_id: str, lock: dict | None) -> int | None:
-        """The run_no of the run a live lock holder is executing, None if nobody holds the job."""
-        if lock is None or not self._holder_alive(job_id, lock):
-            return None
-        return lock["run_no"]
-
     def _missing_rows(self, job_id: str, results: Sequence[RowResult]) -> list[int]:
-        known = {idx for (idx,) in self.db.conn.execute("select idx from rows where job_id = ?", (job_id,))}
+        known = {row["idx"] for row in self.db["rows"].rows_where("job_id = ?", [job_id], select="idx")}
         return sorted({r.idx for r in results} - known)
 
 
-def _restore_lost_rows(conn: sqlite3.Connection, job_id: str, rows: Sequence[tuple]) -> None:
-    """Record again, as pending, rows a known job no longer has (lost from a damaged database, the rest salvaged):
-    without them a resumed job would end without ever answering them."""
-    (recorded,) = conn.execute("select count(*) from rows where job_id = ?", (job_id,)).fetchone()
-    if recorded >= len(rows):
-        return
-    conn.executemany("insert or ignore" + _PENDING_ROW_SQL, _pending_row_values(job_id, rows))
-
-
-_PENDING_ROW_SQL = (" into rows (job_id, idx, id_json, row_key, label, carried_json, state) "
-                    "values (?, ?, ?, ?, ?, ?, 'pending')")
-
-
-def _pending_row_values(job_id: str, rows: Sequence[tuple]) -> Iterator[tuple]:
+def _pending_rows(job_id: str, rows: Sequence[tuple]) -> Iterator[dict]:
     for row in map(lambda fields: JobRow(*fields), rows):
-        yield (job_id, row.idx, json.dumps(row.id), row.key, row.label,
-               None if row.carried is None else json.dumps(row.carried, sort_keys=True))
+        yield {"job_id": job_id, "idx": row.idx, "id_json": json.dumps(row.id), "row_key": row.key, "label": row.label,
+               "carried_json": None if row.carried is None else json.dumps(row.carried, sort_keys=True),
+               "state": "pending"}
+
+
+def _tokens_so_far(job_id: str, partial: Mapping[int, tuple[Sequence[int], float]], now: str) -> Iterator[dict]:
+    for idx, (token_ids, logprob) in partial.items():
+        as_ints = [int(token) for token in token_ids]  # numpy / tensor scalars are not JSON
+        yield {"job_id": job_id, "idx": idx, "token_ids_json": json.dumps(as_ints), "token_count": len(as_ints),
+               "logprob": float(logprob), "updated_at": now}
+
+
+def _rows_by_state(conn: sqlite3.Connection, job_id: str) -> dict[str, int]:
+    return dict(conn.execute("select state, count(*) from rows where job_id = ? group by state", (job_id,)))
 
 
 def _in_pass(progress: dict | None, live: dict | None, now: datetime) -> dict | None:
@@ -638,21 +288,3 @@ def _in_pass(progress: dict | None, live: dict | None, now: datetime) -> dict | 
 
 def _describe_job(job: dict) -> str:
     return f"{job['id']} ({job['spec_path']}, created {job['created_at']})"
-
-
-def _rollback_quietly(conn: sqlite3.Connection) -> None:
-    # After an I/O error SQLite may already have rolled back; a failing ROLLBACK must not hide the cause.
-    if conn.in_transaction:
-        try:
-            conn.execute("ROLLBACK")
-        except sqlite3.Error:
-            pass
-
-
-def _check_choice(what: str, value: str, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{what} must be one of {', '.join(allowed)}; got {value!r}")
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")

@@ -23,6 +23,16 @@ HEARTBEAT_EVERY_S = 60.0
 WAL_RETRY_EVERY_S = 0.01
 
 
+def utc_now() -> datetime:
+    """The store's clock: every time it records or compares is read here."""
+    return datetime.now(timezone.utc)
+
+
+def timestamp() -> str:
+    """Now as the store records it: ISO 8601 in UTC, to the millisecond."""
+    return utc_now().isoformat(timespec="milliseconds")
+
+
 def enable_wal(db, timeout_s: float) -> None:
     """Put the database (a sqlite_utils.Database) in WAL mode, waiting up to `timeout_s` for another connection.
     Switching a fresh database takes an exclusive lock, and SQLite answers SQLITE_BUSY at once, without calling the
@@ -48,7 +58,7 @@ def _busy(error: sqlite3.OperationalError) -> bool:
 def lock_holder_alive(lock: Mapping, *, held_by_this_process: bool, now: datetime | None = None) -> bool:
     """True when the process that wrote `lock` (a locks row) may still be running the job."""
     if lock["host"] != HOST:
-        now = now or datetime.now(timezone.utc)
+        now = now or utc_now()
         heartbeat_age = (now - datetime.fromisoformat(lock["heartbeat_at"])).total_seconds()
         return heartbeat_age < FOREIGN_LOCK_STALE_AFTER_S
     pid = lock["pid"]
@@ -129,7 +139,7 @@ class LockHeartbeat:
 def mark_alive(conn: sqlite3.Connection, job_id: str, run_no: int | None, passes: int, now: str | None = None) -> None:
     """In the caller's transaction: count `passes` on the job and its run `run_no`, and refresh this process's lock
     heartbeat and the run's last sign of life."""
-    now = now or datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    now = now or timestamp()
     conn.execute("update jobs set passes_done = passes_done + ? where id = ?", (passes, job_id))
     if run_no is not None:
         conn.execute("update runs set passes = passes + ?, last_active_at = ? where job_id = ? and run_no = ?",

@@ -218,9 +218,7 @@ def m012_pass_progress(db: sqlite_utils.Database) -> None:
 
 
 def applied_migrations(db: sqlite_utils.Database) -> set[str]:
-    if not db[MIGRATIONS_TABLE].exists():
-        return set()
-    return {row["name"] for row in db.query(f"select name from [{MIGRATIONS_TABLE}]")}
+    return {row["name"] for row in db[MIGRATIONS_TABLE].rows_where(select="name")}  # none before the table exists
 
 
 def pending_migrations(db: sqlite_utils.Database) -> list[Migration]:

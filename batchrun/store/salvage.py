@@ -17,7 +17,8 @@ from typing import Callable, Iterator
 
 from batchrun.errors import OutputRefused
 from batchrun.host import HOST
-from batchrun.store.database import Store, StoreError
+from batchrun.store.database import Store
+from batchrun.store.errors import StoreError
 from batchrun.store.files import SQLITE_MAGIC
 
 # Copied in this order: a record of another table is kept only where its job's record was read.

@@ -22,11 +22,11 @@ import pytest
 from batchrun.host import HOST, memory_cgroup_dir, oom_kill_count
 from batchrun.host.memory import CGROUP_ROOT
 from batchrun.output import read_parquet_results, write_parquet
-from batchrun.store.database import integrity_ok
 from tests.procs import (
     Reference, assert_same_answers, batchrun_env, done_answers, finish, fresh_home, mixed_job, reference_run, run,
     start, submit_args, write_jsonl,
 )
+from tests.support import integrity_ok
 
 CHAIN_OPTIONS = ("--streaming", "always", "--batch-size", "4", "--force", "--quiet")
 # Two chains of kills, each on its own job, run side by side. A run is killed at its point; the next run resumes

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from batchrun.output import read_parquet_results
-from batchrun.store.database import integrity_ok
 from tests.procs import (
     Reference, assert_clean_error, assert_same_answers, batchrun_env, done_answers, finish, mixed_job,
     reference_run, run, start, submit_args,
 )
+from tests.support import integrity_ok
 
 JOB_OPTIONS = ("--streaming", "always", "--batch-size", "4")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from batchrun.store.database import Store
+from batchrun.store import Store
 
 
 @pytest.fixture
@@ -34,8 +34,6 @@ class Clock:
 
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
-    from batchrun.store import database, locks
-
     current = Clock()
 
     class ClockedDatetime(datetime):
@@ -43,6 +41,5 @@ def clock(monkeypatch) -> Clock:
         def now(cls, tz=None):
             return current.now.astimezone(tz) if tz is not None else current.now.replace(tzinfo=None)
 
-    monkeypatch.setattr(database, "datetime", ClockedDatetime)
-    monkeypatch.setattr(locks, "datetime", ClockedDatetime)
+    monkeypatch.setattr("batchrun.store.locks.datetime", ClockedDatetime)  # where the store's clock reads the time
     return current

@@ -121,7 +121,7 @@ def test_db_salvage_copies_every_readable_row(tmp_path):
     job_a, job_b = two_jobs(db)
     with Store(db) as store:
         store.acquire(job_b)
-        store.save_partial(job_b, {3: ([5, 6, 7], -1.5)})
+        store.commit_pass(job_b, [], {3: ([5, 6, 7], -1.5)})
         store.release(job_b, "interrupted")
         store.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     lost = damage_page_holding(db, marker(JOB_A, 150))

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from batchrun.store import migrations as store_migrations
-from batchrun.store.database import Store, StoreError, integrity_ok
-from tests.support import answer, make_job, start_python
+from batchrun.store import Store, StoreError
+from tests.support import answer, integrity_ok, make_job, start_python
 
 
 # ---- migrations and connection -------------------------------------------------------------------
@@ -117,7 +117,7 @@ def test_a_log_left_beside_a_deleted_database_is_refused_not_replayed(db_path):
 
 FILL_DISK = """
     import os, resource, signal, sys
-    from batchrun.store.database import RowResult, Store, StoreError
+    from batchrun.store import RowResult, Store, StoreError
     path, job_id = sys.argv[1], sys.argv[2]
     store = Store(path)
     # A file-size limit makes writes fail like a full disk; ignore SIGXFSZ so write() returns EFBIG.

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from batchrun.host.processes import HOST, process_identity
-from batchrun.store.database import JobLocked, Store
+from batchrun.store import JobLocked, Store
 from tests.support import make_job, start_python
 
 
@@ -27,7 +27,7 @@ def insert_lock(db_path: Path, job_id: str, *, pid: int, host: str = HOST, ident
 
 HOLDER = """
     import sys
-    from batchrun.store.database import Store
+    from batchrun.store import Store
     store = Store(sys.argv[1])
     store.acquire(sys.argv[2])
     store.record_run_plan(sys.argv[2], batch_size=32, planned_peak_bytes=5_000_000)
@@ -150,7 +150,7 @@ def test_a_running_job_keeps_its_lock_fresh_between_commits(store, db_path, monk
 
 RACER = """
     import os, sys, time
-    from batchrun.store.database import JobLocked, Store
+    from batchrun.store import JobLocked, Store
     store = Store(sys.argv[1])
     print("ready", flush=True)
     while not os.path.exists(sys.argv[3]):
