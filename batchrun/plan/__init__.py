@@ -5,7 +5,8 @@ from batchrun.plan.batching import RowCost, prefill_groups, shared_prefix_tokens
 from batchrun.plan.formatting import format_bytes, format_comparison, format_duration, format_plan_table
 from batchrun.plan.memory import ATTENTION_CHUNK_BYTES
 from batchrun.plan.candidate import Candidate
-from batchrun.plan.planner import make_plan, parse_streaming
+from batchrun.plan.mode import parse_streaming
+from batchrun.plan.planner import make_plan
 from batchrun.plan.records import Bandwidth, PlanRequest, Rates
 from batchrun.plan.refill import admit, shares_prefix
 from batchrun.plan.weights import HEAD_CHUNK_BYTES, TOKEN_MATRIX_CHOICES

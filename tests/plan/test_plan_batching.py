@@ -13,7 +13,7 @@ from batchrun.plan import RowCost, prefill_groups, shared_prefix_tokens, windows
 from batchrun.plan.batching import (MICRO_BATCH_COST_TOKENS, lower_bound_passes, micro_batches, pack_batches,
                                     pack_in_order, passes_for)
 from batchrun.plan.memory import activation_bytes_for_sequence
-from batchrun.plan.planner import MEMORY_HEADROOM_SHARE
+from batchrun.plan.inputs import MEMORY_HEADROOM_SHARE
 from tests.support import GEMMA_1B, LLAMA_70B, MIXED, TINY, GiB, plan
 
 

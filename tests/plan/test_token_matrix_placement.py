@@ -1,4 +1,4 @@
-"""Where a streamed plan keeps the embedding and head (plan/weights.py, planner._placed_weights): held where they fit
+"""Where a streamed plan keeps the embedding and head (plan/weights.py, mode._placed_weights): held where they fit
 beside the batch the job wants, streamed where that carries more sequences a pass for the reads; the floor shown part
 by part."""
 from __future__ import annotations
