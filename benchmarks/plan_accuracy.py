@@ -166,9 +166,9 @@ def predicted_pass_kinds(spec: Path, arguments: list[str]) -> tuple[float | None
     runnable = [r for r in prepared.rows if not r.error]
     costs = row_costs(runnable)
     candidate = plan_rows(prepared.model, runnable, options, prepared.device)
-    predicted = candidate.pass_seconds
+    predicted = candidate.time.pass_seconds
     prefill, decode, position = [], [], 0
-    for batch in candidate.batches:
+    for batch in candidate.batching.batches:
         passes = max(costs[i].passes() for i in batch)
         prefill.append(predicted[position])
         decode += predicted[position + 1:position + passes]

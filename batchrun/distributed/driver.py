@@ -129,7 +129,7 @@ def _run_shards(prepared: PreparedJob, store: Store, job_id: str, layout: Shared
         plan = plan_rows(prepared.model, rows, prepared.options, prepared.device)
         if on_plan is not None:
             on_plan(plan)
-        width = _range_width(layout, prepared, cluster, len(rows), plan.batch_size)
+        width = _range_width(layout, prepared, cluster, len(rows), plan.batching.batch_size)
         shards = cut_shards(rows, prepared.row_keys, prepared.fingerprint, width)
         _write_shards(layout, shards, rows)
         log.info("%d shard(s) of up to %d rows; each node plans its own batches from its own memory", len(shards),

@@ -253,7 +253,7 @@ def _run(prepared: PreparedJob, store: Store, job_id: str, *, quiet: bool,
         log.warning(reuse_note)
     if rows:
         plan = _plan_run(prepared, store, job_id, rows, partial, summary, on_plan)
-        batches = [[rows[i] for i in batch] for batch in plan.batches]
+        batches = [[rows[i] for i in batch] for batch in plan.batching.batches]
         finished_before = status["rows_done"] + status["rows_errored"]
         # rows answered before, and those this run computes (a row repeating another is answered after the run)
         bar = tqdm(total=finished_before + sum(len(batch) for batch in batches), initial=finished_before,
@@ -290,9 +290,9 @@ def _plan_run(prepared: PreparedJob, store: Store, job_id: str, rows: list[Encod
     plan = plan_rows(prepared.model, rows, options, prepared.device, prefixes)
     summary.notes += one_choice_caveat(rows)  # the plan's caveat too: said where no plan table is shown
     cgroup = memory_cgroup_dir()
-    store.record_run_plan(job_id, batch_size=plan.batch_size, planned_peak_bytes=plan.peak_memory_bytes,
+    store.record_run_plan(job_id, batch_size=plan.batching.batch_size, planned_peak_bytes=plan.memory.peak_memory_bytes,
                           memory_cgroup=str(cgroup) if cgroup else None,
-                          oom_kills_at_start=oom_kill_count(cgroup), planned_passes=plan.passes)
+                          oom_kills_at_start=oom_kill_count(cgroup), planned_passes=plan.batching.passes)
     for note in summary.notes:
         log.warning(note)
     if on_plan is not None:
@@ -300,7 +300,7 @@ def _plan_run(prepared: PreparedJob, store: Store, job_id: str, rows: list[Encod
     faults.reached("planned")
     if not plan.fits:
         raise PlanRefused("the plan refuses this job: " + " ".join(plan.blockers))
-    summary.mode, summary.batch_size = plan.mode, plan.batch_size
+    summary.mode, summary.batch_size = plan.mode, plan.batching.batch_size
     return plan
 
 
@@ -352,7 +352,7 @@ class _Commits:
     _peak_before_first_pass: int | None = None
 
     def __post_init__(self) -> None:
-        self.store.record_run_estimate(self.job_id, mode=self.plan.mode, planned_seconds=self.plan.eta_seconds)
+        self.store.record_run_estimate(self.job_id, mode=self.plan.mode, planned_seconds=self.plan.time.eta_seconds)
         self.progress = RunProgress(self.store, self.job_id, self.bar, self.plan, self.pass_seconds)
 
     def pass_started(self, rows: Callable[[], int], *, answers: bool) -> float:
@@ -368,7 +368,7 @@ class _Commits:
         faults.reached("committed")
         seconds = time.monotonic() - started
         self.pass_seconds.append(seconds)
-        planned = self.plan.pass_seconds
+        planned = self.plan.time.pass_seconds
         number = len(self.pass_seconds)
         planned_seconds = planned[number - 1] if number <= len(planned) else None
         peak = self._peak_memory_bytes()
@@ -386,7 +386,7 @@ class _Commits:
         if number != 1 or not peak or self.plan.device.startswith("cuda"):
             return
         if peak > (self._peak_before_first_pass or 0):
-            judge_runtime_overhead(peak, self.plan.peak_memory_bytes, job=self.job_id)
+            judge_runtime_overhead(peak, self.plan.memory.peak_memory_bytes, job=self.job_id)
 
     def _judge_compute_rate(self, seconds: float, planned: float | None) -> None:
         """A resident choice pass is all prefill compute, priced at the cached compute rate: the run's first long one
@@ -400,7 +400,7 @@ class _Commits:
         """Generation passes priced by their compute (every resident one; a streamed one that computes longer than
         it reads) add up until they tell the rates that priced them whether those hold
         (measure.judge_generation_rates): a decode pass of a small model is too short to judge alone."""
-        io_seconds = self.plan.io_seconds_per_pass
+        io_seconds = self.plan.time.io_seconds_per_pass
         if self._generation_judged or self._choice_pass or not planned or (io_seconds and planned <= io_seconds):
             return
         self._generation_seconds[0] += seconds
@@ -427,9 +427,9 @@ def _run_batches(prepared: PreparedJob, commits: _Commits, plan: Candidate, batc
     model.on_turn = commits.progress.turn  # the bar and `status` follow each pass layer by layer
     tokenizer = prepared.model.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    micro_batch = prepared.options.micro_batch or plan.micro_batch_size
+    micro_batch = prepared.options.micro_batch or plan.batching.micro_batch_size
     # A --micro-batch of the user's own makes calls the plan did not size: trim after every turn then.
-    keep_below = None if prepared.options.micro_batch else plan.peak_memory_bytes - plan.turn_bytes
+    keep_below = None if prepared.options.micro_batch else plan.memory.peak_memory_bytes - plan.memory.turn_bytes
     failed = True
     try:
         with keep_freed_pages_below(keep_below):
@@ -444,11 +444,12 @@ def _run_batches(prepared: PreparedJob, commits: _Commits, plan: Candidate, batc
                     commits.pass_committed(len(answers), started)
             generation = [row for batch in batches if not batch[0].is_choice for row in batch]
             if generation:
-                pool_plan = PoolPlan((plan.batch_size, plan.batch_tokens), micro_batch,
-                                     _decode_micro_batch(model, plan, micro_batch, summary), plan.shared_prefix_tokens,
-                                     plan.windows_as_full)
+                pool_plan = PoolPlan((plan.batching.batch_size, plan.batching.batch_tokens), micro_batch,
+                                     _decode_micro_batch(model, plan, micro_batch, summary),
+                                     plan.batching.shared_prefix_tokens, plan.batching.windows_as_full)
                 eos = eos_token_ids(model.config, getattr(model.model, "generation_config", None), tokenizer)
-                pool = GreedyPool(model, generation, generation_costs(generation, partial, plan.shared_prefix_tokens),
+                pool = GreedyPool(model, generation,
+                                  generation_costs(generation, partial, plan.batching.shared_prefix_tokens),
                                   pool_plan, tokenizer, eos, pad_id,
                                   prefixes={r.request.index: partial[r.request.index] for r in generation
                                             if r.request.index in partial})
@@ -469,9 +470,10 @@ def _open(prepared: PreparedJob, plan: Candidate, summary: RunSummary) -> tuple[
     """(the model as the plan runs it, the bytes it had read before this run): opened now, or kept open by an
     earlier run of this process (a Ray worker's previous shard: job.models)."""
     options = prepared.options
-    reads = LayerReads(prefetch=options.prefetch, depth=options.prefetch_depth, decode_depth=plan.decode_prefetch_depth,
-                       pack_weights=plan.packs_weights, gather_embeddings=plan.token_matrices != "held",
-                       stream_head=plan.token_matrices == "streamed")
+    reads = LayerReads(prefetch=options.prefetch, depth=options.prefetch_depth,
+                       decode_depth=plan.memory.decode_prefetch_depth,
+                       pack_weights=plan.memory.packs_weights, gather_embeddings=plan.memory.token_matrices != "held",
+                       stream_head=plan.memory.token_matrices == "streamed")
     opener = functools.partial(open_model, prepared.model.checkpoint, mode=plan.mode, device=prepared.device,
                                dtype=prepared.compute_dtype, trust_remote_code=options.trust_remote_code,
                                linear_kernel=plan.linear_kernel, reads=reads)
@@ -488,8 +490,8 @@ def _decode_micro_batch(model, plan: Candidate, micro_batch: int | None, summary
     """The plan's decode calls, unless the plan sized them to read keys and values where they lie and this model's
     attention copies them per query head: the prefill's settings are within the plan for decode passes too, its
     micro-batches and its read-ahead."""
-    if not plan.decode_in_place or reads_prefix_in_place(model.model):
-        return plan.decode_micro_batch_size
+    if not plan.batching.decode_in_place or reads_prefix_in_place(model.model):
+        return plan.batching.decode_micro_batch_size
     if plan.mode == "streamed":
         model.decode_prefetch_depth = model.prefetch_depth
     note = ("the model does not attend through transformers' sdpa as the plan expected: decode passes use the "

@@ -84,7 +84,7 @@ class RunProgress:
     def eta_seconds(self, fraction: float = 0.0) -> float | None:
         """Time left: the plan's passes still to run (`fraction` of the one in flight done), at the pace the run's
         committed passes kept against their plan; before any pass commits, the plan's own."""
-        planned, done = self.plan.pass_seconds, len(self.pass_seconds)
+        planned, done = self.plan.time.pass_seconds, len(self.pass_seconds)
         if planned and None not in planned and done < len(planned):
             left = sum(planned[done:]) - fraction * planned[done]
             planned_done = sum(planned[:done])
@@ -92,7 +92,7 @@ class RunProgress:
             return max(left, 0.0) * pace
         if not done:
             return None
-        return max(self.plan.passes - done - fraction, 0.0) * sum(self.pass_seconds) / done
+        return max(self.plan.batching.passes - done - fraction, 0.0) * sum(self.pass_seconds) / done
 
     def _show(self, current: _Pass) -> None:
         if current.answers:
@@ -106,11 +106,11 @@ class RunProgress:
         if current is None:
             done = len(self.pass_seconds)
             if not done:
-                return f"{self.plan.passes} passes planned, {eta}"
+                return f"{self.plan.batching.passes} passes planned, {eta}"
             median = sorted(self.pass_seconds)[done // 2]
-            return f"{done} of {self.plan.passes} passes, {format_duration(median)} a pass, {eta}"
-        return (f"pass {current.number} of {self.plan.passes} {current.fraction:.0%}, {current.rows():,} rows in "
-                f"flight, {eta}")
+            return f"{done} of {self.plan.batching.passes} passes, {format_duration(median)} a pass, {eta}"
+        return (f"pass {current.number} of {self.plan.batching.passes} {current.fraction:.0%}, "
+                f"{current.rows():,} rows in flight, {eta}")
 
     def _mark(self, current: _Pass) -> None:
         """The pass in flight, for `status`. A failed write costs the run nothing: the next commit says what is
@@ -118,7 +118,7 @@ class RunProgress:
         turns = current.turns
         try:
             self.store.record_progress(self.job_id, {
-                "pass_no": current.number, "passes_planned": self.plan.passes, "turns_done": turns[0],
+                "pass_no": current.number, "passes_planned": self.plan.batching.passes, "turns_done": turns[0],
                 "turns_total": turns[1], "rows_in_flight": current.rows(),
                 "eta_seconds": self.eta_seconds(current.fraction), "started_at": current.started_at})
         except StoreError as error:

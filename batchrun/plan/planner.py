@@ -14,7 +14,7 @@ from typing import Sequence
 from batchrun.checkpoint import CheckpointSizes, kv_bytes_per_token_per_layer
 from batchrun.plan.batching import RowCost, batch_shape, lower_bound_passes, without_prefix
 from batchrun.plan.bound import Bounded, bound_notes, bound_passes
-from batchrun.plan.candidate import Candidate
+from batchrun.plan.candidate import Candidate, PlanBatching, PlanBound, PlanCheckpoint, PlanMemory, PlanTime
 from batchrun.plan.formatting import format_bytes, format_rate
 from batchrun.plan.inputs import Notes, PlanInputs
 from batchrun.plan.memory import Calls, batch_bytes, decode_pass_bytes, largest_turn_bytes
@@ -243,42 +243,61 @@ def _candidate(job: PlanInputs, fixed: Fixed, bounded: Bounded, scheduled: Sched
                notes: Notes) -> Candidate:
     """The steps' results as the one record the CLI prints and the executor runs by."""
     sizes, request, rates = job.sizes, job.request, job.rates
-    batching, bound = bounded.packing, bounded.bound
-    planned, eta, timeline = batching.planned, time.eta, time.timeline
-    bounded = bound is not None and timeline.known
     return Candidate(
         model=request.model, mode=fixed.mode, reason=fixed.reason, device=request.device, prefetch=request.prefetch,
-        checkpoint_bytes=sizes.checkpoint_bytes, layers=sizes.num_layers,
-        largest_layer_bytes=sizes.largest_layer_bytes, non_decoder_bytes=sizes.non_decoder_bytes,
-        kv_bytes_per_token=kv_bytes_per_token_per_layer(sizes, job.compute_bytes) * sizes.num_layers,
-        compute_dtype=request.compute_dtype, memory_budget_bytes=request.memory_budget_bytes,
-        weights_bytes=fixed.weights.bytes, runtime_overhead_bytes=rates.runtime_overhead_bytes,
+        compute_dtype=request.compute_dtype,
+        checkpoint=PlanCheckpoint(
+            checkpoint_bytes=sizes.checkpoint_bytes, layers=sizes.num_layers,
+            largest_layer_bytes=sizes.largest_layer_bytes, non_decoder_bytes=sizes.non_decoder_bytes,
+            kv_bytes_per_token=kv_bytes_per_token_per_layer(sizes, job.compute_bytes) * sizes.num_layers,
+            estimated=sizes.estimated, disk_needed_bytes=_disk_needed(job), disk_free_bytes=rates.disk_free_bytes),
+        memory=_plan_memory(job, fixed, peak),
+        batching=_plan_batching(job, bounded.packing, scheduled, peak),
+        time=_plan_time(job, bounded.packing, time),
+        bound=_plan_bound(request, bounded, time.timeline),
+        blockers=list(notes.blockers), caveats=list(notes.caveats))
+
+
+def _plan_memory(job: PlanInputs, fixed: Fixed, peak: _Peak) -> PlanMemory:
+    rates = job.rates
+    return PlanMemory(
+        memory_budget_bytes=job.request.memory_budget_bytes, weights_bytes=fixed.weights.bytes,
+        runtime_overhead_bytes=rates.runtime_overhead_bytes, peak_memory_bytes=fixed.bytes + peak.batch_bytes,
+        turn_bytes=peak.turn_bytes,
         memory_floor=[["runtime", rates.runtime_overhead_bytes - rates.tokenizer_bytes],
                       *([["tokenizer", rates.tokenizer_bytes]] if rates.tokenizer_bytes else []),
                       *map(list, fixed.weights.parts)],
         token_matrices=fixed.placement.word, token_matrices_reason=fixed.placement_reason,
-        peak_memory_bytes=fixed.bytes + peak.batch_bytes, turn_bytes=peak.turn_bytes,
-        batch_size=batching.max_sequences, micro_batch_size=batching.micro_sequences,
-        batch_tokens=batching.max_tokens, batches=batching.batches, rows=len(job.rows),
-        passes=scheduled.pass_count,
-        lower_bound_passes=lower_bound_passes([job.rows[i] for i in planned], batching.max_sequences),
+        packs_weights=fixed.packs_weights, prefetch_depth=peak.read_ahead, decode_prefetch_depth=peak.decode_depth)
+
+
+def _plan_batching(job: PlanInputs, packing: Packing, scheduled: Schedule, peak: _Peak) -> PlanBatching:
+    return PlanBatching(
+        batch_size=packing.max_sequences, micro_batch_size=packing.micro_sequences, batch_tokens=packing.max_tokens,
+        batches=packing.batches, rows=len(job.rows), passes=scheduled.pass_count,
+        lower_bound_passes=lower_bound_passes([job.rows[i] for i in packing.planned], packing.max_sequences),
+        shared_prefix_tokens=job.shared, decode_micro_batch_size=peak.calls.decode_group,
+        windows_as_full=scheduled.windows_as_full, decode_in_place=job.decode_in_place)
+
+
+def _plan_time(job: PlanInputs, packing: Packing, time: _Time) -> PlanTime:
+    rates, timeline, eta, planned = job.rates, time.timeline, time.eta, packing.planned
+    return PlanTime(
         read_bandwidth_bytes_per_s=rates.bandwidth.bytes_per_s, bandwidth_basis=rates.bandwidth.basis,
-        bandwidth_how=rates.bandwidth.how, load_seconds=time.load_seconds,
-        seconds_per_pass=_median(timeline.pass_seconds), io_seconds_per_pass=time.io_seconds,
-        compute_seconds_per_pass=_median(timeline.compute_seconds), memory_bytes_per_s=rates.memory_bytes_per_s,
+        bandwidth_how=rates.bandwidth.how, memory_bytes_per_s=rates.memory_bytes_per_s,
+        load_seconds=time.load_seconds, seconds_per_pass=_median(timeline.pass_seconds),
+        io_seconds_per_pass=time.io_seconds, compute_seconds_per_pass=_median(timeline.compute_seconds),
         eta_seconds=eta, first_answer_seconds=time.first_answer,
-        answers_per_hour=len(planned) / eta * 3600 if eta and planned else None,
-        disk_needed_bytes=_disk_needed(job), disk_free_bytes=rates.disk_free_bytes, estimated=sizes.estimated,
-        blockers=list(notes.blockers), caveats=list(notes.caveats), shared_prefix_tokens=job.shared,
-        decode_micro_batch_size=peak.calls.decode_group, windows_as_full=scheduled.windows_as_full,
-        prefetch_depth=peak.read_ahead,
-        decode_in_place=job.decode_in_place, decode_prefetch_depth=peak.decode_depth,
-        pass_seconds=timeline.pass_seconds, packs_weights=fixed.packs_weights,
+        answers_per_hour=len(planned) / eta * 3600 if eta and planned else None, pass_seconds=timeline.pass_seconds)
+
+
+def _plan_bound(request: PlanRequest, bounded: Bounded, timeline: Timeline) -> PlanBound:
+    bound = bounded.bound if timeline.known else None
+    return PlanBound(
         pass_bound_seconds=request.pass_seconds,
         longest_pass_seconds=max(timeline.pass_seconds) if timeline.known and timeline.pass_seconds else None,
-        unbounded_passes=bound.unbounded_passes if bounded else None,
-        bound_cost_seconds=sum(timeline.pass_seconds) - bound.unbounded_seconds if bounded else None,
-    )
+        unbounded_passes=bound.unbounded_passes if bound else None,
+        bound_cost_seconds=sum(timeline.pass_seconds) - bound.unbounded_seconds if bound else None)
 
 
 def _median(values: list[float | None]) -> float | None:

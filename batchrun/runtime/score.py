@@ -103,7 +103,8 @@ class PoolPlan:
     decode_micro_batch: int | None = None  # sequences per decode call (prefill.merge_for_decode); None: all at once
     shared_prefix: int = 0  # prompt tokens every row starts with, computed once by the first pass
     # Every row, answered in full, fits inside the smallest sliding window: windowed layers cache like full ones,
-    # so the micro-batches of rows admitted in different passes merge into one decode call (Candidate.windows_as_full).
+    # so the micro-batches of rows admitted in different passes merge into one decode call
+    # (PlanBatching.windows_as_full).
     windows_as_full: bool = True
 
 

@@ -42,7 +42,7 @@ def test_choice_answers_equal_reference_with_the_embedding_and_head_read_as_pass
     _, rows = run_job(choice_spec(tmp_path), tmp_path, path, "out", streaming="always", micro_batch=2,
                       token_matrices=token_matrices, on_plan=plans.append)
     tied = arch == "gemma3"
-    assert plans[0].token_matrices == ("held" if tied and token_matrices == "gathered" else token_matrices)
+    assert plans[0].memory.token_matrices == ("held" if tied and token_matrices == "gathered" else token_matrices)
     for row, text in zip(rows, REVIEWS):
         expected = reference_choice_probs(model, tokenizer, f"Review: {text}\nIs it positive or negative?",
                                           ["positive", "negative"])

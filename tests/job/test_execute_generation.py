@@ -50,7 +50,7 @@ def test_answers_of_different_lengths_share_batches_with_their_own_kind(tmp_path
                                                    for i, (text, n) in enumerate(zip(REVIEWS, budgets))])
     plans = []
     summary, rows = run_job(spec, tmp_path, path, "mixed", streaming="always", batch_size=2, on_plan=plans.append)
-    assert summary.passes_now == plans[0].passes == 1 + 5 + 5
+    assert summary.passes_now == plans[0].batching.passes == 1 + 5 + 5
     for row, text, budget in zip(rows, REVIEWS, budgets):
         assert (row["answer"], row["finish_reason"]) == reference_generation(model, tokenizer, f"Summarise: {text}",
                                                                              budget)
@@ -147,18 +147,18 @@ def test_places_of_rows_that_stop_early_are_taken_by_waiting_rows(tmp_path, tiny
     summary, rows = run_job(spec, tmp_path, path, "early", streaming=streaming, batch_size=2, on_plan=plans.append)
     # Later rows attend to the prefix the first pass computed; the tiny Gemma 3's sliding window is shorter than
     # these rows, so it shares none and refills without one.
-    assert (plans[0].shared_prefix_tokens >= 16) == (arch != "gemma3")
+    assert (plans[0].batching.shared_prefix_tokens >= 16) == (arch != "gemma3")
     for row, tokens, length in zip(rows, greedy, lengths):
         stopped = tokens[length - 1] in eos_ids
         assert row["finish_reason"] == ("stop" if stopped else "length")
         assert row["answer"] == tokenizer.decode(tokens[:length - 1 if stopped else length], skip_special_tokens=True)
     actual = [RowCost(1, n) for n in lengths]
-    order = [i for batch in plans[0].batches for i in batch]
+    order = [i for batch in plans[0].batching.batches for i in batch]
     if arch == "gemma3":  # rows past its window cannot decode in one call once admitted apart: batch after batch
-        assert summary.passes_now == passes_for(actual, plans[0].batches) < plans[0].passes == 9 * 8
+        assert summary.passes_now == passes_for(actual, plans[0].batching.batches) < plans[0].batching.passes == 9 * 8
         return
-    assert summary.passes_now == len(refill_schedule(actual, order, 2, 10**9)) < plans[0].passes == 9 * 8
-    assert summary.passes_now < passes_for(actual, plans[0].batches)  # batches waiting for their last row
+    assert summary.passes_now == len(refill_schedule(actual, order, 2, 10**9)) < plans[0].batching.passes == 9 * 8
+    assert summary.passes_now < passes_for(actual, plans[0].batching.batches)  # batches waiting for their last row
 
 
 def test_answers_empty_at_their_first_token_are_counted_and_explained(tmp_path, tiny_checkpoint):

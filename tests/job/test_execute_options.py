@@ -50,8 +50,8 @@ def test_a_run_loads_the_tokenizer_once_and_plans_for_its_memory(tmp_path, tiny_
                      on_plan=planned.append)
     assert summary.rows_done == len(REVIEWS)
     runtime = prepare.measure.runtime_overhead_bytes(planned[0].compute_dtype)
-    assert planned[0].runtime_overhead_bytes == (300 << 20) + runtime
-    assert dict(planned[0].memory_floor)["tokenizer"] == 300 << 20
+    assert planned[0].memory.runtime_overhead_bytes == (300 << 20) + runtime
+    assert dict(planned[0].memory.memory_floor)["tokenizer"] == 300 << 20
 
 
 def test_an_unreadable_generation_config_is_skipped_in_both_modes(tmp_path, tiny_checkpoint, caplog):
@@ -219,7 +219,7 @@ def test_a_run_whose_pass_disagrees_with_the_cached_compute_rate_has_the_rate_me
     cache.store("compute", key, {**entry, "flops_per_s": entry["flops_per_s"] / 1e5})  # a badly disturbed figure
     planned = []
     run_job(choice_spec(tmp_path), tmp_path, tiny_checkpoint("llama"), "slow", streaming="never",
-            on_plan=lambda plan: planned.append(plan.pass_seconds[0]))
+            on_plan=lambda plan: planned.append(plan.time.pass_seconds[0]))
     disputed = cache.load()["compute"][key]["disputed"]
     assert disputed["planned_seconds"] == pytest.approx(planned[0], rel=1e-3) and planned[0] >= 2.0
     assert disputed["pass_seconds"] < planned[0] / 1.5
@@ -244,7 +244,7 @@ def test_generation_passes_far_quicker_than_planned_have_their_rates_measured_ag
     cache.store("layer_call", key, {"seconds": 0.5})  # half a second a layer call: a badly disturbed figure
     planned = []
     run_job(generation_spec(tmp_path, max_new_tokens=6), tmp_path, tiny_checkpoint("llama"), "slow",
-            streaming="never", on_plan=lambda plan: planned.append(sum(plan.pass_seconds)))
+            streaming="never", on_plan=lambda plan: planned.append(sum(plan.time.pass_seconds)))
     disputed = cache.load()["layer_call"][key]["disputed"]
     assert planned[0] >= 2.0 and disputed["generation_seconds"] < disputed["planned_seconds"] / 1.5
     remeasured = []

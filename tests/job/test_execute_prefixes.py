@@ -21,7 +21,7 @@ def test_plan_shares_the_prefix_the_run_shares(tmp_path, tiny_checkpoint, monkey
     planned = []
     submit(spec, options=JobOptions(model=str(tiny_checkpoint("llama"))), output=tmp_path / "o.parquet",
            db=tmp_path / "j.db", on_plan=planned.append)
-    assert shared_at_run and planned[0].shared_prefix_tokens == shared_at_run[0] > 16
+    assert shared_at_run and planned[0].batching.shared_prefix_tokens == shared_at_run[0] > 16
 
 
 @pytest.mark.parametrize("streaming", ["never", "always"])
@@ -41,7 +41,7 @@ def test_a_sliding_window_model_shares_the_prefix_of_rows_that_fit_its_window(tm
     planned = []
     summary, rows = run_job(write_jsonl(tmp_path / "c.jsonl", choices), tmp_path, wide, "c", streaming=streaming,
                             on_plan=planned.append)
-    assert planned[0].shared_prefix_tokens == shared_at_run[0] > 16
+    assert planned[0].batching.shared_prefix_tokens == shared_at_run[0] > 16
     for row, spec_row in zip(rows, choices):
         expected = reference_choice_probs(model, tokenizer, spec_row["prompt"], spec_row["choices"])
         assert all(dict(row["choice_probs"])[c] == pytest.approx(p, abs=1e-4) for c, p in expected.items())
@@ -55,7 +55,7 @@ def test_a_sliding_window_model_shares_the_prefix_of_rows_that_fit_its_window(tm
     planned.clear()
     run_job(write_jsonl(tmp_path / "c8.jsonl", choices), tmp_path, tiny_checkpoint("gemma3"), "c8",
             streaming=streaming, on_plan=planned.append)
-    assert not shared_at_run and planned[0].shared_prefix_tokens == 0
+    assert not shared_at_run and planned[0].batching.shared_prefix_tokens == 0
     assert any("sliding window" in caveat and "prompt head" in caveat for caveat in planned[0].caveats)
 
 
@@ -78,7 +78,7 @@ def test_a_model_that_does_not_attend_in_place_as_planned_decodes_with_the_prefi
     monkeypatch.setattr(prefix_attention, "reads_prefix_in_place", lambda model: False)
     monkeypatch.setattr(execute, "reads_prefix_in_place", lambda model: False)
     summary, rows = run_job(spec, tmp_path, path, "prefixed", on_plan=plans.append, streaming=streaming, micro_batch=2)
-    assert plans[0].decode_in_place and plans[0].shared_prefix_tokens > 0
+    assert plans[0].batching.decode_in_place and plans[0].batching.shared_prefix_tokens > 0
     assert any("does not attend through transformers' sdpa" in note for note in summary.notes)
     if streaming == "always":
         assert opened[0].decode_prefetch_depth == opened[0].prefetch_depth == 1

@@ -19,30 +19,31 @@ SLOW_DISK = Bandwidth(1e6, "declared", "a slow disk")
 
 
 def every_row_once(candidate, rows) -> bool:
-    return sorted(i for batch in candidate.batches for i in batch) == list(range(len(rows)))
+    return sorted(i for batch in candidate.batching.batches for i in batch) == list(range(len(rows)))
 
 
 @pytest.mark.parametrize("rows", [CHOICE_ROWS, GENERATION_ROWS], ids=["choices", "generation"])
 def test_passes_bounded_by_pass_minutes(rows):
     unbounded = plan(rows=rows, pass_seconds=None, **RATES)
-    longest = max(unbounded.pass_seconds)
+    longest = max(unbounded.time.pass_seconds)
     bound = longest / 5
     bounded = plan(rows=rows, pass_seconds=bound, **RATES)
     assert bounded.fits and every_row_once(bounded, rows)
-    assert max(bounded.pass_seconds) <= bound < longest  # every pass within the bound
-    assert bounded.passes > unbounded.passes == bounded.unbounded_passes
-    assert bounded.first_answer_seconds < unbounded.first_answer_seconds
+    assert max(bounded.time.pass_seconds) <= bound < longest  # every pass within the bound
+    assert bounded.batching.passes > unbounded.batching.passes == bounded.bound.unbounded_passes
+    assert bounded.time.first_answer_seconds < unbounded.time.first_answer_seconds
     # What the bound costs is the difference between the two plans' passes, and the plan prints it.
-    assert bounded.bound_cost_seconds == pytest.approx(sum(bounded.pass_seconds) - sum(unbounded.pass_seconds))
+    assert bounded.bound.bound_cost_seconds == pytest.approx(sum(bounded.time.pass_seconds)
+                                                             - sum(unbounded.time.pass_seconds))
     line = next(line for line in format_plan_table(bounded.to_json()).splitlines() if line.startswith("pass bound"))
-    assert f"{bounded.passes:,} passes instead of {unbounded.passes:,} cost" in line
-    assert ("% of the job" in line) == (bounded.bound_cost_seconds >= 5e-4 * sum(unbounded.pass_seconds))
+    assert f"{bounded.batching.passes:,} passes instead of {unbounded.batching.passes:,} cost" in line
+    assert ("% of the job" in line) == (bounded.bound.bound_cost_seconds >= 5e-4 * sum(unbounded.time.pass_seconds))
 
 
 def test_a_bound_the_passes_keep_changes_nothing():
     unbounded = plan(rows=CHOICE_ROWS, pass_seconds=None, **RATES)
-    bounded = plan(rows=CHOICE_ROWS, pass_seconds=2 * max(unbounded.pass_seconds), **RATES)
-    assert bounded.batches == unbounded.batches and bounded.bound_cost_seconds == 0
+    bounded = plan(rows=CHOICE_ROWS, pass_seconds=2 * max(unbounded.time.pass_seconds), **RATES)
+    assert bounded.batching.batches == unbounded.batching.batches and bounded.bound.bound_cost_seconds == 0
     assert "no pass cut" in format_plan_table(bounded.to_json())
 
 
@@ -51,11 +52,12 @@ def test_a_streamed_pass_is_held_to_its_read_and_the_extra_reads_are_counted():
     the read, and each pass the bound adds reads the checkpoint again."""
     slow_disk = dict(RATES, streaming="always", bandwidth=SLOW_DISK)
     unbounded = plan(rows=CHOICE_ROWS, pass_seconds=None, **slow_disk)
-    read = unbounded.io_seconds_per_pass
+    read = unbounded.time.io_seconds_per_pass
     bounded = plan(rows=CHOICE_ROWS, pass_seconds=read / 10, **slow_disk)
-    assert max(bounded.pass_seconds) == pytest.approx(read) and bounded.passes > unbounded.passes
+    assert max(bounded.time.pass_seconds) == pytest.approx(read) and bounded.batching.passes > unbounded.batching.passes
     assert any("reads every layer" in caveat and "held to that" in caveat for caveat in bounded.caveats)
-    assert bounded.bound_cost_seconds >= (bounded.passes - unbounded.passes) * read - sum(unbounded.pass_seconds)
+    assert bounded.bound.bound_cost_seconds >= ((bounded.batching.passes - unbounded.batching.passes) * read
+                                                - sum(unbounded.time.pass_seconds))
     assert "reads every layer again" in format_plan_table(bounded.to_json())
 
 

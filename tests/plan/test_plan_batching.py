@@ -176,11 +176,11 @@ def test_batch_chosen_for_a_budget_buys_sequences_with_micro_batches():
     micro = int(free * 0.25 // (4096 * activations + per_sequence_logits))
     held = kv + 8192 * 2 * 2  # KV + hidden states held between layers by waiting micro-batches
     expected = int((free - micro * (4096 * activations + per_sequence_logits)) // (4096 * held))
-    assert (candidate.batch_size, candidate.micro_batch_size) == (expected, micro) == (15, 7)
+    assert (candidate.batching.batch_size, candidate.batching.micro_batch_size) == (expected, micro) == (15, 7)
     # static batches (15 + 13 rows) each run to their longest row; the bound assumes rows could join a pass
     # as others finish, which the executor does not do yet
-    assert candidate.passes == 2 * 96 and candidate.lower_bound_passes == math.ceil(28 * 96 / 15)
-    assert candidate.peak_memory_bytes <= budget and candidate.fits
+    assert candidate.batching.passes == 2 * 96 and candidate.batching.lower_bound_passes == math.ceil(28 * 96 / 15)
+    assert candidate.memory.peak_memory_bytes <= budget and candidate.fits
 
 
 def test_memory_the_job_does_not_need_for_sequences_buys_larger_micro_batches():
@@ -194,17 +194,17 @@ def test_memory_the_job_does_not_need_for_sequences_buys_larger_micro_batches():
     kv, activations = 327_680, 8192 * 2 * 4 + 28672 * 2 * 3
     held = kv + 8192 * 2 * 2
     micro = int((free - 13 * 4096 * held) // (4096 * activations + 128256 * 4))
-    assert (candidate.batch_size, candidate.micro_batch_size) == (13, micro)
+    assert (candidate.batching.batch_size, candidate.batching.micro_batch_size) == (13, micro)
     assert 7 < micro < 13  # larger than the 28-row job's share, still micro-batched
-    assert candidate.passes == candidate.lower_bound_passes == 96
-    assert candidate.peak_memory_bytes <= budget and candidate.fits
+    assert candidate.batching.passes == candidate.batching.lower_bound_passes == 96
+    assert candidate.memory.peak_memory_bytes <= budget and candidate.fits
 
 
 def test_rows_that_fit_at_their_median_length_but_not_padded_to_the_longest_still_share_one_batch():
     """Three short rows and one long one: all four fit live at the median length, not padded to the longest. One
     batch with micro-batches (one pass, the lower bound), not two batches."""
     rows = [RowCost(100, 1)] * 3 + [RowCost(1000, 1)]
-    weights = plan(rows=rows, device="cuda", streaming="always").weights_bytes
+    weights = plan(rows=rows, device="cuda", streaming="always").memory.weights_bytes
     per_token = 327_680 + 8192 * 2 * 4 + 28672 * 2 * 3  # KV + hidden states x4 + MLP intermediate x3 (cuda)
     # room for 4 x 101 tokens live, not for 4 x 1001; but to hold 4 x 1001 tokens of KV and hidden states beside one
     # micro-batch of the longest row's activations
@@ -212,9 +212,9 @@ def test_rows_that_fit_at_their_median_length_but_not_padded_to_the_longest_stil
     budget = math.ceil((free + weights + GiB) / 0.9)
     candidate = plan(rows=rows, device="cuda", streaming="always", memory_budget_bytes=budget,
                      runtime_overhead_bytes=GiB)
-    assert candidate.passes == candidate.lower_bound_passes == 1
-    assert candidate.micro_batch_size is not None and candidate.micro_batch_size < 4
-    assert candidate.peak_memory_bytes <= budget and candidate.fits
+    assert candidate.batching.passes == candidate.batching.lower_bound_passes == 1
+    assert candidate.batching.micro_batch_size is not None and candidate.batching.micro_batch_size < 4
+    assert candidate.memory.peak_memory_bytes <= budget and candidate.fits
 
 
 def test_decode_passes_regroup_micro_batches_within_the_memory_left_beside_the_kv_cache():
@@ -223,20 +223,22 @@ def test_decode_passes_regroup_micro_batches_within_the_memory_left_beside_the_k
     budget, overhead = 40 * GiB, 1 * GiB
     candidate = plan(rows=[RowCost(4000, 96)] * 28, device="cuda", streaming="always",
                      memory_budget_bytes=budget, runtime_overhead_bytes=overhead)
-    free = int(budget * 0.9) - candidate.weights_bytes - overhead
-    kv_cache = candidate.batch_size * kv_bytes_for_sequence(LLAMA_70B, 2, 4096)
+    free = int(budget * 0.9) - candidate.memory.weights_bytes - overhead
+    kv_cache = candidate.batching.batch_size * kv_bytes_for_sequence(LLAMA_70B, 2, 4096)
     expanded_kv = 2 * 64 * 128 * 4096 * 2  # one layer's K and V repeated to all 64 query heads
     per_sequence = expanded_kv + activation_bytes_for_sequence(LLAMA_70B, 2, "cuda", 1, 1)
-    expected = min(candidate.batch_size, max(candidate.micro_batch_size, (free - kv_cache) // per_sequence))
-    assert candidate.decode_micro_batch_size == expected
-    assert candidate.micro_batch_size < candidate.decode_micro_batch_size <= candidate.batch_size
+    expected = min(candidate.batching.batch_size,
+                   max(candidate.batching.micro_batch_size, (free - kv_cache) // per_sequence))
+    assert candidate.batching.decode_micro_batch_size == expected
+    batching = candidate.batching
+    assert batching.micro_batch_size < batching.decode_micro_batch_size <= batching.batch_size
     # when every sequence fits in one forward call, so does every decode
-    assert plan(rows=[RowCost(300, 8)] * 4, streaming="always").decode_micro_batch_size is None
+    assert plan(rows=[RowCost(300, 8)] * 4, streaming="always").batching.decode_micro_batch_size is None
 
 
 def test_user_batch_size_caps_the_batch():
     candidate = plan(rows=[RowCost(100, 4)] * 20, streaming="always", batch_size=3)
-    assert candidate.batch_size == 3 and max(len(b) for b in candidate.batches) == 3
+    assert candidate.batching.batch_size == 3 and max(len(b) for b in candidate.batching.batches) == 3
     with pytest.raises(ValueError, match="batch_size"):
         plan(batch_size=0)
 
@@ -249,10 +251,10 @@ def test_user_batch_size_caps_the_batch():
 def test_a_plan_that_fits_never_exceeds_its_budget(sizes, device, specs, budget_gib):
     candidate = plan(sizes, [RowCost(p, n) for p, n in specs], device=device, memory_budget_bytes=budget_gib * GiB)
     if candidate.fits:
-        assert candidate.peak_memory_bytes <= budget_gib * GiB
+        assert candidate.memory.peak_memory_bytes <= budget_gib * GiB
         if not any("run in a batch of their own" in caveat for caveat in candidate.caveats):
             # the batches are sized against the budget less its headroom (README: Memory headroom)
-            assert candidate.peak_memory_bytes <= budget_gib * GiB * (1 - MEMORY_HEADROOM_SHARE)
+            assert candidate.memory.peak_memory_bytes <= budget_gib * GiB * (1 - MEMORY_HEADROOM_SHARE)
 
 
 def test_many_rows_of_varied_lengths_keep_the_plan_within_its_headroom():
@@ -262,8 +264,8 @@ def test_many_rows_of_varied_lengths_keep_the_plan_within_its_headroom():
     micro_batched = []
     for budget in (4 * GiB, 8 * GiB, 20 * GiB):
         candidate = plan(GEMMA_1B, rows, device="cpu", memory_budget_bytes=budget, streaming="always")
-        assert candidate.fits and candidate.peak_memory_bytes <= budget * (1 - MEMORY_HEADROOM_SHARE)
-        micro_batched.append(candidate.micro_batch_size is not None)
+        assert candidate.fits and candidate.memory.peak_memory_bytes <= budget * (1 - MEMORY_HEADROOM_SHARE)
+        micro_batched.append(candidate.batching.micro_batch_size is not None)
     assert any(micro_batched)
 
 

@@ -21,14 +21,14 @@ from tests.support import CONFIGS, GEMMA_1B, LLAMA_70B, TINY, GiB, plan
 
 def test_llama_70b_kv_cache_is_320_kib_per_token_and_1_25_gib_per_4k_sequence():
     candidate = plan(streaming="always")
-    assert candidate.kv_bytes_per_token == 2 * 8 * 128 * 2 * 80 == 327_680
+    assert candidate.checkpoint.kv_bytes_per_token == 2 * 8 * 128 * 2 * 80 == 327_680
     assert kv_bytes_for_sequence(LLAMA_70B, 2, 4096) == 1.25 * GiB
-    assert candidate.largest_layer_bytes == 1_711_308_800 and candidate.layers == 80
+    assert candidate.checkpoint.largest_layer_bytes == 1_711_308_800 and candidate.checkpoint.layers == 80
 
 
 def test_sliding_window_layers_cap_their_kv_at_the_window():
     per_layer = 2 * 1 * 256 * 2  # one KV head of 256 dims, bf16
-    assert plan(GEMMA_1B).kv_bytes_per_token == per_layer * 26  # reported without the cap
+    assert plan(GEMMA_1B).checkpoint.kv_bytes_per_token == per_layer * 26  # reported without the cap
     assert kv_bytes_for_sequence(GEMMA_1B, 2, 4096) == per_layer * (22 * 512 + 4 * 4096)
     assert kv_bytes_for_sequence(GEMMA_1B, 2, 300) == per_layer * 26 * 300
 
@@ -71,11 +71,11 @@ def test_layer_memory_is_the_slots_plus_a_read_buffer_only_where_one_is_used():
 def test_a_plan_that_packs_holds_one_more_layer_when_streamed_and_none_resident():
     rows = [RowCost(300, 8)] * 8
     plain, packing = (plan(TINY, rows=rows, streaming="always", packs_weights=packs) for packs in (False, True))
-    assert packing.weights_bytes - plain.weights_bytes == TINY.largest_layer_params * 2
-    assert packing.packs_weights and not plain.packs_weights
+    assert packing.memory.weights_bytes - plain.memory.weights_bytes == TINY.largest_layer_params * 2
+    assert packing.memory.packs_weights and not plain.memory.packs_weights
     resident = plan(TINY, rows=rows, streaming="never", packs_weights=True)
-    assert not resident.packs_weights  # a resident run keeps its plain weights
-    assert resident.weights_bytes == plan(TINY, rows=rows, streaming="never").weights_bytes
+    assert not resident.memory.packs_weights  # a resident run keeps its plain weights
+    assert resident.memory.weights_bytes == plan(TINY, rows=rows, streaming="never").memory.weights_bytes
 
 
 def test_every_layer_read_ahead_holds_a_slot_in_the_plan():
@@ -85,7 +85,7 @@ def test_every_layer_read_ahead_holds_a_slot_in_the_plan():
             - streamed_weights(LLAMA_70B, "float32", prefetch=True).bytes) == 2 * layer
     shallow = plan(TINY, rows=[RowCost(300, 8)] * 8, streaming="always", compute_dtype="float32")
     deep = plan(TINY, rows=[RowCost(300, 8)] * 8, streaming="always", compute_dtype="float32", prefetch_depth=3)
-    assert deep.weights_bytes - shallow.weights_bytes == 2 * TINY.largest_layer_params * 4
+    assert deep.memory.weights_bytes - shallow.memory.weights_bytes == 2 * TINY.largest_layer_params * 4
 
 
 def test_decode_passes_read_one_layer_further_ahead_where_the_prefills_memory_holds_a_slot():
@@ -95,15 +95,15 @@ def test_decode_passes_read_one_layer_further_ahead_where_the_prefills_memory_ho
     rows = [RowCost(4000, 96)] * 28
     roomy = plan(rows=rows, device="cuda", streaming="always", memory_budget_bytes=40 * GiB,
                  runtime_overhead_bytes=1 * GiB)
-    assert roomy.decode_prefetch_depth == 2 and roomy.prefetch_depth == 1
+    assert roomy.memory.decode_prefetch_depth == 2 and roomy.memory.prefetch_depth == 1
     assert re.search(r"^read ahead +1 layer \(2 in decode passes", format_plan_table(roomy.to_json()), re.M)
     slot = LLAMA_70B.largest_layer_params * 2
     decode_bytes = decode_pass_bytes(LLAMA_70B, 2, "cuda", rows, range(len(rows)),
-                                     Calls(None, roomy.batch_size, roomy.decode_micro_batch_size))
-    assert roomy.peak_memory_bytes >= roomy.weights_bytes + (1 * GiB) + decode_bytes + slot
-    assert roomy.peak_memory_bytes <= int(40 * GiB * 0.9)
+                                     Calls(None, roomy.batching.batch_size, roomy.batching.decode_micro_batch_size))
+    assert roomy.memory.peak_memory_bytes >= roomy.memory.weights_bytes + (1 * GiB) + decode_bytes + slot
+    assert roomy.memory.peak_memory_bytes <= int(40 * GiB * 0.9)
     assert plan(rows=rows, device="cuda", streaming="always", memory_budget_bytes=40 * GiB,
-                runtime_overhead_bytes=1 * GiB, prefetch_depth=2).decode_prefetch_depth == 3
+                runtime_overhead_bytes=1 * GiB, prefetch_depth=2).memory.decode_prefetch_depth == 3
     # the benchmark's short-answer sweep (a 3 GB bf16 Llama computed in float32 under a 1.55 GB cap): what the
     # batch leaves is given to the prefill's micro-batches, and decoding has no slot to spare; at 2 GB it has
     layers = sizes_from_config({"model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
@@ -113,13 +113,13 @@ def test_decode_passes_read_one_layer_further_ahead_where_the_prefills_memory_ho
     for budget, depth in ((1.546e9, 1), (2e9, 2)):
         assert plan(layers, rows=short_answers, streaming="always", compute_dtype="float32",
                     memory_budget_bytes=int(budget), runtime_overhead_bytes=398 << 20,
-                    shared_prefix_tokens=158).decode_prefetch_depth == depth
+                    shared_prefix_tokens=158).memory.decode_prefetch_depth == depth
     assert plan(rows=[RowCost(300, 0, choice_tokens=(1, 1))] * 28, device="cuda", streaming="always",
-                memory_budget_bytes=40 * GiB).decode_prefetch_depth == 1  # choices: no decode pass
+                memory_budget_bytes=40 * GiB).memory.decode_prefetch_depth == 1  # choices: no decode pass
     assert plan(rows=rows, device="cuda", streaming="always", memory_budget_bytes=40 * GiB,
-                prefetch=False).decode_prefetch_depth == 0
+                prefetch=False).memory.decode_prefetch_depth == 0
     resident = plan(TINY, rows=rows, streaming="never")
-    assert resident.decode_prefetch_depth == resident.prefetch_depth == 0
+    assert resident.memory.decode_prefetch_depth == resident.memory.prefetch_depth == 0
     assert "read ahead" not in format_plan_table(resident.to_json())
 
 
@@ -145,10 +145,11 @@ def test_a_decode_step_reading_keys_and_values_in_place_lets_the_whole_batch_sha
                   runtime_overhead_bytes=398 << 20, shared_prefix_tokens=158)
     copying = plan(BENCH_LLAMA, rows=short_answers, **common)
     reading = plan(BENCH_LLAMA, rows=short_answers, decode_in_place=True, **common)
-    assert copying.batch_size == 32 and copying.decode_micro_batch_size < 32
-    assert reading.decode_micro_batch_size == 32 and reading.decode_in_place
-    assert reading.peak_memory_bytes <= int(1.5e9 * 0.9)
-    assert (reading.batch_size, reading.batches, reading.passes) == (copying.batch_size, copying.batches, 8)
+    assert copying.batching.batch_size == 32 and copying.batching.decode_micro_batch_size < 32
+    assert reading.batching.decode_micro_batch_size == 32 and reading.batching.decode_in_place
+    assert reading.memory.peak_memory_bytes <= int(1.5e9 * 0.9)
+    assert (reading.batching.batch_size, reading.batching.batches, reading.batching.passes) == (
+        copying.batching.batch_size, copying.batching.batches, 8)
     choices = [RowCost(300, 0, choice_tokens=(1, 1))] * 64
     unchanged = [plan(BENCH_LLAMA, rows=choices, decode_in_place=flag, **common).to_json() for flag in (False, True)]
     assert unchanged[0] == unchanged[1] | {"decode_in_place": False}
@@ -162,9 +163,9 @@ def test_a_half_precision_cpu_prefill_behind_a_shared_prefix_counts_its_attentio
     common = dict(streaming="always", memory_budget_bytes=int(1.5e9), runtime_overhead_bytes=398 << 20)
 
     def peaks(**options):
-        with_scratch = plan(BENCH_LLAMA, rows=rows, **common | options).peak_memory_bytes
+        with_scratch = plan(BENCH_LLAMA, rows=rows, **common | options).memory.peak_memory_bytes
         monkeypatch.setattr(plan_memory, "ATTENTION_CHUNK_BYTES", 0)
-        without = plan(BENCH_LLAMA, rows=rows, **common | options).peak_memory_bytes
+        without = plan(BENCH_LLAMA, rows=rows, **common | options).memory.peak_memory_bytes
         monkeypatch.undo()
         return with_scratch - without
 
@@ -185,9 +186,9 @@ def test_choice_rows_hold_no_kv_cache_so_a_pass_carries_more_of_them():
                    runtime_overhead_bytes=398 << 20, shared_prefix_tokens=241)
     choices = plan(layers, rows=[RowCost(241 + 55 + i * 40 // 63, 0, (1, 1)) for i in range(64)], **options)
     generation = plan(layers, rows=[RowCost(241 + 56 + i * 40 // 63, 1) for i in range(64)], **options)
-    assert len(choices.batches) == 1 and choices.passes == 1 and choices.batch_size == 64
-    assert generation.batch_size < 64 and generation.passes == 2
-    assert choices.peak_memory_bytes <= int(1.546e9 * 0.9)
+    assert len(choices.batching.batches) == 1 and choices.batching.passes == 1 and choices.batching.batch_size == 64
+    assert generation.batching.batch_size < 64 and generation.batching.passes == 2
+    assert choices.memory.peak_memory_bytes <= int(1.546e9 * 0.9)
     # one choice row: its activations at prompt + choice with its call's logits at two positions, its two choices'
     # log-probabilities kept at those positions, and its forward call
     assert (batch_bytes(layers, 4, "cpu", [RowCost(300, 0, (1, 1))], [0])
@@ -202,9 +203,9 @@ def test_a_shared_prompt_prefix_is_sized_and_timed_once_per_batch():
     kwargs = dict(rows=rows, device="cpu", streaming="always", memory_budget_bytes=24 * GiB)
     plain = plan(**kwargs)
     shared = plan(**kwargs, shared_prefix_tokens=600)
-    assert shared.shared_prefix_tokens == 600 and plain.shared_prefix_tokens == 0
-    assert shared.batch_size > plain.batch_size
-    assert shared.passes <= plain.passes
+    assert shared.batching.shared_prefix_tokens == 600 and plain.batching.shared_prefix_tokens == 0
+    assert shared.batching.batch_size > plain.batching.batch_size
+    assert shared.batching.passes <= plain.batching.passes
     first_pass = batch_prefill_flops(LLAMA_70B, [without_prefix(r, 600) for r in rows], list(range(64)), 600)
     assert first_pass < batch_prefill_flops(LLAMA_70B, rows, list(range(64))) / 5
 
@@ -214,7 +215,8 @@ def test_published_70b_calibration_at_4k_context():
     for prefetch, published in ((False, 3.9e9), (True, 6.1e9)):
         candidate = plan(rows=[RowCost(4095, 1)], device="cuda", streaming="always", prefetch=prefetch,
                          memory_budget_bytes=80 * GiB)
-        on_card = candidate.peak_memory_bytes - LLAMA_70B.non_decoder_params * 2 - candidate.runtime_overhead_bytes
+        on_card = (candidate.memory.peak_memory_bytes - LLAMA_70B.non_decoder_params * 2
+                   - candidate.memory.runtime_overhead_bytes)
         assert on_card == pytest.approx(published, rel=0.15)
 
 
@@ -255,13 +257,13 @@ def test_a_turn_is_sized_by_the_largest_forward_call_not_the_whole_batch():
     it. 16 short and 16 long choice rows make two calls on the CPU; the long one is the largest turn."""
     rows = [RowCost(40, 0, (1, 1))] * 16 + [RowCost(200, 0, (1, 1))] * 16
     candidate = plan(GEMMA_1B, rows, compute_dtype="float32", memory_budget_bytes=64 * GiB)
-    assert candidate.micro_batch_size is None and candidate.batches == [list(range(32))]
+    assert candidate.batching.micro_batch_size is None and candidate.batching.batches == [list(range(32))]
     assert candidate.mode == "resident"  # a call runs through every layer in turn: no heap share of earlier layers
     long_call = 16 * activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 201, 2, retained=False)
-    assert candidate.turn_bytes == long_call
-    assert candidate.turn_bytes < batch_bytes(GEMMA_1B, 4, "cpu", rows, range(32), micro_sequences=None)
-    fixed = candidate.weights_bytes + candidate.runtime_overhead_bytes
-    assert fixed + candidate.turn_bytes <= candidate.peak_memory_bytes
+    assert candidate.memory.turn_bytes == long_call
+    assert candidate.memory.turn_bytes < batch_bytes(GEMMA_1B, 4, "cpu", rows, range(32), micro_sequences=None)
+    fixed = candidate.memory.weights_bytes + candidate.memory.runtime_overhead_bytes
+    assert fixed + candidate.memory.turn_bytes <= candidate.memory.peak_memory_bytes
 
 
 def test_a_resident_pass_runs_its_calls_one_after_another_so_none_waits_holding_hidden_states():
@@ -293,10 +295,10 @@ def test_a_resident_pass_runs_its_calls_one_after_another_so_none_waits_holding_
                                                    rel=1e-3)
     candidates = {mode: plan(smollm2, rows, streaming=mode, compute_dtype="float32", memory_budget_bytes=64 * GiB)
                   for mode in ("never", "always")}
-    assert [sorted(b) for b in candidates["never"].batches] == [list(batch)]  # one batch either way
-    assert candidates["never"].batches == candidates["always"].batches
-    resident_batch = candidates["never"].peak_memory_bytes - candidates["never"].weights_bytes
-    streamed_batch = candidates["always"].peak_memory_bytes - candidates["always"].weights_bytes
+    assert [sorted(b) for b in candidates["never"].batching.batches] == [list(batch)]  # one batch either way
+    assert candidates["never"].batching.batches == candidates["always"].batching.batches
+    resident_batch = candidates["never"].memory.peak_memory_bytes - candidates["never"].memory.weights_bytes
+    streamed_batch = candidates["always"].memory.peak_memory_bytes - candidates["always"].memory.weights_bytes
     assert resident_batch < streamed_batch - held // 2
 
 
@@ -307,8 +309,8 @@ def test_a_cpu_call_holds_no_more_tokens_than_keep_its_cores_busy():
     rows = [RowCost(50, 0, (1, 1))] * 4000
     cpu = plan(GEMMA_1B, rows, compute_dtype="float32", memory_budget_bytes=64 * GiB)
     cuda = plan(GEMMA_1B, rows, compute_dtype="float32", memory_budget_bytes=64 * GiB, device="cuda")
-    assert cpu.batch_size == cuda.batch_size == 4000
-    assert cpu.micro_batch_size == plan_memory.CPU_CALL_TOKENS // 51 and cuda.micro_batch_size is None
-    assert cpu.turn_bytes == cpu.micro_batch_size * activation_bytes_for_sequence(GEMMA_1B, 4, "cpu", 51, 2,
-                                                                                   retained=False)
-    assert cpu.peak_memory_bytes < cuda.peak_memory_bytes
+    assert cpu.batching.batch_size == cuda.batching.batch_size == 4000
+    assert cpu.batching.micro_batch_size == plan_memory.CPU_CALL_TOKENS // 51 and cuda.batching.micro_batch_size is None
+    assert cpu.memory.turn_bytes == cpu.batching.micro_batch_size * activation_bytes_for_sequence(
+        GEMMA_1B, 4, "cpu", 51, 2, retained=False)
+    assert cpu.memory.peak_memory_bytes < cuda.memory.peak_memory_bytes

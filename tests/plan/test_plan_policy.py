@@ -43,7 +43,7 @@ def test_unknown_streaming_word_is_refused_naming_the_accepted_ones(monkeypatch)
 def test_auto_runs_resident_when_the_model_fits():
     candidate = plan(TINY, compute_dtype="float32")
     assert candidate.mode == "resident" and candidate.fits
-    assert candidate.reason.startswith("auto: the model fits") and candidate.io_seconds_per_pass == 0
+    assert candidate.reason.startswith("auto: the model fits") and candidate.time.io_seconds_per_pass == 0
 
 
 def test_auto_streams_a_model_that_does_not_fit_and_says_why():
@@ -77,23 +77,24 @@ def test_a_row_too_long_for_the_budget_is_a_blocker():
 
 def test_rows_over_the_context_are_left_out_and_counted():
     candidate = plan(rows=[RowCost(9000, 4), RowCost(300, 8)])
-    assert candidate.passes == 8 and candidate.fits
+    assert candidate.batching.passes == 8 and candidate.fits
     assert any("1 row(s) longer than the 8,192-token context" in c for c in candidate.caveats)
     assert not plan(rows=[RowCost(9000, 4)]).fits
 
 
 def test_a_job_without_rows_is_sized_for_one_sequence():
     candidate = plan(rows=[], streaming="always")
-    assert candidate.passes == 0 and candidate.batches == [] and candidate.fits
-    assert candidate.peak_memory_bytes > candidate.weights_bytes + kv_bytes_for_sequence(LLAMA_70B, 2, 4096)
+    assert candidate.batching.passes == 0 and candidate.batching.batches == [] and candidate.fits
+    assert (candidate.memory.peak_memory_bytes
+            > candidate.memory.weights_bytes + kv_bytes_for_sequence(LLAMA_70B, 2, 4096))
 
 
 def test_unknown_bandwidth_blocks_streaming_but_not_a_resident_run():
     unknown = Bandwidth(None, "assumed", "not measured")
     streamed = plan(bandwidth=unknown)
-    assert "read bandwidth unknown" in streamed.blockers[0] and streamed.eta_seconds is None
+    assert "read bandwidth unknown" in streamed.blockers[0] and streamed.time.eta_seconds is None
     resident = plan(TINY, compute_dtype="float32", bandwidth=unknown)
-    assert resident.fits and resident.eta_seconds is not None
+    assert resident.fits and resident.time.eta_seconds is not None
     assert any("load the model is not counted" in c for c in resident.caveats)
 
 
@@ -104,7 +105,7 @@ def test_assumed_bandwidth_is_a_caveat():
 
 def test_downloading_needs_the_checkpoint_in_free_disk():
     short = plan(checkpoint_is_local=False, disk_free_bytes=100 * GiB)
-    assert short.disk_needed_bytes == LLAMA_70B.checkpoint_bytes
+    assert short.checkpoint.disk_needed_bytes == LLAMA_70B.checkpoint_bytes
     assert any("not enough disk" in b for b in short.blockers)
     assert plan(checkpoint_is_local=True, disk_free_bytes=1).fits  # read in place: nothing to download
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, fields
 
 import pytest
 
@@ -28,13 +29,26 @@ def test_plan_json_is_serialisable_and_omits_row_indices():
     assert "batches" not in report and report["fits"] is True and report["eta_human"].endswith(("min", "h", "s"))
 
 
+def test_plan_json_flattens_the_candidates_groups_into_one_record():
+    candidate = plan(rows=MIXED, streaming="always", pass_seconds=600)
+    groups = ("checkpoint", "memory", "batching", "time", "bound")
+    grouped = [f.name for group in groups for f in fields(getattr(candidate, group))]
+    top = [f.name for f in fields(candidate) if f.name not in groups]
+    assert len(set(grouped + top)) == len(grouped + top)  # no figure hides another once flattened
+    report = candidate.to_json()
+    assert set(report) == set(grouped + top) - {"batches", "pass_seconds"} | {"batch_count", "fits", "eta_human"}
+    for group in groups:
+        for name, value in asdict(getattr(candidate, group)).items():
+            assert name in ("batches", "pass_seconds") or report[name] == value, name
+
+
 def test_plan_table_and_comparison_show_mode_memory_eta_and_blockers():
     request, rates, job = records(runtime_overhead_bytes=0)
     candidates = compare_modes(LLAMA_70B, MIXED, request, rates, **job)
     assert [(c.mode, c.prefetch) for c in candidates] == [("resident", True), ("streamed", True),
                                                            ("streamed", False)]
     table = format_plan_table(candidates[1].to_json())
-    assert "streaming forced" in table and format_bytes(candidates[1].peak_memory_bytes) in table
+    assert "streaming forced" in table and format_bytes(candidates[1].memory.peak_memory_bytes) in table
     assert candidates[1].eta_human in table
     comparison = format_comparison(candidates)
     assert "streamed (no prefetch)" in comparison and "resident blockers:" in comparison

@@ -19,11 +19,11 @@ def test_io_bound_eta_is_one_read_of_the_layers_per_pass(prefetch, efficiency):
     rows = [RowCost(300, 8)] * 4 + [RowCost(300, 0, (1, 1))] * 4
     candidate = plan(rows=rows, streaming="always", prefetch=prefetch, compute_flops_per_s=1e30)
     per_pass = LLAMA_70B.decoder_bytes / 1e9 / efficiency
-    assert candidate.passes == 1 + 8
-    assert candidate.io_seconds_per_pass == pytest.approx(per_pass)
-    assert candidate.eta_seconds == pytest.approx(LLAMA_70B.non_decoder_bytes / 1e9 + 9 * per_pass)
-    assert candidate.first_answer_seconds == pytest.approx(LLAMA_70B.non_decoder_bytes / 1e9 + per_pass)
-    assert candidate.answers_per_hour == pytest.approx(8 / candidate.eta_seconds * 3600)
+    assert candidate.batching.passes == 1 + 8
+    assert candidate.time.io_seconds_per_pass == pytest.approx(per_pass)
+    assert candidate.time.eta_seconds == pytest.approx(LLAMA_70B.non_decoder_bytes / 1e9 + 9 * per_pass)
+    assert candidate.time.first_answer_seconds == pytest.approx(LLAMA_70B.non_decoder_bytes / 1e9 + per_pass)
+    assert candidate.time.answers_per_hour == pytest.approx(8 / candidate.time.eta_seconds * 3600)
 
 
 def test_generation_passes_follow_the_refill_schedule():
@@ -32,18 +32,19 @@ def test_generation_passes_follow_the_refill_schedule():
     rows = [RowCost(300, 1), RowCost(300, 4), RowCost(300, 2), RowCost(300, 2)]
     candidate = plan(rows=rows, streaming="always", compute_flops_per_s=1e30, batch_size=2)
     per_pass = LLAMA_70B.decoder_bytes / 1e9
-    assert passes_for(rows, candidate.batches) == 6
-    assert candidate.passes == candidate.lower_bound_passes == 5
-    assert candidate.eta_seconds == pytest.approx(LLAMA_70B.non_decoder_bytes / 1e9 + 5 * per_pass)
-    assert candidate.first_answer_seconds == pytest.approx(LLAMA_70B.non_decoder_bytes / 1e9 + per_pass)
+    assert passes_for(rows, candidate.batching.batches) == 6
+    assert candidate.batching.passes == candidate.batching.lower_bound_passes == 5
+    assert candidate.time.eta_seconds == pytest.approx(LLAMA_70B.non_decoder_bytes / 1e9 + 5 * per_pass)
+    assert candidate.time.first_answer_seconds == pytest.approx(LLAMA_70B.non_decoder_bytes / 1e9 + per_pass)
 
 
 def test_long_prefill_on_a_slow_cpu_is_compute_bound_and_said_so():
     candidate = plan(rows=[RowCost(4000, 1)] * 8, streaming="always", bandwidth=Bandwidth(1e12, "declared", "x"),
                      compute_flops_per_s=1e11)
-    for batch, seconds in zip(candidate.batches, candidate.pass_seconds):  # one pass per batch: choice-like rows
+    # one pass per batch: choice-like rows
+    for batch, seconds in zip(candidate.batching.batches, candidate.time.pass_seconds):
         assert seconds > 2 * LLAMA_70B.decoder_params * len(batch) * 4000 / 1e11
-    assert candidate.seconds_per_pass == candidate.compute_seconds_per_pass
+    assert candidate.time.seconds_per_pass == candidate.time.compute_seconds_per_pass
     assert any("compute-bound" in c for c in candidate.caveats)
 
 
@@ -58,12 +59,12 @@ def test_decode_passes_take_as_long_as_streaming_the_weights_and_kv_cache_from_m
     kv_at = [4 * kv_bytes_for_sequence(LLAMA_70B, 2, 300 + step) for step in range(1, 8)]
     memory_rate = 1e10 / HOST_FRESH_PAGE_SLOWDOWN  # on the host every pass also faults in fresh pages
     decode = sorted((weights + KV_COPIES_PER_DECODE * kv) / memory_rate for kv in kv_at)
-    assert bound.memory_bytes_per_s == 1e10 and flops_only.memory_bytes_per_s is None
-    assert bound.seconds_per_pass == pytest.approx((decode[3] + decode[4]) / 2)  # median of 1 prefill + 7 decodes
-    assert bound.seconds_per_pass > 5 * flops_only.seconds_per_pass
+    assert bound.time.memory_bytes_per_s == 1e10 and flops_only.time.memory_bytes_per_s is None
+    assert bound.time.seconds_per_pass == pytest.approx((decode[3] + decode[4]) / 2)  # median of 1 prefill + 7 decodes
+    assert bound.time.seconds_per_pass > 5 * flops_only.time.seconds_per_pass
     # the prefill (1200 tokens) stays FLOP-bound: its weights stream once for all of them
-    assert bound.eta_seconds - flops_only.eta_seconds == pytest.approx(
-        sum(decode) - 7 * flops_only.seconds_per_pass, rel=0.01)
+    assert bound.time.eta_seconds - flops_only.time.eta_seconds == pytest.approx(
+        sum(decode) - 7 * flops_only.time.seconds_per_pass, rel=0.01)
 
 
 def test_decode_passes_are_priced_at_the_rate_their_row_count_reads_the_layer_matrices():
@@ -76,12 +77,12 @@ def test_decode_passes_are_priced_at_the_rate_their_row_count_reads_the_layer_ma
     flat = plan(**options)
     by_rows = plan(**options, decode_rates={1: 2e10, 4: 5e9, 16: 1e9})
     weights = (LLAMA_70B.decoder_params + LLAMA_70B.vocab_size * LLAMA_70B.hidden_size) * 2
-    assert by_rows.pass_seconds[0] == flat.pass_seconds[0]  # the prefill
-    for priced, before in zip(by_rows.pass_seconds[1:], flat.pass_seconds[1:]):
+    assert by_rows.time.pass_seconds[0] == flat.time.pass_seconds[0]  # the prefill
+    for priced, before in zip(by_rows.time.pass_seconds[1:], flat.time.pass_seconds[1:]):
         assert priced - before == pytest.approx(weights / (5e9 / HOST_FRESH_PAGE_SLOWDOWN)
                                                 - weights / (1e10 / HOST_FRESH_PAGE_SLOWDOWN))
-    assert plan(**options | dict(memory_bytes_per_s=None), decode_rates={4: 5e9}).pass_seconds == \
-        plan(**options | dict(memory_bytes_per_s=None)).pass_seconds  # FLOPs alone: no memory terms at all
+    assert plan(**options | dict(memory_bytes_per_s=None), decode_rates={4: 5e9}).time.pass_seconds == \
+        plan(**options | dict(memory_bytes_per_s=None)).time.pass_seconds  # FLOPs alone: no memory terms at all
 
 
 def test_every_forward_call_through_a_layer_adds_the_layers_fixed_cost_to_its_pass():
@@ -92,13 +93,13 @@ def test_every_forward_call_through_a_layer_adds_the_layers_fixed_cost_to_its_pa
                    memory_bytes_per_s=1e10, shared_prefix_tokens=200)
     bare, with_calls = plan(**options), plan(**options, layer_call_seconds=1e-3)
     own = [without_prefix(row, 200) for row in rows]
-    calls = prefill_call_count(own, range(4), bare.micro_batch_size, "cpu")
-    assert bare.passes == 4 and calls == 2  # cut by length
+    calls = prefill_call_count(own, range(4), bare.batching.micro_batch_size, "cpu")
+    assert bare.batching.passes == 4 and calls == 2  # cut by length
     layers = LLAMA_70B.num_layers
-    assert with_calls.pass_seconds[0] - bare.pass_seconds[0] == pytest.approx(layers * (calls + 1) * 1e-3)
-    for priced, before in zip(with_calls.pass_seconds[1:], bare.pass_seconds[1:]):
+    assert with_calls.time.pass_seconds[0] - bare.time.pass_seconds[0] == pytest.approx(layers * (calls + 1) * 1e-3)
+    for priced, before in zip(with_calls.time.pass_seconds[1:], bare.time.pass_seconds[1:]):
         assert priced - before == pytest.approx(layers * 1e-3)  # the four sequences decode in one call
-    assert with_calls.eta_seconds > bare.eta_seconds
+    assert with_calls.time.eta_seconds > bare.time.eta_seconds
 
 
 def test_a_host_streaming_with_a_reader_decodes_on_one_thread_fewer():
@@ -110,13 +111,13 @@ def test_a_host_streaming_with_a_reader_decodes_on_one_thread_fewer():
                    memory_budget_bytes=400 * GiB, compute_flops_per_s=4e11, memory_bytes_per_s=1e10,
                    layer_call_seconds=1e-4)
     one, two = plan(**options, compute_threads=1), plan(**options, compute_threads=2)
-    assert two.pass_seconds[0] == one.pass_seconds[0]  # the prefill
+    assert two.time.pass_seconds[0] == one.time.pass_seconds[0]  # the prefill
     calls = LLAMA_70B.num_layers * 1e-4  # one decode call through every layer
-    for decode_two, decode_one in zip(two.pass_seconds[1:], one.pass_seconds[1:]):
+    for decode_two, decode_one in zip(two.time.pass_seconds[1:], one.time.pass_seconds[1:]):
         assert decode_two - calls == pytest.approx(2 * (decode_one - calls))
     for unchanged in (dict(compute_dtype="float32"), dict(prefetch=False), dict(streaming="never")):
-        assert plan(**options | unchanged, compute_threads=2).pass_seconds == \
-            plan(**options | unchanged, compute_threads=1).pass_seconds
+        assert plan(**options | unchanged, compute_threads=2).time.pass_seconds == \
+            plan(**options | unchanged, compute_threads=1).time.pass_seconds
 
 
 def test_decode_micro_batches_that_cannot_merge_are_priced_a_call_each():
@@ -160,21 +161,21 @@ def test_a_host_streaming_pass_also_moves_the_layers_through_ram_copied_and_a_pr
     kv_at = [4 * kv_bytes_for_sequence(LLAMA_70B, 4, 300 + step) for step in range(1, 8)]
     decode = sorted((weights + KV_COPIES_PER_DECODE * kv + host_streaming_bytes(LLAMA_70B, 4, decode=True))
                     / slowed_rate for kv in kv_at)
-    assert host.seconds_per_pass == pytest.approx((decode[3] + decode[4]) / 2)  # median of 1 prefill + 7 decodes
-    assert sorted(host.pass_seconds[1:]) == pytest.approx(decode)  # every pass, kept for benchmarks/plan_accuracy
+    assert host.time.seconds_per_pass == pytest.approx((decode[3] + decode[4]) / 2)  # median of 1 prefill + 7 decodes
+    assert sorted(host.time.pass_seconds[1:]) == pytest.approx(decode)  # every pass, kept for benchmarks/plan_accuracy
     assert "pass_seconds" not in host.to_json()  # the JSON plan stays a summary
     copied = host_streaming_bytes(LLAMA_70B, 4, decode=True)
-    assert accelerator.seconds_per_pass < host.seconds_per_pass - copied / 1e10
+    assert accelerator.time.seconds_per_pass < host.time.seconds_per_pass - copied / 1e10
     resident = plan(**options | dict(streaming="never"))
     assert resident.mode == "resident"
-    assert resident.seconds_per_pass < host.seconds_per_pass - copied / slowed_rate * 0.99
+    assert resident.time.seconds_per_pass < host.time.seconds_per_pass - copied / slowed_rate * 0.99
 
 
 def test_resident_eta_counts_loading_once_and_compute_per_pass():
     candidate = plan(TINY, rows=[RowCost(100, 3)], compute_dtype="float32", compute_flops_per_s=1e9)
-    assert candidate.io_seconds_per_pass == 0
-    assert candidate.eta_seconds > candidate.load_seconds == TINY.checkpoint_bytes / 1e9
-    assert plan(TINY, compute_dtype="float32", compute_flops_per_s=None).eta_seconds is None
+    assert candidate.time.io_seconds_per_pass == 0
+    assert candidate.time.eta_seconds > candidate.time.load_seconds == TINY.checkpoint_bytes / 1e9
+    assert plan(TINY, compute_dtype="float32", compute_flops_per_s=None).time.eta_seconds is None
 
 
 def test_the_compute_bound_caveat_counts_prefill_and_decode_passes_apart():
@@ -183,6 +184,6 @@ def test_the_compute_bound_caveat_counts_prefill_and_decode_passes_apart():
     prefills."""
     candidate = plan(rows=[RowCost(300, 6)] * 2, streaming="always", bandwidth=Bandwidth(1e15, "declared", "fast"),
                      memory_budget_bytes=400 * GiB, compute_flops_per_s=4e11, memory_bytes_per_s=1e10)
-    assert candidate.passes == 6
+    assert candidate.batching.passes == 6
     caveat = next(c for c in candidate.caveats if "compute-bound" in c)
     assert caveat.startswith("6 of 6 passes are compute-bound (1 with prefills, 5 decode only)")

@@ -72,7 +72,7 @@ def test_a_sliding_window_model_sharing_its_prefix_answers_as_generate_after_man
     plans = []
     _, out = run_job(write_jsonl(tmp_path / "s.jsonl", rows), tmp_path, path, "w", streaming=streaming, batch_size=2,
                      on_plan=plans.append)
-    assert plans[0].shared_prefix_tokens > 0
+    assert plans[0].batching.shared_prefix_tokens > 0
     assert_answers_as_generate(path, rows, out)
 
 
@@ -99,7 +99,8 @@ def test_rows_inside_a_sliding_window_merge_into_one_decode_call_whatever_pass_a
     plans = []
     _, out = run_job(write_jsonl(tmp_path / "s.jsonl", rows), tmp_path, path, "w", streaming="always", batch_size=2,
                      on_plan=plans.append)
-    assert plans[0].shared_prefix_tokens == 0 and len(calls) > 4 and 0 not in calls[:-1]  # never empty till the end
+    # never empty till the end
+    assert plans[0].batching.shared_prefix_tokens == 0 and len(calls) > 4 and 0 not in calls[:-1]
     assert max(calls) == 1, calls
     assert_answers_as_generate(path, rows, out)
 
@@ -125,7 +126,7 @@ def test_rows_past_a_sliding_window_wait_for_an_empty_pool_and_decode_in_their_b
     plans = []
     summary, out = run_job(write_jsonl(tmp_path / "s.jsonl", rows), tmp_path, path, "w", streaming="always",
                            batch_size=3, on_plan=plans.append)
-    assert summary.passes_now == plans[0].passes == len(passes)
+    assert summary.passes_now == plans[0].batching.passes == len(passes)
     assert not [p for p in passes if p[0] and p[1]], passes  # nobody admitted beside live rows
     assert sum(admitted for _, admitted, _ in passes) == len(rows) and max(states for *_, states in passes) <= 3
     assert_answers_as_generate(path, rows, out)
