@@ -5,7 +5,8 @@ from batchrun.spec.content_free import CONTENT_FREE_VALUES, content_free_rows
 from batchrun.spec.encode import (TRUNCATE_SIDES, EncodedRow, choice_sequences, encode_requests, kept_positions,
                                   shortest_first_pass_sequence, uses_chat_template)
 from batchrun.spec.files import kind
-from batchrun.spec.read import JobSpec, Request, SpecSettings, read_spec
+from batchrun.spec.read import JobSpec, SpecSettings, read_spec
+from batchrun.spec.rows import Request
 from batchrun.spec.template import SpecError
 
 __all__ = ["CONTENT_FREE_VALUES", "TRUNCATE_SIDES", "EncodedRow", "JobSpec", "Request", "SpecError", "SpecSettings",
