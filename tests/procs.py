@@ -188,8 +188,7 @@ class Reference:
 def reference_run(tmp: Path, model: Path, spec: Path, options: dict) -> Reference:
     """The job run once without interruption, in this process (no extra torch import), with the work it did."""
     from batchrun.host import faults
-    from batchrun.job.execute import submit
-    from batchrun.job.prepare import JobOptions
+    from batchrun.job import JobOptions, submit
 
     trace = tmp / "reference-trace.txt"
     previous = os.environ.get(faults.TRACE_ENV)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from batchrun.checkpoint.sizes import sizes_from_config
+from batchrun.checkpoint import sizes_from_config
 from batchrun.plan import Bandwidth, PlanRequest, Rates, RowCost, make_plan
 from batchrun.spec import SpecError, read_spec
 from batchrun.store import RowResult, Store

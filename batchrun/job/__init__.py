@@ -2,18 +2,20 @@
 resumable executor (`submit`, which needs torch and so is loaded on first use: `batchrun plan` stays light).
 """
 from batchrun.job.calibration import calibration_settings
-from batchrun.job.compare import DEFAULT_SAMPLE, Comparison
+from batchrun.job.compare import DEFAULT_SAMPLE, Comparison, refuse_one_model_twice
 from batchrun.job.compare import compare as compare_models
 from batchrun.job.compare import describe as describe_comparison
-from batchrun.job.identity import one_row_per_key
+from batchrun.job.identity import model_identity_parts, one_row_per_key
 from batchrun.job.models import keep_models_open
 from batchrun.job.options import CALIBRATION_METHODS, DEFAULT_CALIBRATION, DEFAULT_PASS_MINUTES, JobOptions
-from batchrun.job.prepare import PreparedJob, nothing_runs, plan_report, plan_rows, prepare_job, resolve_model
+from batchrun.job.prepare import (DEFAULT_MODEL_LABEL, PreparedJob, model_label, names_default_model, nothing_runs,
+                                  plan_report, plan_rows, prepare_job, resolve_model)
 
-__all__ = ["CALIBRATION_METHODS", "DEFAULT_CALIBRATION", "DEFAULT_PASS_MINUTES", "DEFAULT_SAMPLE", "Comparison",
-           "JobOptions", "PreparedJob", "calibration_settings", "compare_models", "describe_comparison",
-           "keep_models_open", "nothing_runs", "one_row_per_key",
-           "plan_report", "plan_rows", "prepare_job", "resolve_model", "submit"]
+__all__ = ["CALIBRATION_METHODS", "Comparison", "DEFAULT_CALIBRATION", "DEFAULT_MODEL_LABEL", "DEFAULT_PASS_MINUTES",
+           "DEFAULT_SAMPLE", "JobOptions", "PreparedJob", "calibration_settings", "compare_models",
+           "describe_comparison", "keep_models_open", "model_identity_parts", "model_label", "names_default_model",
+           "nothing_runs", "one_row_per_key", "plan_report", "plan_rows", "prepare_job", "refuse_one_model_twice",
+           "resolve_model", "submit"]
 
 
 def __getattr__(name: str):

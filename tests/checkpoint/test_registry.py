@@ -151,7 +151,7 @@ def test_names_resolve_to_the_registry_before_the_hub_and_after_a_local_folder(t
 
 
 def test_job_labels_name_registry_models_and_smollm2_is_the_default():
-    from batchrun.job.prepare import DEFAULT_MODEL_LABEL, model_label, names_default_model
+    from batchrun.job import DEFAULT_MODEL_LABEL, model_label, names_default_model
 
     assert names_default_model("smollm2-135m") and model_label("smollm2-135m") == DEFAULT_MODEL_LABEL
     assert not names_default_model("gemma3-270m")
@@ -327,12 +327,12 @@ def test_gemma_streamed_by_name_equals_the_in_memory_model(gemma_by_name):
 
 
 def test_smollm2_by_name_is_the_default_models_job(default_checkpoint, tmp_path, monkeypatch):
-    from batchrun.job import JobOptions, prepare
+    from batchrun.job import JobOptions, prepare_job
     from tests.support import choice_spec
 
-    monkeypatch.setattr(prepare, "default_model", lambda: default_checkpoint)
+    monkeypatch.setattr("batchrun.job.prepare.default_model", lambda: default_checkpoint)
     spec = choice_spec(tmp_path)
-    unnamed = prepare.prepare_job(spec, JobOptions())
-    named = prepare.prepare_job(spec, JobOptions(model="smollm2-135m"))
+    unnamed = prepare_job(spec, JobOptions())
+    named = prepare_job(spec, JobOptions(model="smollm2-135m"))
     assert named.fingerprint == unnamed.fingerprint and named.model.name == unnamed.model.name
     assert registry_model(SMOLLM2_135M.name, home=default_checkpoint.parent.parent) == default_checkpoint

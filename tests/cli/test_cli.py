@@ -170,12 +170,11 @@ def test_submit_writes_openai_batch_jsonl_for_a_jsonl_name(tmp_path, spec, model
 def test_a_failed_write_after_the_run_keeps_the_job_done_and_says_where_the_answers_are(tmp_path, spec, model,
                                                                                       monkeypatch):
     from batchrun import output
-    from batchrun.output import files as output_files
 
     def disk_full(path, write, *, force=False):
         raise output.OutputError(path, "No space left on device")
 
-    monkeypatch.setattr(output_files, "atomic_write", disk_full)
+    monkeypatch.setattr("batchrun.output.files.atomic_write", disk_full)
     result = invoke("submit", spec, "--model", model, "--db", tmp_path / "j.db", "--output", tmp_path / "a.parquet")
     assert result.exit_code == 1 and "No space left on device" in result.stderr
     # the export command names the database it was given, so it works when copied
@@ -188,15 +187,13 @@ def test_a_failed_write_after_the_run_keeps_the_job_done_and_says_where_the_answ
 def test_typed_escapes_in_stop_strings_mean_what_they_do_in_a_json_spec(spec, model, monkeypatch):
     """`--stop "\\n"` in a shell passes a backslash and an n: it must stop at a newline, as "\\n" does in JSONL. A
     template or system message keeps its backslashes (LaTeX, Windows paths), with a warning for a typed \\n."""
-    from batchrun.job import execute
-
     seen = {}
 
     def capture(spec_path, *, options, **kw):
         seen["options"] = options
         raise KeyboardInterrupt  # as if Ctrl-C came during the run
 
-    monkeypatch.setattr(execute, "submit", capture)
+    monkeypatch.setattr("batchrun.job.execute.submit", capture)
     result = invoke("submit", spec, "--model", model, "--stop", "\\n", "--stop", "a\\\\nb\\q", "--system",
                     "C:\\temp", "--template", "$\\theta$ {text}\\nIs it positive?")
     options = seen["options"]

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import Result
 
-from batchrun.job import execute
+from batchrun.runtime import open_model
 from tests.support import invoke, write_jsonl
 
 REVIEWS = ["great soup, friendly staff", "the parcel came late and broken", "fair price for what it is",
@@ -57,9 +57,9 @@ def assert_same_answers(got: dict, expected: dict) -> None:
 @pytest.fixture
 def opened(monkeypatch) -> list:
     """Every model the run opens (execute.open_model), to read what it was built with after the run."""
-    real = execute.open_model
+    real = open_model
     handles: list = []
-    monkeypatch.setattr(execute, "open_model", lambda *a, **k: handles.append(real(*a, **k)) or handles[-1])
+    monkeypatch.setattr("batchrun.job.execute.open_model", lambda *a, **k: handles.append(real(*a, **k)) or handles[-1])
     return handles
 
 
@@ -135,7 +135,7 @@ def test_micro_batch_one_prefills_each_sequence_in_its_own_forward_call_with_the
     """--micro-batch sets the sequences per prefill (and choice scoring) call; decode steps, one token per sequence,
     keep the plan's decode micro-batches."""
     widths: list[list[int]] = []
-    real = execute.open_model
+    real = open_model
 
     def spied(*args, **kwargs):
         handle = real(*args, **kwargs)
@@ -150,7 +150,7 @@ def test_micro_batch_one_prefills_each_sequence_in_its_own_forward_call_with_the
         handle.layers[0].register_forward_pre_hook(record, with_kwargs=True)
         return handle
 
-    monkeypatch.setattr(execute, "open_model", spied)
+    monkeypatch.setattr("batchrun.job.execute.open_model", spied)
     _, plain = run(spec, model, tmp_path, "plain")
     _, answers = run(spec, model, tmp_path, "micro-1", "--micro-batch", "1")
     default_widths, micro_widths = widths

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from batchrun.store import Store, StoreError
-from batchrun.store.files import describe_failure
+from batchrun.store import Reused, Store, StoreError, describe_failure
 from tests.support import REPO_ROOT, answer, invoke, make_job, write_jsonl
 
 
@@ -173,7 +172,6 @@ def test_jobs_prints_a_header(tmp_path):
 
 def test_reuse_note_names_at_most_three_jobs():
     from batchrun.job.execute import _reuse_note
-    from batchrun.store.reuse import Reused
 
     earlier = [f"job{i:012d}" for i in range(7)]
     note = _reuse_note(Reused(answers=12, partial_rows=2, from_jobs=earlier))

@@ -163,10 +163,9 @@ def test_a_usage_error_prints_its_json_whatever_the_argument_order(command, orde
 
 def test_an_unforeseen_failure_in_a_run_marks_it_failed_and_keeps_its_committed_passes(
         tmp_path, reviews, model, monkeypatch, isolated_state):
-    import batchrun.job.execute as executor
+    from batchrun.runtime import score_choices as real_score
 
     scored = []
-    real_score = executor.score_choices
 
     def fails_in_the_second_pass(model, batch, *args, **kwargs):
         scored.append(len(batch))
@@ -174,7 +173,7 @@ def test_an_unforeseen_failure_in_a_run_marks_it_failed_and_keeps_its_committed_
             raise AssertionError("Padding_idx must be within num_embeddings")  # a fault deep in a pass
         return real_score(model, batch, *args, **kwargs)
 
-    monkeypatch.setattr(executor, "score_choices", fails_in_the_second_pass)
+    monkeypatch.setattr("batchrun.job.execute.score_choices", fails_in_the_second_pass)
     db = tmp_path / "j.db"
     args = ("submit", reviews, "--model", model, "--db", db, "--batch-size", "2", "-q")
     failed = invoke(*args)
@@ -201,10 +200,10 @@ def test_an_unforeseen_failure_in_a_run_marks_it_failed_and_keeps_its_committed_
 
 def test_a_second_ctrl_c_while_the_run_stops_still_leaves_its_record_and_report(tmp_path, reviews, model,
                                                                                  monkeypatch):
-    import batchrun.job.execute as executor
+    from batchrun.runtime import score_choices as real_score
 
     scored = []
-    real_score, real_release = executor.score_choices, Store.release
+    real_release = Store.release
 
     def ctrl_c_in_the_second_pass(model, batch, *args, **kwargs):
         scored.append(len(batch))
@@ -216,7 +215,7 @@ def test_a_second_ctrl_c_while_the_run_stops_still_leaves_its_record_and_report(
         os.kill(os.getpid(), signal.SIGINT)
         return real_release(self, *args, **kwargs)
 
-    monkeypatch.setattr(executor, "score_choices", ctrl_c_in_the_second_pass)
+    monkeypatch.setattr("batchrun.job.execute.score_choices", ctrl_c_in_the_second_pass)
     monkeypatch.setattr(Store, "release", ctrl_c_again)
     db = tmp_path / "j.db"
     result = invoke("submit", reviews, "--model", model, "--db", db, "--batch-size", "2", "-q")
@@ -301,8 +300,7 @@ def test_a_job_that_computed_nothing_reports_no_rate(tmp_path, model):
 ], ids=["default-and-its-registry-name", "registry-name-and-its-folder", "link", "same-directory"])
 def test_compare_refuses_one_model_under_two_names_before_running_anything(spellings, tmp_path, reviews, model,
                                                                             isolated_state):
-    from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL
-    from batchrun.checkpoint.provision import registry_directory
+    from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL, registry_directory
 
     registry_directory(DEFAULT_REGISTRY_MODEL).mkdir(parents=True)  # as if converted: no conversion runs here
     (tmp_path / "linked").symlink_to(model, target_is_directory=True)
@@ -320,7 +318,7 @@ def test_compare_refuses_one_model_under_two_names_before_running_anything(spell
 
 
 def test_compare_takes_different_models_past_the_same_model_check(tiny_checkpoint):
-    from batchrun.job.compare import refuse_one_model_twice
+    from batchrun.job import refuse_one_model_twice
 
     refuse_one_model_twice([None, str(tiny_checkpoint("llama")), str(tiny_checkpoint("qwen2")), "gemma3-270m"])
 
@@ -366,7 +364,7 @@ def test_the_too_few_labels_note_is_said_without_json(tmp_path, model, caplog):
 @pytest.mark.parametrize("flags, shown", [((), True), (("-q",), False), (("--json",), False)])
 def test_a_first_run_shows_the_models_conversion_bars_only_when_not_quiet(flags, shown, tmp_path, reviews, model,
                                                                           monkeypatch):
-    from batchrun.checkpoint.progress import bars_shown
+    from batchrun.checkpoint import bars_shown
 
     seen = []
 

@@ -72,7 +72,7 @@ def test_results_csv_and_stdout(tmp_path, done):
 
 
 def test_parquet_carries_provenance(tmp_path, done, model):
-    from batchrun.job.identity import model_identity_parts
+    from batchrun.job import model_identity_parts
 
     metadata = {key.decode(): value.decode() for key, value in pq.read_metadata(done["parquet"]).metadata.items()
                 if key.startswith(b"batchrun.")}

@@ -168,8 +168,8 @@ def test_a_node_that_encodes_the_rows_otherwise_refuses_the_shard(tiny_checkpoin
 def test_a_worker_opens_the_model_once_for_all_its_shards(tiny_checkpoint, tmp_path, monkeypatch):
     """A Ray worker keeps the model its first shard opened (job.models): the next shard runs on it, with the same
     answers as a process that opens the model afresh."""
-    from batchrun.job import models
-    from batchrun.runtime import resident
+    from batchrun.job import keep_models_open
+    from batchrun.runtime import open_model
 
     rows = [{"id": f"r{i}", "prompt": f"Note {i} about the order", "choices": ["yes", "no"]} for i in range(8)]
     prepared = prepare_job(write_rows(tmp_path / "jobs.jsonl", rows), JobOptions(model=str(tiny_checkpoint("llama"))))
@@ -184,10 +184,10 @@ def test_a_worker_opens_the_model_once_for_all_its_shards(tiny_checkpoint, tmp_p
     tasks = [ShardTask(job_id, prepared.fingerprint, str(layout.root), shard,
                        shard_options(prepared.options, prepared.compute_dtype), 60.0, 60.0) for shard in shards]
     opened = []
-    real_open = resident.open_model
+    real_open = open_model
     monkeypatch.setattr("batchrun.job.execute.open_model", lambda *a, **k: opened.append(1) or real_open(*a, **k))
-    monkeypatch.setattr(models, "_kept", None)
-    kept = models.keep_models_open()
+    monkeypatch.setattr("batchrun.job.models._kept", None)
+    kept = keep_models_open()
     try:
         outcomes = [run_shard(task, "node-a") for task in tasks]
     finally:
@@ -196,7 +196,7 @@ def test_a_worker_opens_the_model_once_for_all_its_shards(tiny_checkpoint, tmp_p
     kept_answers = [json.loads(layout.result(shard.id).read_text())["rows"] for shard in shards]
     for shard in shards:
         layout.result(shard.id).unlink()
-    monkeypatch.setattr(models, "_kept", None)  # a plain process: each shard opens and closes its own
+    monkeypatch.setattr("batchrun.job.models._kept", None)  # a plain process: each shard opens and closes its own
     assert all(run_shard(task, "node-b").model_opened for task in tasks) and len(opened) == 3
     fresh_answers = [json.loads(layout.result(shard.id).read_text())["rows"] for shard in shards]
     assert [[(row["idx"], row["answer"], row["choice_probs"]) for row in rows] for rows in kept_answers] == [

@@ -9,8 +9,7 @@ import torch
 
 from batchrun.job import JobOptions
 from batchrun.plan import RowCost
-from batchrun.plan.batching import passes_for
-from batchrun.plan.refill import refill_schedule
+from batchrun.plan import passes_for, refill_schedule
 from tests.support import (REVIEWS, bfloat16_copy, generation_spec, plain_transformers, prompt_ids,
                            reference_generation, run_job, write_jsonl)
 

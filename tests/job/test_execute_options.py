@@ -20,11 +20,10 @@ def test_the_default_compute_dtype_follows_the_device_and_the_checkpoint(device,
     """auto: on a CUDA card bfloat16 where it has bfloat16 units, else float16; float16 on MPS; on the CPU a bfloat16
     checkpoint's own dtype only where the CPU has bfloat16 units (host/compute_dtype.py). The plan and the runtime
     share the rule. An explicit --dtype always wins."""
-    from batchrun.host import compute_dtype
     from batchrun.job.prepare import compute_dtype_for
 
-    monkeypatch.setattr(compute_dtype, "cpu_bfloat16_feature", lambda: cpu_feature)
-    monkeypatch.setattr(compute_dtype, "_cuda_has_bfloat16", lambda device: cpu_feature == "bf16 card")
+    monkeypatch.setattr("batchrun.host.compute_dtype.cpu_bfloat16_feature", lambda: cpu_feature)
+    monkeypatch.setattr("batchrun.host.compute_dtype._cuda_has_bfloat16", lambda device: cpu_feature == "bf16 card")
     assert compute_dtype_for(JobOptions(), device, storage) == dtype
     assert compute_dtype_for(JobOptions(dtype="auto"), device, storage) == dtype
     assert compute_dtype_for(JobOptions(dtype="float32"), device, storage) == "float32"
@@ -35,13 +34,12 @@ def test_the_default_compute_dtype_follows_the_device_and_the_checkpoint(device,
 def test_a_run_loads_the_tokenizer_once_and_plans_for_its_memory(tmp_path, tiny_checkpoint, monkeypatch, streaming):
     """Gemma's 262k-entry tokenizer holds ~330 MB: the model handles must not load a second copy, and the plan must
     count the one the job holds."""
-    from batchrun.checkpoint import tokenizer
     from batchrun.job import prepare
 
     def second_copy(*args, **kwargs):
         raise AssertionError("the model handle loaded its own tokenizer")
 
-    monkeypatch.setattr(tokenizer, "load_tokenizer", second_copy)  # what a handle's .tokenizer calls
+    monkeypatch.setattr("batchrun.checkpoint.tokenizer.load_tokenizer", second_copy)  # what a handle's .tokenizer calls
     readings = iter([1 << 30, (1 << 30) + (300 << 20)])  # resident memory around the tokenizer's load
     monkeypatch.setattr(prepare, "resident_bytes", lambda: next(readings, None))
     planned = []

@@ -66,7 +66,7 @@ def test_a_model_that_does_not_attend_in_place_as_planned_decodes_with_the_prefi
     Should the built model not (here: told so), the run says so, decodes with the prefill's micro-batches and
     read-ahead, which the plan sized, and its answers are still greedy generate's."""
     from batchrun.job import execute
-    from batchrun.runtime import open_model, prefix_attention
+    from batchrun.runtime import open_model
 
     path = tiny_checkpoint("llama")
     instruction = "Read the customer review below and write a short summary of what the customer thinks of it."
@@ -75,7 +75,7 @@ def test_a_model_that_does_not_attend_in_place_as_planned_decodes_with_the_prefi
                                                       for i, p in enumerate(prompts)])
     opened, plans = [], []
     monkeypatch.setattr(execute, "open_model", lambda *a, **k: opened.append(open_model(*a, **k)) or opened[-1])
-    monkeypatch.setattr(prefix_attention, "reads_prefix_in_place", lambda model: False)
+    monkeypatch.setattr("batchrun.runtime.prefix_attention.reads_prefix_in_place", lambda model: False)
     monkeypatch.setattr(execute, "reads_prefix_in_place", lambda model: False)
     summary, rows = run_job(spec, tmp_path, path, "prefixed", on_plan=plans.append, streaming=streaming, micro_batch=2)
     assert plans[0].batching.decode_in_place and plans[0].batching.shared_prefix_tokens > 0

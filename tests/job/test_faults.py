@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from batchrun.host import HOST, memory_cgroup_dir, oom_kill_count
-from batchrun.host.memory import CGROUP_ROOT
+from batchrun.host import CGROUP_ROOT, HOST, memory_cgroup_dir, oom_kill_count
 from batchrun.output import read_parquet_results, write_parquet
 from tests.procs import (
     Reference, assert_same_answers, batchrun_env, done_answers, finish, fresh_home, mixed_job, reference_run, run,

@@ -7,8 +7,7 @@ import re
 
 import pytest
 
-from batchrun.checkpoint import kv_bytes_for_sequence
-from batchrun.checkpoint.sizes import sizes_from_config
+from batchrun.checkpoint import kv_bytes_for_sequence, sizes_from_config
 from batchrun.plan import RowCost, format_plan_table, without_prefix
 from batchrun.plan import memory as plan_memory
 from batchrun.plan.memory import (HEAP_RETAINED_ACTIVATION_COPIES, IN_PLACE_SCORE_COPIES, PREFILL_CALL_BYTES, Calls,

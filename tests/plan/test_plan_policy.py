@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from batchrun.checkpoint import kv_bytes_for_sequence
-from batchrun.checkpoint.sizes import sizes_from_config
+from batchrun.checkpoint import kv_bytes_for_sequence, sizes_from_config
 from batchrun.plan import Bandwidth, RowCost, parse_streaming
 from tests.support import CONFIGS, LLAMA_70B, TINY, GiB, plan
 

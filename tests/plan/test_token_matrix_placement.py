@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchrun.checkpoint.sizes import sizes_from_config
+from batchrun.checkpoint import sizes_from_config
 from batchrun.plan import RowCost, format_plan_table
 from batchrun.plan.weights import token_matrix_placements
 from tests.support import GiB, plan

@@ -1,9 +1,12 @@
-"""The turns of a pass's micro-batches (passes.run_interleaved), without a model."""
+"""The turns of a pass's micro-batches (passes.run_interleaved), and a stop signal unwinding them, without a model."""
 import contextlib
+import os
+import signal
 import threading
 
 import pytest
 
+from batchrun.host import Stopped, stop_signals_unwind
 from batchrun.runtime.turns import LayerTurns, PassAborted, PassGroup, run_interleaved
 
 
@@ -82,3 +85,33 @@ def test_an_aborted_micro_batch_raises_pass_aborted_at_its_next_turn():
     turns.fail(RuntimeError("disk gone"))
     with pytest.raises(PassAborted):
         turns.wait(0, 1)
+
+
+def test_a_stop_unwinds_every_micro_batch_of_the_pass_before_it_goes_on():
+    """SIGTERM lands in whichever micro-batch is computing: it stops there, the others unwind at their next layer
+    (none is left suspended half-way), and the stop reaches the caller. The signal is sent from inside micro-batch 1's
+    layer 3, so where it lands does not depend on timing."""
+    group = PassGroup(turns=LayerTurns(2))
+    layers_done, unwound = [], []
+
+    def micro_batch(micro):
+        def walk():
+            try:
+                for layer in range(10):
+                    group.turns.wait(layer, micro)
+                    if (layer, micro) == (3, 1):
+                        os.kill(os.getpid(), signal.SIGTERM)
+                        for _ in range(1000):  # the handler runs between bytecodes
+                            pass
+                    layers_done.append((layer, micro))
+                    group.turns.advance(layer, micro)
+            finally:
+                unwound.append(micro)
+        return walk
+
+    with pytest.raises(Stopped) as stopped, stop_signals_unwind():
+        run_interleaved(group, [micro_batch(0), micro_batch(1)], lambda: contextlib.nullcontext())
+    assert stopped.value.signum == signal.SIGTERM
+    # In turn order up to the stop: micro-batch 0 had run layer 3, micro-batch 1 stopped in it; no layer after.
+    assert layers_done == [(layer, micro) for layer in range(3) for micro in (0, 1)] + [(3, 0)]
+    assert sorted(unwound) == [0, 1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchrun.plan.batching import MIN_SHARED_PREFIX
+from batchrun.plan import MIN_SHARED_PREFIX
 from batchrun.runtime import LayerReads, ResidentModel, StreamedModel
 from batchrun.runtime.prefill import PrefixSharedLayer, SharedPrefix, decode, drop_finished, merge_for_decode, prefill
 from tests.reference import assert_matches_reference, decode_matching_reference, sequences

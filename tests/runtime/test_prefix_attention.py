@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from batchrun.plan.batching import MIN_SHARED_PREFIX
+from batchrun.plan import MIN_SHARED_PREFIX
 from batchrun.runtime import StreamedModel, cache_argument, output_cache, prefix_attention
 from batchrun.runtime.prefill import merge_for_decode, prefill
 from tests.reference import assert_matches_reference, decode_matching_reference, sequences

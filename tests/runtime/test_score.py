@@ -5,8 +5,7 @@ import pytest
 
 from batchrun.runtime import GreedyPool
 from batchrun.runtime.score import Sequence_, special_token_ids
-from batchrun.spec import EncodedRow
-from batchrun.spec.read import Request
+from batchrun.spec import EncodedRow, Request
 
 EOS, TURN = 0, 1
 

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchrun import StreamedModel
-from batchrun.checkpoint.resolve import CheckpointError
+from batchrun.checkpoint import CheckpointError
 from batchrun.runtime import LayerReads
 from batchrun.runtime.loader import widen_in_place
 from tests.support import STREAM_TOLERANCE, in_memory_model, sample_ids

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from batchrun.host.processes import HOST, process_identity
+from batchrun.host import HOST, process_identity
 from batchrun.store import JobLocked, Store
 from tests.support import make_job, start_python
 
