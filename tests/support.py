@@ -185,12 +185,13 @@ def generation_spec(tmp_path: Path, max_new_tokens: int = 6) -> Path:
 
 
 def plain_transformers(path):
-    """(model, tokenizer): the checkpoint as plain transformers loads it in float32, to compute expected answers
-    independently of batchrun."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer): the plain transformers reference of the checkpoint (tests/reference.py) and its tokenizer,
+    to compute expected answers independently of batchrun."""
+    from transformers import AutoTokenizer
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
+    from tests.reference import reference_model
+
+    return reference_model(path), AutoTokenizer.from_pretrained(path)
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
@@ -265,17 +266,6 @@ def run_job(spec: Path, tmp_path: Path, model, name: str, on_plan=None, **option
 
 # ---- the streamed model against the plain one in memory ---------------------------------------------------------
 
-# Float32 on both sides and the same batch: the streamed forward computes what the in-memory model computes.
-STREAM_TOLERANCE = 1e-5
-
-
-def in_memory_model(path):
-    """The checkpoint at `path` as plain transformers loads it in float32, in eval mode."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
 
 def sample_ids(vocab: int, batch: int = 2, length: int = 24) -> torch.Tensor:
     """[batch, length] random token ids below `vocab`, the same every call."""
@@ -287,10 +277,12 @@ def sample_ids(vocab: int, batch: int = 2, length: int = 24) -> torch.Tensor:
 
 
 def in_memory_logits(path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, logits): sample ids for the checkpoint at `path` and what the plain in-memory model gives for them."""
+    """(ids, logits): sample ids for the checkpoint at `path` and what the plain reference model gives for them."""
     import torch
 
-    model = in_memory_model(path)
+    from tests.reference import reference_model
+
+    model = reference_model(path)
     ids = sample_ids(model.config.vocab_size)
     with torch.inference_mode():
         return ids, model(ids).logits

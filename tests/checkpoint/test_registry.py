@@ -317,13 +317,14 @@ def test_gemma_streamed_by_name_equals_the_in_memory_model(gemma_by_name):
     import torch
 
     from batchrun import StreamedModel
-    from tests.support import STREAM_TOLERANCE, in_memory_logits
+    from tests.reference import TOLERANCE
+    from tests.support import in_memory_logits
 
     ids, expected = in_memory_logits(gemma_by_name)
     with StreamedModel("gemma3-270m", device="cpu", dtype=torch.float32) as streamed:
         assert streamed.checkpoint == gemma_by_name
         got = streamed(ids).logits
-    assert (got - expected).abs().max().item() <= STREAM_TOLERANCE * expected.abs().max().item()
+    assert (got - expected).abs().max().item() <= TOLERANCE * expected.abs().max().item()
 
 
 def test_smollm2_by_name_is_the_default_models_job(default_checkpoint, tmp_path, monkeypatch):

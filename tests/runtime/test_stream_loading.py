@@ -10,13 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from batchrun import StreamedModel
 from batchrun.checkpoint import CheckpointError
 from batchrun.runtime import LayerReads
 from batchrun.runtime.loader import widen_in_place
-from tests.support import STREAM_TOLERANCE, in_memory_model, sample_ids
+from tests.reference import TOLERANCE, reference_model
+from tests.support import bfloat16_copy, sample_ids
 from tests.tiny_models import build_large_llama
 
 
@@ -119,7 +119,7 @@ def test_each_layer_read_is_dropped_from_the_page_cache_in_one_advice(tiny_check
 
     monkeypatch.setattr(loader.os, "posix_fadvise", record)
     path = tiny_checkpoint("llama")
-    ids = sample_ids(in_memory_model(path).config.vocab_size)
+    ids = sample_ids(reference_model(path).config.vocab_size)
     with StreamedModel(path, device="cpu", dtype=torch.float32, reads=LayerReads(prefetch=False)) as streamed:
         streamed(ids)
         layers = [[recipe.sources[0] for recipe in recipes] for recipes in streamed.loader.layer_recipes]
@@ -136,7 +136,7 @@ def test_a_failed_read_surfaces_only_after_the_layers_widenings_stop_writing_int
     from batchrun.runtime import loader
 
     path = tmp_path / "bf16"
-    in_memory_model(tiny_checkpoint("llama")).to(torch.bfloat16).save_pretrained(path)
+    bfloat16_copy(tiny_checkpoint("llama"), path)
     running, reads = [], []
     real_read, real_widen = loader.read_into, loader.widen_in_place
 
@@ -160,10 +160,10 @@ def test_a_failed_read_surfaces_only_after_the_layers_widenings_stop_writing_int
         assert running == []  # both widenings submitted before the failure had finished
     with StreamedModel(path, device="cpu", dtype=torch.float32, reads=LayerReads(prefetch=False)) as streamed:  # loads in the
         monkeypatch.setattr(loader, "read_into", real_read)  # forward's thread, its slots inference tensors
-        expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        expected = reference_model(path)
         ids = sample_ids(streamed.config.vocab_size)
         with torch.inference_mode():
-            assert (streamed(ids).logits - expected(ids).logits).abs().max().item() <= STREAM_TOLERANCE
+            assert (streamed(ids).logits - expected(ids).logits).abs().max().item() <= TOLERANCE
 
 
 def store_tensors_in_reverse_name_order(shard: Path) -> None:
@@ -188,7 +188,7 @@ def test_a_layer_is_read_in_the_order_its_bytes_lie_in_the_shard(tmp_path, tiny_
     from batchrun.runtime import loader
 
     path = tmp_path / "bf16"
-    in_memory_model(tiny_checkpoint("llama")).to(torch.bfloat16).save_pretrained(path)
+    bfloat16_copy(tiny_checkpoint("llama"), path)
     for shard in path.glob("*.safetensors"):
         store_tensors_in_reverse_name_order(shard)
     per_load: list[list[tuple[str, int]]] = []
@@ -205,10 +205,10 @@ def test_a_layer_is_read_in_the_order_its_bytes_lie_in_the_shard(tmp_path, tiny_
 
     monkeypatch.setattr(loader.LayerLoader, "_load", load)
     monkeypatch.setattr(loader, "read_into", read)
-    expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = reference_model(path)
     ids = sample_ids(expected.config.vocab_size)
     with StreamedModel(path, device="cpu", dtype=torch.float32, reads=LayerReads(prefetch=False)) as streamed, torch.inference_mode():
-        assert (streamed(ids).logits - expected(ids).logits).abs().max().item() <= STREAM_TOLERANCE
+        assert (streamed(ids).logits - expected(ids).logits).abs().max().item() <= TOLERANCE
         assert len(per_load) == streamed.num_layers
     assert all(len(reads) > 1 and reads == sorted(reads) for reads in per_load)
 
@@ -222,7 +222,7 @@ def test_the_reader_moves_on_while_a_layer_widens_and_the_forward_waits_for_it(t
     from batchrun.runtime import loader
 
     path = tmp_path / "bf16"
-    in_memory_model(tiny_checkpoint("llama")).to(torch.bfloat16).save_pretrained(path)
+    bfloat16_copy(tiny_checkpoint("llama"), path)
     returned = threading.Condition()
     loads_returned = [0]
     widenings_of: dict[int, list] = {}  # layer -> the widenings its load left running
@@ -263,13 +263,13 @@ def test_the_reader_moves_on_while_a_layer_widens_and_the_forward_waits_for_it(t
 
     monkeypatch.setattr(loader.LayerLoader, "_load", load)
     monkeypatch.setattr(loader.LayerLoader, "_widener", lambda self: HeldWidener(real_widener(self)))
-    expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = reference_model(path)
     ids = sample_ids(expected.config.vocab_size)
     with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed, torch.inference_mode():
         for index, layer in enumerate(streamed.layers):  # after the model's own hook, which acquires the layer
             layer.register_forward_pre_hook(lambda module, args, index=index: widened_before_forward.append(
                 (index, all(widening.done() for widening in widenings_of[index]))))
-        assert (streamed(ids).logits - expected(ids).logits).abs().max().item() <= STREAM_TOLERANCE
+        assert (streamed(ids).logits - expected(ids).logits).abs().max().item() <= TOLERANCE
     # Every load (the pass's, and the next pass's read ahead) returned before its widenings ended.
     assert len(unwidened_at_return) >= streamed.num_layers and all(unwidened_at_return)
     assert widened_before_forward == [(index, True) for index in range(streamed.num_layers)]
@@ -296,7 +296,7 @@ def test_a_failed_widening_fails_the_pass_and_gives_its_slot_back(tmp_path, tiny
     from batchrun.runtime import loader
 
     path = tmp_path / "bf16"
-    in_memory_model(tiny_checkpoint("llama")).to(torch.bfloat16).save_pretrained(path)
+    bfloat16_copy(tiny_checkpoint("llama"), path)
     real_widen = loader.widen_in_place
     broken = [True]
 
@@ -306,7 +306,7 @@ def test_a_failed_widening_fails_the_pass_and_gives_its_slot_back(tmp_path, tiny
         real_widen(*args)
 
     monkeypatch.setattr(loader, "widen_in_place", widen)
-    expected = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = reference_model(path)
     ids = sample_ids(expected.config.vocab_size)
     with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
         with pytest.raises(RuntimeError, match="widening broke"):
@@ -319,4 +319,4 @@ def test_a_failed_widening_fails_the_pass_and_gives_its_slot_back(tmp_path, tiny
         again.join(timeout=60)
         assert result, "the pass after a failed widening never finished: a slot was not given back"
         with torch.inference_mode():
-            assert (result[0] - expected(ids).logits).abs().max().item() <= STREAM_TOLERANCE
+            assert (result[0] - expected(ids).logits).abs().max().item() <= TOLERANCE

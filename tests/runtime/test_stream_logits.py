@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM
 
 from batchrun import StreamedModel
 from batchrun.runtime import LayerReads, linear_kernels, stream
-from tests.support import STREAM_TOLERANCE, in_memory_logits, in_memory_model, sample_ids
+from tests.reference import TOLERANCE, reference_model
+from tests.support import bfloat16_copy, in_memory_logits, sample_ids
 from tests.tiny_models import TINY_ARCHS, build_sharded_checkpoint
 
 
@@ -22,13 +23,13 @@ def test_streamed_logits_equal_in_memory(tiny_checkpoint, arch, prefetching):
         assert streamed.passes == 1
         # what a pass reads: every decoder layer once
         assert streamed.peak_materialised_layers <= 2
-    assert (got - expected).abs().max().item() <= STREAM_TOLERANCE
+    assert (got - expected).abs().max().item() <= TOLERANCE
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_streamed_greedy_generate_equals_in_memory(tiny_checkpoint, arch):
     path = tiny_checkpoint(arch)
-    ref = in_memory_model(path)
+    ref = reference_model(path)
     ids = sample_ids(ref.config.vocab_size, batch=1, length=12)
     with torch.inference_mode():
         expected = ref.generate(ids, max_new_tokens=10, do_sample=False, min_new_tokens=10)
@@ -66,7 +67,7 @@ def test_sharded_checkpoint_streams_exactly(tmp_path):
     assert len(list(path.glob("*.safetensors"))) > 1
     ids, expected = in_memory_logits(path)
     with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
-        assert (streamed(ids).logits - expected).abs().max().item() <= STREAM_TOLERANCE
+        assert (streamed(ids).logits - expected).abs().max().item() <= TOLERANCE
         # The slots hold the layer once each
         layer_bytes = sum(p.numel() * 4 for p in streamed.layers[0].parameters())
         assert streamed.loader.buffer_bytes() == streamed.slots.count * layer_bytes
@@ -96,15 +97,13 @@ def test_close_is_idempotent_and_tokenizer_attached(tiny_checkpoint):
 def test_bf16_checkpoint_streams_into_float32(tmp_path, tiny_checkpoint):
     """Storage dtype differs from compute dtype: each tensor is read into its float32 buffer and widened there,
     so the layer slots are the only layer memory (no read buffer at the checkpoint dtype beside them)."""
-    ref = in_memory_model(tiny_checkpoint("llama")).to(torch.bfloat16)
-    path = tmp_path / "bf16"
-    ref.save_pretrained(path)
-    expected_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = sample_ids(ref.config.vocab_size)
+    path = bfloat16_copy(tiny_checkpoint("llama"), tmp_path / "bf16")
+    expected_model = reference_model(path)
+    ids = sample_ids(expected_model.config.vocab_size)
     with torch.inference_mode():
         expected = expected_model(ids).logits
     with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
-        assert (streamed(ids).logits - expected).abs().max().item() <= STREAM_TOLERANCE
+        assert (streamed(ids).logits - expected).abs().max().item() <= TOLERANCE
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
@@ -113,8 +112,8 @@ def test_a_decode_pass_keeps_linear_weights_narrow_and_equals_in_memory(tmp_path
     tile by tile; everything else is widened into its slot. A full pass after it finds the layers read ahead for it
     narrow and widens them: both give the float32 model's logits."""
     path = tmp_path / "bf16"
-    in_memory_model(tiny_checkpoint(arch)).to(torch.bfloat16).save_pretrained(path)
-    expected_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    bfloat16_copy(tiny_checkpoint(arch), path)
+    expected_model = reference_model(path)
     ids = sample_ids(expected_model.config.vocab_size)
     with torch.inference_mode():
         expected = expected_model(ids).logits
@@ -125,14 +124,14 @@ def test_a_decode_pass_keeps_linear_weights_narrow_and_equals_in_memory(tmp_path
                 {name: p.dtype for name, p in module.named_parameters()}))
         narrowable = streamed.loader.narrowable[0]
         light = streamed.run_pass([lambda: streamed.model(ids).logits], light=True)[0]
-        assert (light - expected).abs().max().item() <= STREAM_TOLERANCE
+        assert (light - expected).abs().max().item() <= TOLERANCE
         for dtypes in seen:
             assert {name for name, dtype in dtypes.items() if dtype == torch.bfloat16} == narrowable
         assert bool(narrowable) == (arch != "gpt2")  # GPT-2's Conv1D is no nn.Linear: it stays widened
         seen.clear()
         full = streamed.run_pass([lambda: streamed.model(ids).logits])[0]
         assert all(dtype == torch.float32 for dtypes in seen for dtype in dtypes.values())
-        assert (full - expected).abs().max().item() <= STREAM_TOLERANCE
+        assert (full - expected).abs().max().item() <= TOLERANCE
         assert streamed.passes == 2
 
 
@@ -144,7 +143,7 @@ def test_a_long_bfloat16_prefill_packs_each_layer_once_and_gives_the_same_logits
     gives the unpacked pass's logits bit for bit, and keeps no packed copy after the pass; a decode pass never
     packs, nor a model opened without pack_weights."""
     path = tmp_path / "bf16"
-    in_memory_model(tiny_checkpoint(arch)).to(torch.bfloat16).save_pretrained(path)
+    bfloat16_copy(tiny_checkpoint(arch), path)
     expected_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     ids = sample_ids(expected_model.config.vocab_size, batch=3)
     packed_layers, packed_uses = [], []
@@ -190,5 +189,5 @@ def test_a_long_prefill_gives_the_in_memory_logits(tiny_checkpoint, arch):
     with StreamedModel(path, device="cpu", dtype=torch.float32) as streamed:
         [long] = streamed.run_pass([lambda: streamed.model(ids).logits], rows=stream.PACK_MIN_ROWS)
         [short] = streamed.run_pass([lambda: streamed.model(ids).logits], rows=stream.PACK_MIN_ROWS - 1)
-    assert (long - expected).abs().max().item() <= STREAM_TOLERANCE
+    assert (long - expected).abs().max().item() <= TOLERANCE
     assert torch.equal(long, short)

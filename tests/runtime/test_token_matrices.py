@@ -9,7 +9,8 @@ import torch
 from batchrun import StreamedModel
 from batchrun.checkpoint import read_tensor_infos
 from batchrun.runtime import LayerReads, stream
-from tests.support import STREAM_TOLERANCE, in_memory_logits, in_memory_model, sample_ids
+from tests.reference import TOLERANCE, reference_model
+from tests.support import in_memory_logits, sample_ids
 from tests.tiny_models import TINY_ARCHS
 
 PLACEMENTS = {"gathered": LayerReads(gather_embeddings=True), "streamed-head": LayerReads(stream_head=True),
@@ -23,13 +24,13 @@ def test_logits_equal_in_memory_whatever_the_embedding_and_head_placement(tiny_c
     ids, expected = in_memory_logits(path)
     with StreamedModel(path, device="cpu", dtype=torch.float32, reads=PLACEMENTS[placement]) as streamed:
         got = streamed(ids).logits
-    assert (got - expected).abs().max().item() <= STREAM_TOLERANCE
+    assert (got - expected).abs().max().item() <= TOLERANCE
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # untied; tied with a scaled embedding
 def test_greedy_generation_equals_in_memory_with_both_matrices_streamed(tiny_checkpoint, arch):
     path = tiny_checkpoint(arch)
-    ref = in_memory_model(path)
+    ref = reference_model(path)
     ids = sample_ids(ref.config.vocab_size, batch=2, length=12)
     with torch.inference_mode():
         expected = ref.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
@@ -47,7 +48,7 @@ def _matrix_bytes(path, streamed: StreamedModel) -> int:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied, tied
 def test_a_micro_batched_pass_reads_the_head_once_for_every_call(tiny_checkpoint, arch):
     path = tiny_checkpoint(arch)
-    ref = in_memory_model(path)
+    ref = reference_model(path)
     ids = [sample_ids(ref.config.vocab_size, batch=1, length=10 + 3 * i) for i in range(3)]
     with torch.inference_mode():
         expected = [ref(row).logits for row in ids]
@@ -57,7 +58,7 @@ def test_a_micro_batched_pass_reads_the_head_once_for_every_call(tiny_checkpoint
         layer_bytes = streamed.loader.bytes_read - layers_before
         outside_layers = streamed.bytes_read - before - layer_bytes
     for logits, want in zip(got, expected):
-        assert (logits - want).abs().max().item() <= STREAM_TOLERANCE
+        assert (logits - want).abs().max().item() <= TOLERANCE
     row_bytes = _matrix_bytes(path, streamed) // ref.config.vocab_size
     rows_gathered = sum(len(torch.unique(row)) for row in ids)  # each call's distinct tokens
     # the head once, and each call's embedding rows: never the head per call
@@ -96,7 +97,7 @@ def test_bfloat16_checkpoint_streams_its_head_in_float32_exactly(tmp_path, tiny_
     path = bfloat16_copy(tiny_checkpoint("llama"), tmp_path)
     ids, expected = in_memory_logits(path)
     with StreamedModel(path, device="cpu", dtype=torch.float32, reads=PLACEMENTS["streamed"]) as streamed:
-        assert (streamed(ids).logits - expected).abs().max().item() <= STREAM_TOLERANCE
+        assert (streamed(ids).logits - expected).abs().max().item() <= TOLERANCE
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -107,7 +108,7 @@ def test_a_head_read_in_many_chunks_gives_the_same_logits(tiny_checkpoint, monke
     with StreamedModel(path, device="cpu", dtype=torch.float32, reads=PLACEMENTS["streamed"]) as streamed:
         head = streamed.model.get_output_embeddings()
         assert head.chunk_rows == 16 and head.rows.rows > 16 * 10
-        assert (streamed(ids).logits - expected).abs().max().item() <= STREAM_TOLERANCE
+        assert (streamed(ids).logits - expected).abs().max().item() <= TOLERANCE
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # untied; tied with a scaled embedding
@@ -137,4 +138,4 @@ def test_a_choice_pass_through_a_streamed_head_keeps_only_the_choice_tokens_log_
     assert widths and max(widths) < head.rows.rows
     for mine, theirs in zip(got, expected):
         assert mine.answer == theirs.answer
-        assert max(abs(mine.choice_probs[c] - p) for c, p in theirs.choice_probs.items()) <= STREAM_TOLERANCE
+        assert max(abs(mine.choice_probs[c] - p) for c, p in theirs.choice_probs.items()) <= TOLERANCE
