@@ -129,35 +129,47 @@ def test_each_layer_read_is_dropped_from_the_page_cache_in_one_advice(tiny_check
 
 def test_a_failed_read_surfaces_only_after_the_layers_widenings_stop_writing_into_its_slot(tmp_path, tiny_checkpoint,
                                                                                            monkeypatch):
-    """Widenings run beside the reads; a load that fails gives its slot back, so none may still be writing there."""
+    """Widenings run beside the reads; a load that fails gives its slot back, so none may still be writing there.
+    The read fails while a widening runs, and that widening is held until the loader waits for it: a loader that
+    did not wait would surface the failure with the widening still writing, however fast the machine."""
     import threading
-    import time
 
     from batchrun.runtime import loader
 
     path = tmp_path / "bf16"
     bfloat16_copy(tiny_checkpoint("llama"), path)
     running, reads = [], []
-    real_read, real_widen = loader.read_into, loader.widen_in_place
+    widening, awaited = threading.Event(), threading.Event()
+    real_read, real_widen, real_wait = loader.read_into, loader.widen_in_place, loader.wait
 
-    def slow_widen(buffer, source):
+    def held_widen(buffer, source):
         running.append(threading.get_ident())
-        time.sleep(0.2)
+        widening.set()
+        awaited.wait(timeout=60)  # the timeout only stops a hung test
         real_widen(buffer, source)
         running.pop()
 
     def read_then_fail(*args):
         reads.append(args)
         if len(reads) == 3:
+            assert widening.wait(timeout=60), "no widening ran beside the reads"
             raise CheckpointError("disk gone")
         real_read(*args)
 
-    monkeypatch.setattr(loader, "widen_in_place", slow_widen)
+    def wait_for(futures):
+        awaited.set()
+        return real_wait(futures)
+
+    monkeypatch.setattr(loader, "widen_in_place", held_widen)
     monkeypatch.setattr(loader, "read_into", read_then_fail)
+    monkeypatch.setattr(loader, "wait", wait_for)
     with StreamedModel(path, device="cpu", dtype=torch.float32, reads=LayerReads(prefetch=False)) as streamed:
-        with pytest.raises(CheckpointError, match="disk gone"):
-            streamed(sample_ids(streamed.config.vocab_size))
-        assert running == []  # both widenings submitted before the failure had finished
+        try:
+            with pytest.raises(CheckpointError, match="disk gone"):
+                streamed(sample_ids(streamed.config.vocab_size))
+            assert running == []  # the widening in flight at the failure had finished
+        finally:
+            awaited.set()  # a loader that did not wait left the widening held
     with StreamedModel(path, device="cpu", dtype=torch.float32, reads=LayerReads(prefetch=False)) as streamed:  # loads in the
         monkeypatch.setattr(loader, "read_into", real_read)  # forward's thread, its slots inference tensors
         expected = reference_model(path)
