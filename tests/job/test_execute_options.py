@@ -253,3 +253,25 @@ def test_generation_passes_far_quicker_than_planned_have_their_rates_measured_ag
             streaming="never")
     assert remeasured == ["cpu"]  # the next plan measured the cost instead of trusting the disputed figure
     assert cache.load()["layer_call"][key]["seconds"] == 2e-4
+
+
+def test_a_submit_whose_start_disagrees_with_the_cached_import_time_has_it_probed_again(tmp_path, tiny_checkpoint):
+    """An import time probed while the machine was busy stays in every later ETA: a `batchrun submit` whose own
+    imports took far less disputes it before it plans, so its own plan probes again. A fresh process: only a command
+    run right after its own imports judges them (a test runner's long-lived process would not)."""
+    import subprocess
+    import sys
+
+    from batchrun import measure
+    from batchrun.measure import cache
+    from tests.support import choice_spec
+
+    measure.runtime_overhead_bytes()  # the probe's entry, as a plan leaves it
+    entry = cache.cached("runtime_overhead", sys.executable)
+    cache.store("runtime_overhead", sys.executable, {**entry, "import_seconds": 90.0})
+    done = subprocess.run([sys.executable, "-m", "batchrun", "submit", str(choice_spec(tmp_path)), "--model",
+                           str(tiny_checkpoint("llama")), "--streaming", "never", "--db", str(tmp_path / "j.db"),
+                           "--output", str(tmp_path / "o.parquet"), "--quiet"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    probed = cache.load()["runtime_overhead"][sys.executable]
+    assert probed["import_seconds"] < 60 and "disputed" not in probed  # probed again, not the disputed figure
