@@ -126,7 +126,7 @@ def _run_shards(prepared: PreparedJob, store: Store, job_id: str, layout: Shared
     runnable = [row for row in prepared.rows if row.request.index in pending and not row.error]
     rows = one_row_per_key(runnable, prepared.row_keys)
     if rows:
-        plan = plan_rows(prepared.model, rows, prepared.options, prepared.device)
+        plan = plan_rows(prepared.model, rows, prepared.options, prepared.device, held=prepared.rows)
         if on_plan is not None:
             on_plan(plan)
         width = _range_width(layout, prepared, cluster, len(rows), plan.batch_size)

@@ -287,7 +287,7 @@ def _plan_run(prepared: PreparedJob, store: Store, job_id: str, rows: list[Encod
     refuse a plan that does not fit."""
     prefixes = {i: len(partial[i][0]) for i in partial}
     options = _after_previous_run(prepared.options, store.previous_runs(job_id), summary.notes)
-    plan = plan_rows(prepared.model, rows, options, prepared.device, prefixes)
+    plan = plan_rows(prepared.model, rows, options, prepared.device, prefixes, held=prepared.rows)
     summary.notes += one_choice_caveat(rows)  # the plan's caveat too: said where no plan table is shown
     cgroup = memory_cgroup_dir()
     store.record_run_plan(job_id, batch_size=plan.batch_size, planned_peak_bytes=plan.peak_memory_bytes,
