@@ -41,7 +41,7 @@ class ResidentModel(TokenizerOnDemand):
         self._in_pass = False
         self._micro = 0
         self._before_layer = None
-        self.on_turn: TurnCallback | None = None  # told of each layer turn of a pass (turns.PassProgress)
+        self._on_turn: TurnCallback | None = None
         self._progress: PassProgress | None = None
         self._hooks = [self.model.register_forward_pre_hook(self._count_pass)]
         self._hooks += [layer.register_forward_pre_hook(self._make_layer_hook(i))
@@ -69,7 +69,7 @@ class ResidentModel(TokenizerOnDemand):
         computes: `light` and `rows` matter only to a streamed model)."""
         self.passes += 1
         self._in_pass, self._before_layer = True, before_layer
-        self._progress = PassProgress.of(self.on_turn, len(calls), len(self.layers))
+        self._progress = PassProgress.of(self._on_turn, len(calls), len(self.layers))
         try:
             results = []
             for micro, call in enumerate(calls):
@@ -79,6 +79,13 @@ class ResidentModel(TokenizerOnDemand):
             return results
         finally:
             self._in_pass, self._before_layer, self._micro, self._progress = False, None, 0, None
+
+    def report_turns(self, on_turn: TurnCallback | None) -> None:
+        """Tell `on_turn` of each layer turn of the passes run_pass runs from now on (turns.PassProgress)."""
+        self._on_turn = on_turn
+
+    def use_prefill_read_ahead_in_decode(self) -> None:
+        """Nothing to do: resident weights are not read ahead."""
 
     @property
     def max_seq_len(self) -> int | None:

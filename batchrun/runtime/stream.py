@@ -128,7 +128,7 @@ class StreamedModel(TokenizerOnDemand):
         self._active: dict[int, LayerWeights] = {}
         self.passes = 0
         self._group: PassGroup | None = None
-        self.on_turn: TurnCallback | None = None  # told of each layer turn of a pass (turns.PassProgress)
+        self._on_turn: TurnCallback | None = None
         self._progress: PassProgress | None = None
         self._hooks = []
         self._install_hooks()
@@ -342,7 +342,7 @@ class StreamedModel(TokenizerOnDemand):
         self._narrow = light
         self._pack = self.packs_weights(rows) and not light
         self._use_depth(self.decode_prefetch_depth if light else self.prefetch_depth)
-        self._progress = PassProgress.of(self.on_turn, len(calls), self.num_layers)
+        self._progress = PassProgress.of(self._on_turn, len(calls), self.num_layers)
         with self._leaving_a_core(light):
             try:
                 if len(calls) == 1 and before_layer is None:
@@ -454,6 +454,15 @@ class StreamedModel(TokenizerOnDemand):
         self.slots.give(weights.slot)
 
     # -- public surface ------------------------------------------------------------------------
+    def report_turns(self, on_turn: TurnCallback | None) -> None:
+        """Tell `on_turn` of each layer turn of the passes run_pass runs from now on (turns.PassProgress)."""
+        self._on_turn = on_turn
+
+    def use_prefill_read_ahead_in_decode(self) -> None:
+        """Decode passes read ahead only as far as a prefill: the plan sized a deeper read-ahead for them on keys and
+        values read in place, which this model's attention does not do."""
+        self.decode_prefetch_depth = self.prefetch_depth
+
     @property
     def peak_materialised_layers(self) -> int:
         return self.slots.peak_in_use
