@@ -1,4 +1,4 @@
-"""One entry point for the executor: a model that runs resident when it fits, streamed when not."""
+"""The plain transformers model, every weight loaded once, run as a streamed model is (handle.ModelHandle)."""
 from __future__ import annotations
 
 import ctypes
@@ -11,13 +11,12 @@ from transformers import AutoModelForCausalLM
 from batchrun.checkpoint import TokenizerOnDemand, load_config, read_tensor_infos, storage_dtype
 from batchrun.host import glibc, keep_heap_flat, return_freed_memory
 from batchrun.runtime.devices import resolve_dtype
-from batchrun.runtime.linear_kernels import route_linears
-from batchrun.runtime.stream import LayerReads, StreamedModel, find_decoder_stack, text_config
+from batchrun.runtime.stream import find_decoder_stack, text_config
 from batchrun.runtime.turns import PassProgress, TurnCallback
 
 
 class ResidentModel(TokenizerOnDemand):
-    """The plain transformers model, weights loaded once. Same surface as StreamedModel."""
+    """The plain transformers model, weights loaded once: a ModelHandle (handle.py), as StreamedModel is."""
 
     def __init__(self, checkpoint: Path, *, device: str, dtype=None, trust_remote_code: bool = False):
         load_config(checkpoint, trust_remote_code=trust_remote_code)
@@ -200,15 +199,3 @@ def lies_in(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
     start = storage.data_ptr()
     end = start + storage.nbytes()
     return any(low < end and start < high for low, high in ranges)
-
-
-def open_model(checkpoint: Path, *, mode: str, device: str, dtype=None, trust_remote_code: bool = False,
-               linear_kernel: str = "aten", reads: LayerReads = LayerReads()):
-    """The model as the plan chose to run it: `mode` "resident" or "streamed" (its layers read as `reads` says).
-    `linear_kernel`: what computes the model's nn.Linear layers (linear_kernels.py; measure.linear_kernel picks)."""
-    if mode == "resident":
-        model = ResidentModel(checkpoint, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    else:
-        model = StreamedModel(checkpoint, device=device, dtype=dtype, reads=reads, trust_remote_code=trust_remote_code)
-    route_linears(model.model, linear_kernel)
-    return model
