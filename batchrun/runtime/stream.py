@@ -25,7 +25,8 @@ from batchrun.runtime.linear_kernels import PACK_MIN_ROWS, packing_available, ro
 from batchrun.runtime.loader import LayerLoader, SlotPool
 from batchrun.runtime.read_ahead import ReadAhead
 from batchrun.runtime.streamed_layer import PassState, StreamedLayer
-from batchrun.runtime.token_matrices import GatheredEmbedding, MatrixRows, StreamedHead, transforms_logits
+from batchrun.runtime.token_matrices import (GatheredEmbedding, MatrixRows, StreamedHead, StreamedMatrices,
+                                             transforms_logits)
 from batchrun.runtime.turns import LayerTurns, PassGroup, PassProgress, TurnCallback, run_interleaved
 from batchrun.runtime.weights import Recipe, build_recipes, read_into, realize, tensor_from_bytes
 
@@ -98,7 +99,8 @@ class StreamedModel(TokenizerOnDemand):
         self.layers_path, self.layers = find_decoder_stack(self.model, self.num_layers)
         route_linears(self.model, "aten")  # routed linears take a weight a decode pass leaves narrow (run_pass)
         layer_recipes, resident = self._split_recipes(build_recipes(self.model, infos))
-        self._load_resident(self._stream_token_matrices(resident, reads))
+        self.matrices, resident = self._place_token_matrices(resident, reads)
+        self._load_resident(resident)
         meta = [dict(layer.named_parameters()) for layer in self.layers]  # every decoder parameter is on meta still
         self._check_layers_covered(layer_recipes, meta)
         self.loader = LayerLoader(layer_recipes, [f"{self.layers_path}.{i}." for i in range(self.num_layers)], meta,
@@ -140,15 +142,14 @@ class StreamedModel(TokenizerOnDemand):
                 resident.append(recipe)
         return per_layer, resident
 
-    def _stream_token_matrices(self, recipes: list[Recipe], reads: LayerReads) -> list[Recipe]:
-        """Those of `recipes` that stay resident: the embedding and head as `reads` says are read as passes need
-        them instead (token_matrices.py), hooked in here."""
-        self._gathered: GatheredEmbedding | None = None
-        self._head: StreamedHead | None = None
-        self._matrix_rows: list[MatrixRows] = []
+    def _place_token_matrices(self, recipes: list[Recipe], reads: LayerReads
+                              ) -> tuple[StreamedMatrices, list[Recipe]]:
+        """The embedding and head that `reads` says are read as passes need them (token_matrices.py), hooked in
+        here, and those of `recipes` that stay resident."""
+        matrices = StreamedMatrices()
         embedding, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         if head is None:
-            return recipes
+            return matrices, recipes
         names = {module: name for name, module in self.model.named_modules()}
         embed_target, head_target = f"{names[embedding]}.weight", f"{names[head]}.weight"
         by_target = {recipe.target: recipe for recipe in recipes}
@@ -162,7 +163,7 @@ class StreamedModel(TokenizerOnDemand):
         gather = ((stream_head if tied else reads.gather_embeddings) and embed_recipe is not None
                   and embed_recipe.is_plain)
         if not (gather or stream_head):
-            return recipes
+            return matrices, recipes
         drop = reads.drop_page_cache
         matrix_rows = {}  # one reader per tensor: a tied matrix serves both uses
 
@@ -173,17 +174,17 @@ class StreamedModel(TokenizerOnDemand):
             return matrix_rows[info.name]
 
         if gather:
-            self._gathered = GatheredEmbedding(embedding, rows_of(embed_recipe))
+            matrices.gathered = GatheredEmbedding(embedding, rows_of(embed_recipe))
         if stream_head:
-            self._head_path = names[head]
+            matrices.head_path = names[head]
             # a chunk no larger than a decoder layer: the head never sets the run's floor
             layer_bytes = max(sum(p.numel() for p in layer.parameters()) for layer in self.layers) * self.dtype.itemsize
-            self._head = StreamedHead(rows_of(head_recipe), self.num_layers, lambda: self._current.group,
-                                      chunk_bytes=min(HEAD_CHUNK_BYTES, layer_bytes),
-                                      reduces=not transforms_logits(text_config(self.config)))
-        self._matrix_rows = list(matrix_rows.values())
+            matrices.head = StreamedHead(rows_of(head_recipe), self.num_layers, lambda: self._current.group,
+                                         chunk_bytes=min(HEAD_CHUNK_BYTES, layer_bytes),
+                                         reduces=not transforms_logits(text_config(self.config)))
+        matrices.rows = list(matrix_rows.values())
         streamed = {embed_target if gather else None, head_target if stream_head else None}
-        return [recipe for recipe in recipes if recipe.target not in streamed]
+        return matrices, [recipe for recipe in recipes if recipe.target not in streamed]
 
     def _load_resident(self, recipes: list[Recipe]) -> None:
         """Embeddings, final norm, head: read once, cast, keep. Then buffers and tied weights."""
@@ -199,14 +200,14 @@ class StreamedModel(TokenizerOnDemand):
                 tensors.append(tensor_from_bytes(raw, info))
             for target, value in realize(recipe, tensors, self.model, self.config).items():
                 self._set_tensor(target, value)
-        if self._head is None:
+        head = self.matrices.head
+        if head is None:
             self.model.tie_weights()
         else:  # the streamed head takes the module's place, keeping its bias (a small resident tensor)
-            original = self.model.get_submodule(self._head_path)
-            bias = getattr(original, "bias", None)
-            self._head.bias = None if bias is None or bias.is_meta else bias
-            parent, _, attr = self._head_path.rpartition(".")
-            setattr(self.model.get_submodule(parent) if parent else self.model, attr, self._head)
+            bias = getattr(self.model.get_submodule(self.matrices.head_path), "bias", None)
+            head.bias = None if bias is None or bias.is_meta else bias
+            parent, _, attr = self.matrices.head_path.rpartition(".")
+            setattr(self.model.get_submodule(parent) if parent else self.model, attr, head)
         self._materialise_buffers()
         missing = [name for name, p in self.model.named_parameters()
                    if p.is_meta and not name.startswith(self.layers_path + ".")]
@@ -335,7 +336,7 @@ class StreamedModel(TokenizerOnDemand):
 
     @property
     def bytes_read(self) -> int:
-        return self.loader.bytes_read + sum(rows.bytes_read for rows in self._matrix_rows)
+        return self.loader.bytes_read + self.matrices.bytes_read
 
     def forward(self, *args, **kwargs):
         self._current.pack = False
@@ -361,10 +362,7 @@ class StreamedModel(TokenizerOnDemand):
         self._counting.remove()
         self.model.register_forward_pre_hook(_refuse_closed)  # not a device error from the meta layers
         self.loader.close()
-        if self._gathered is not None:
-            self._gathered.remove()
-        for rows in self._matrix_rows:
-            rows.close()
+        self.matrices.close()
 
     def __enter__(self):
         return self
