@@ -424,7 +424,7 @@ def _run_batches(prepared: PreparedJob, commits: _Commits, plan: Candidate, batc
     refilled queue), committing every pass."""
     transformers_logging.disable_progress_bar()  # ours is the progress bar that matters
     model, read_before = _open(prepared, plan, summary)
-    model.on_turn = commits.progress.turn  # the bar and `status` follow each pass layer by layer
+    model.report_turns(commits.progress.turn)  # the bar and `status` follow each pass layer by layer
     tokenizer = prepared.model.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     micro_batch = prepared.options.micro_batch or plan.micro_batch_size
@@ -490,8 +490,7 @@ def _decode_micro_batch(model, plan: Candidate, micro_batch: int | None, summary
     micro-batches and its read-ahead."""
     if not plan.decode_in_place or reads_prefix_in_place(model.model):
         return plan.decode_micro_batch_size
-    if plan.mode == "streamed":
-        model.decode_prefetch_depth = model.prefetch_depth
+    model.use_prefill_read_ahead_in_decode()
     note = ("the model does not attend through transformers' sdpa as the plan expected: decode passes use the "
             "prefill's micro-batches and read-ahead")
     summary.notes.append(note)

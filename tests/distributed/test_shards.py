@@ -169,7 +169,7 @@ def test_a_worker_opens_the_model_once_for_all_its_shards(tiny_checkpoint, tmp_p
     """A Ray worker keeps the model its first shard opened (job.models): the next shard runs on it, with the same
     answers as a process that opens the model afresh."""
     from batchrun.job import models
-    from batchrun.runtime import resident
+    from batchrun.runtime import open_model
 
     rows = [{"id": f"r{i}", "prompt": f"Note {i} about the order", "choices": ["yes", "no"]} for i in range(8)]
     prepared = prepare_job(write_rows(tmp_path / "jobs.jsonl", rows), JobOptions(model=str(tiny_checkpoint("llama"))))
@@ -184,7 +184,7 @@ def test_a_worker_opens_the_model_once_for_all_its_shards(tiny_checkpoint, tmp_p
     tasks = [ShardTask(job_id, prepared.fingerprint, str(layout.root), shard,
                        shard_options(prepared.options, prepared.compute_dtype), 60.0, 60.0) for shard in shards]
     opened = []
-    real_open = resident.open_model
+    real_open = open_model
     monkeypatch.setattr("batchrun.job.execute.open_model", lambda *a, **k: opened.append(1) or real_open(*a, **k))
     monkeypatch.setattr(models, "_kept", None)
     kept = models.keep_models_open()
