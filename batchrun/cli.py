@@ -1,7 +1,6 @@
 """The batchrun command line: thin click commands over the library."""
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
@@ -12,7 +11,7 @@ from pathlib import Path
 import click
 
 from batchrun import measure
-from batchrun.distributed import job_shards, shards_line
+from batchrun.distributed import RayRefusals, RaySettings, cluster_settings, job_shards, shards_line, submit_job
 from batchrun.errors import user_errors
 from batchrun.host import (Stopped, default_db_path, one_line, redacted, save_traceback, secrets_in,
                            stop_signals_unwind, stored_spec)
@@ -231,18 +230,15 @@ def ray_options(fn):
     return fn
 
 
-def ray_settings(kw: dict):
+_RAY_REFUSALS = RayRefusals(click.UsageError,
+                            "--shared and --shard-rows apply to a run on a Ray cluster: add --ray ADDRESS",
+                            "--ray needs --shared DIR: a directory every node sees at the same path")
+
+
+def ray_settings(kw: dict) -> RaySettings | None:
     """The --ray options (taken out of kw) as RaySettings, or None for a run on this machine."""
-    address, shared = kw.pop("ray_address"), kw.pop("shared")
-    shard_rows, snapshot_every = kw.pop("shard_rows"), kw.pop("snapshot_every")
-    if address is None:
-        if shared is not None or shard_rows is not None:
-            raise click.UsageError("--shared and --shard-rows apply to a run on a Ray cluster: add --ray ADDRESS")
-        return None
-    if shared is None:
-        raise click.UsageError("--ray needs --shared DIR: a directory every node sees at the same path")
-    from batchrun.distributed import RaySettings
-    return RaySettings(address, shared, shard_rows=shard_rows, snapshot_every_s=snapshot_every)
+    return cluster_settings(kw.pop("ray_address"), kw.pop("shared"), _RAY_REFUSALS, shard_rows=kw.pop("shard_rows"),
+                            snapshot_every_s=kw.pop("snapshot_every"))
 
 
 class FriendlyErrors(click.Group):
@@ -337,7 +333,6 @@ def cli():
 @ray_options
 def submit(spec, models, output, db, force, quiet, as_json, **kw):
     """Plan SPEC, run it (resuming an interrupted run of the same job), write Parquet."""
-    from batchrun.job import submit as run_submit
     if len(models) > 1:
         raise click.BadParameter("submit takes one --model", param_hint="--model")
     cluster = ray_settings(kw)
@@ -348,10 +343,7 @@ def submit(spec, models, output, db, force, quiet, as_json, **kw):
         if not quiet and not as_json:
             click.echo(format_plan_table(plan.to_json()), err=True)
 
-    if cluster is not None:
-        from batchrun.distributed import submit_on_ray
-        run_submit = functools.partial(submit_on_ray, cluster=cluster)
-    summary = run_submit(spec, options=options, output=output, db=db, force=force, quiet=quiet or as_json,
+    summary = submit_job(spec, cluster, options=options, output=output, db=db, force=force, quiet=quiet or as_json,
                          on_plan=show_plan)
     if as_json:
         click.echo(json.dumps(summary.to_json(), indent=2))
