@@ -10,7 +10,6 @@ No torch at import: the executor is loaded when `submit` runs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import io
 import json
 import os
@@ -21,7 +20,7 @@ from typing import Union
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.distributed import RaySettings
+from batchrun.distributed import RayRefusals, RaySettings, cluster_settings, submit_job
 from batchrun.host import default_db_path, stored_spec
 from batchrun.job import JobOptions, plan_report
 from batchrun.output import answers_table
@@ -63,17 +62,11 @@ def submit(spec: Spec, *, output: str | os.PathLike | None = None, db: str | os.
     >>> answers["id"].to_pylist(), answers["answer"][0].as_py() in ("positive", "negative")
     (['r1', 'r2'], True)
     """
-    from batchrun.job import submit as run_job  # the executor: torch loads here
-
     options = job_options(options, settings)
     db_path = Path(db) if db is not None else default_db_path()
     cluster = ray_settings(ray_address, shared)
-    if cluster is not None:
-        from batchrun.distributed import submit_on_ray
-
-        run_job = functools.partial(submit_on_ray, cluster=cluster)
-    summary = run_job(spec_path(spec), options=options, output=output, db=db_path, force=force, quiet=quiet,
-                      write_output=output is not None)
+    summary = submit_job(spec_path(spec), cluster, options=options, output=output, db=db_path, force=force,
+                         quiet=quiet, write_output=output is not None)
     store = Store(db_path)
     try:
         return answers_table(store, summary.job_id)
@@ -101,19 +94,17 @@ def plan_job(spec: Spec, *, models: Sequence[str | os.PathLike | None] | None = 
     return plan_report(spec_path(spec), chosen, options)
 
 
+_RAY_REFUSALS = RayRefusals(TypeError, "shared applies to a run on a Ray cluster: give ray_address too",
+                            "ray_address needs shared=: a directory every node of the cluster sees at the same path")
+
+
 def ray_settings(ray_address: str | RaySettings | None, shared: str | os.PathLike | None) -> RaySettings | None:
     """The cluster a submit runs on: None for this machine; an address needs the shared directory beside it."""
     if isinstance(ray_address, RaySettings):
         if shared is not None and Path(shared).expanduser().absolute() != ray_address.shared:
             raise TypeError("shared is given twice, in RaySettings and as shared=, with different directories")
         return ray_address
-    if ray_address is None:
-        if shared is not None:
-            raise TypeError("shared applies to a run on a Ray cluster: give ray_address too")
-        return None
-    if shared is None:
-        raise TypeError("ray_address needs shared=: a directory every node of the cluster sees at the same path")
-    return RaySettings(ray_address, Path(shared))
+    return cluster_settings(ray_address, shared, _RAY_REFUSALS)
 
 
 def job_options(options: JobOptions | None, settings: dict) -> JobOptions:

@@ -142,7 +142,8 @@ def first_pass(workdir: Path, env: dict, rows: int) -> dict:
             next_status += 120
         time.sleep(SAMPLE_EVERY_S)
     peak = max(peak, peak_resident_bytes(process.pid) or 0)
-    os.kill(process.pid, signal.SIGKILL)
+    if process.poll() is None:  # it may have ended on its own (or been killed from outside) since
+        os.kill(process.pid, signal.SIGKILL)
     process.wait()
     passes = committed_passes(database)
     print(f"first pass committed: {passes[:1]}, peak {peak:,} B sampled", file=sys.stderr, flush=True)

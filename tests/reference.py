@@ -64,7 +64,7 @@ def assert_matches_reference(got: torch.Tensor, checkpoint, seq: list[int], keep
 def decode_matching_reference(handle, states, got, seqs: list[list[int]], checkpoint, steps: int) -> None:
     """Greedy-decode `steps` tokens from the prefilled `states` (`got`: the prefill's log-probs), checking every step's
     log-probs against the plain model run on the sequence so far."""
-    from batchrun.runtime.prefill import decode
+    from batchrun.runtime.decode import decode
 
     tokens = {i: int(lp[-1].argmax()) for i, lp in enumerate(got)}
     for _ in range(steps):

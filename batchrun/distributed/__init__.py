@@ -3,12 +3,14 @@ batchrun's own executor (its progress database on the node's local disk), each f
 a directory every node sees, and the driver merges them into the job's database and writes the usual output.
 
 Nothing here imports Ray until a job runs on a cluster (`submit_on_ray`), so `batchrun status` can show a job's
-shards (`job_shards`) without it.
+shards (`job_shards`) without it, and the CLI and the API choose where a job runs (`submit_job`) without it.
 """
 from batchrun.distributed.layout import job_shards, shards_line
+from batchrun.distributed.runner import RayRefusals, cluster_settings, submit_job
 from batchrun.distributed.settings import RaySettings
 
-__all__ = ["RaySettings", "job_shards", "shards_line", "submit_on_ray"]
+__all__ = ["RayRefusals", "RaySettings", "cluster_settings", "job_shards", "shards_line", "submit_job",
+           "submit_on_ray"]
 
 
 def __getattr__(name: str):

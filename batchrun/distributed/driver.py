@@ -1,33 +1,28 @@
 """The driver of a job run on a Ray cluster.
 
-It reads, checks, encodes and plans the spec as `batchrun submit` does (the tokenizer only: no weight is read
-here), records the job in its own progress database, cuts the rows still to compute into shards and runs them on
-the cluster's nodes. As each shard's answers are published to the shared directory the driver merges them into its
-database; once every row is in, batchrun's own executor finishes the job there exactly as on one machine (repeated
-rows, calibration, accuracy, the output file and the report), computing nothing.
+The run is batchrun's own (batchrun.job.submit): the spec read and encoded once (the tokenizer only: no weight is
+read here), the job recorded and locked in the driver's progress database, answers reused, its end recorded, the
+output and the report written. The driver supplies only where the rows still pending are computed: it cuts them
+into shards and runs them on the cluster's nodes, and as each shard's answers are published to the shared directory
+it merges them into its database.
 
 Rerun after a crash, the driver first merges every shard published meanwhile, so no published shard is computed
 again, and cuts the same shards as before: a shard that was running resumes on its node, or from its snapshot.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Iterator
 
 from tqdm import tqdm
 
-from batchrun.checkpoint import progress_bars
-from batchrun.errors import OutputRefused, PlanRefused
-from batchrun.host import default_db_path, failure_reason, stops_deferred
-from batchrun.job import (JobOptions, PreparedJob, calibration_settings, nothing_runs, one_row_per_key, plan_rows,
-                          prepare_job)
-from batchrun.output import check_output_writable, default_output_path, output_format
-from batchrun.plan import Candidate
+from batchrun.job import Computation, JobRun, PreparedJob, RunSummary, plan_rows
 from batchrun.spec import EncodedRow
-from batchrun.store import JobRow, RowResult, Store, StoreError
+from batchrun.store import RowResult, Store, StoreError
 
 from batchrun.distributed import pool
 from batchrun.distributed.layout import SharedLayout, now_iso, read_json, record_shared_dir, write_json
@@ -40,7 +35,7 @@ log = logging.getLogger("batchrun")
 
 @dataclass
 class _ClusterWork:
-    """What the cluster did for this run: shards, rows and passes computed now, and shards published before."""
+    """What the cluster did for one job's run: shards, rows and passes computed now, and shards published before."""
     shards: int = 0
     published_before: int = 0
     rows: int = 0
@@ -50,113 +45,78 @@ class _ClusterWork:
     models_opened: int = 0  # by the shards: once per worker while its shards ask for the model the same way
 
 
-def submit_on_ray(spec_path: str | Path, options: JobOptions | None, cluster: RaySettings, *,
-                  output: str | Path | None = None, db: str | Path | None = None, force: bool = False,
-                  quiet: bool = True, on_plan: Callable[[Candidate], None] | None = None, write_output: bool = True):
-    """`batchrun.job.submit` with the rows computed on a Ray cluster: the same job, the same answers, the same
-    output and database records; returns the executor's RunSummary with this run's work on the cluster."""
-    from batchrun.job import submit as run_job
+def submit_on_ray(spec_path: str | Path, cluster: RaySettings, **run) -> RunSummary:
+    """`batchrun.job.submit` (with its keywords, `run`) with the rows computed on a Ray cluster: the same job, the
+    same answers, the same output and database records; returns its RunSummary with this run's work on the cluster."""
+    from batchrun.job import submit
 
-    options = options or JobOptions()
-    spec_path = Path(spec_path)
-    output_path = (Path(output) if output else default_output_path(spec_path)) if write_output else None
-    db_path = Path(db) if db else default_db_path()
-    if output_path is not None:
-        check_output_writable(output_path, spec_path, db_path)  # before the night's work, not after
-        output_format(output_path)
-        if output_path.exists() and not force:
-            raise OutputRefused(f"{output_path} exists; pass --force to overwrite it, or -o another file")
     started = time.monotonic()
-    connected = pool.connect(cluster.address)
-    try:
-        work = _compute_on_cluster(spec_path, options, cluster, db_path, quiet=quiet, on_plan=on_plan)
-        summary = run_job(spec_path, options=options, output=output_path, db=db_path, force=force, quiet=True,
-                          write_output=write_output)
-    finally:
-        if connected:
-            pool.disconnect()
-    note = (f"{work.shards} shard(s) computed on {len(work.nodes)} node(s) of the Ray cluster "
-            f"({cluster.address}), the model opened {work.models_opened} time(s)" + (f"; {work.published_before} published before this run were merged"
-                                      if work.published_before else ""))
-    modes = "/".join(sorted(work.modes)) or summary.mode
-    return replace(summary, rows_computed_now=work.rows, passes_now=work.passes, mode=modes,
-                   seconds=time.monotonic() - started, notes=[note, *summary.notes])
+    on_cluster = _OnCluster(cluster)
+    summary = submit(spec_path, elsewhere=on_cluster, **run)
+    work = on_cluster.work.get(summary.job_id, _ClusterWork())
+    note = (f"{work.shards} shard(s) computed on {len(work.nodes)} node(s) of the Ray cluster ({cluster.address}), "
+            f"the model opened {work.models_opened} time(s)"
+            + (f"; {work.published_before} published before this run were merged" if work.published_before else ""))
+    return replace(summary, seconds=time.monotonic() - started, notes=[note, *summary.notes])
 
 
-def _compute_on_cluster(spec_path: Path, options: JobOptions, cluster: RaySettings, db_path: Path, *,
-                        quiet: bool, on_plan: Callable[[Candidate], None] | None) -> _ClusterWork:
-    """Every row of the job answered in the driver's database, computed on the cluster; the job's lock held
-    meanwhile, so `batchrun status` shows it running and a second driver is refused."""
-    with progress_bars(shown=not quiet):  # a model got for the first time converts or downloads here
-        prepared = prepare_job(spec_path, options)
-    with Store(db_path) as store:
-        calibration = calibration_settings(prepared, lambda path, side: submit_on_ray(
-            path, side, cluster, db=db_path, write_output=False).job_id)
-        job_id = store.ensure_job(prepared.fingerprint, spec_path=str(spec_path.resolve()), model=prepared.model.name,
-                                  settings={**prepared.options.answer_settings(), **calibration},
-                                  rows=_job_rows(prepared))
-        layout = SharedLayout.of(cluster.shared, job_id)
-        record_shared_dir(db_path, job_id, layout, cluster.address)
-        store.acquire(job_id)
-        state, error = "failed", None
+class _OnCluster(Computation):
+    """The job's pending rows computed on the cluster, shard by shard, each merged into the driver's database as it
+    is published; `work`: what the cluster did for each job this driver ran (a content-free calibration's side job
+    runs here too)."""
+
+    def __init__(self, cluster: RaySettings):
+        self.cluster = cluster
+        self.work: dict[str, _ClusterWork] = {}
+
+    @contextlib.contextmanager
+    def connected(self) -> Iterator[None]:
+        connected = pool.connect(self.cluster.address)
         try:
-            with store.heartbeat_while_running(job_id):
-                work = _run_shards(prepared, store, job_id, layout, cluster, quiet=quiet, on_plan=on_plan)
-            state = "done"
-            return work
-        except KeyboardInterrupt:
-            state = "interrupted"
-            raise
-        except Exception as failure:  # recorded for `status` (an unforeseen one with its traceback's log), then raised
-            error = failure_reason(failure, [options.hf_token])
-            raise
+            yield
         finally:
-            _release(store, job_id, state, error)
+            if connected:
+                pool.disconnect()
 
+    def merge_earlier(self, run: JobRun) -> None:
+        layout = SharedLayout.of(self.cluster.shared, run.job_id)
+        record_shared_dir(run.store.path, run.job_id, layout, self.cluster.address)
+        merged = _merge_published(run.store, run.job_id, layout, run.prepared.fingerprint)
+        self.work[run.job_id] = _ClusterWork(published_before=merged)
 
-def _run_shards(prepared: PreparedJob, store: Store, job_id: str, layout: SharedLayout, cluster: RaySettings, *,
-                quiet: bool, on_plan: Callable[[Candidate], None] | None) -> _ClusterWork:
-    work = _ClusterWork(published_before=_merge_published(store, job_id, layout, prepared.fingerprint))
-    store.reuse_answers(job_id)
-    store.fill_duplicates(job_id)
-    pending = set(store.pending_indices(job_id))
-    refusal = nothing_runs(prepared.rows, len(prepared.spec.invalid))
-    if refusal:
-        raise PlanRefused(refusal)
-    runnable = [row for row in prepared.rows if row.request.index in pending and not row.error]
-    rows = one_row_per_key(runnable, prepared.row_keys)
-    if rows:
-        plan = plan_rows(prepared.model, rows, prepared.options, prepared.device)
-        if on_plan is not None:
-            on_plan(plan)
+    def compute(self, run: JobRun, rows: list[EncodedRow], partial: dict) -> None:
+        prepared, cluster = run.prepared, self.cluster
+        plan = plan_rows(prepared.model, rows, prepared.options, prepared.device, held=prepared.rows)
+        if run.on_plan is not None:
+            run.on_plan(plan)
+        layout = SharedLayout.of(cluster.shared, run.job_id)
         width = _range_width(layout, prepared, cluster, len(rows), plan.batching.batch_size)
         shards = cut_shards(rows, prepared.row_keys, prepared.fingerprint, width)
         _write_shards(layout, shards, rows)
         log.info("%d shard(s) of up to %d rows; each node plans its own batches from its own memory", len(shards),
                  width)
-        _run_on_cluster(prepared, store, job_id, layout, cluster, shards, work, quiet)
-    store.fill_duplicates(job_id)
-    # Rows that cannot run (invalid, too long, refused by the chat template) are answered with their error by the
-    # executor's finishing run, as on one machine: no shard carries them.
-    unrunnable = ({bad.index for bad in prepared.spec.invalid}
-                  | {row.request.index for row in prepared.rows if row.error})
-    left = [index for index in store.pending_indices(job_id) if index not in unrunnable]
-    if left:
-        raise pool.ShardFailed(f"{len(left)} row(s) of job {job_id} have no answer after every shard was merged "
-                               f"(the first: row {left[0] + 1}); run the same command again")
-    return work
+        work = self.work[run.job_id]
+        _run_on_cluster(run, layout, cluster, shards, work)
+        pending = set(run.store.pending_indices(run.job_id))
+        left = [row.request.index for row in rows if row.request.index in pending]
+        if left:
+            raise pool.ShardFailed(f"{len(left)} row(s) of job {run.job_id} have no answer after every shard was "
+                                   f"merged (the first: row {left[0] + 1}); run the same command again")
+        run.summary.rows_computed_now, run.summary.passes_now = work.rows, work.passes
+        run.summary.mode = "/".join(sorted(work.modes)) or None
 
 
-def _run_on_cluster(prepared: PreparedJob, store: Store, job_id: str, layout: SharedLayout, cluster: RaySettings,
-                    shards: list[Shard], work: _ClusterWork, quiet: bool) -> None:
+def _run_on_cluster(run: JobRun, layout: SharedLayout, cluster: RaySettings, shards: list[Shard],
+                    work: _ClusterWork) -> None:
     """Run the shards, merging each as it is published; the bar counts the rows merged and those the workers report
     finished in the shards they run."""
+    prepared, store, job_id = run.prepared, run.store, run.job_id
     options = shard_options(prepared.options, prepared.compute_dtype)
     tasks = [ShardTask(job_id, prepared.fingerprint, str(layout.root), shard, options, cluster.snapshot_every_s,
                        cluster.report_every_s) for shard in shards]
     status = store.status(job_id)
     finished_before = status["rows_done"] + status["rows_errored"]
-    bar = tqdm(total=status["rows_total"], initial=finished_before, unit="row", disable=quiet, dynamic_ncols=True,
+    bar = tqdm(total=status["rows_total"], initial=finished_before, unit="row", disable=run.quiet, dynamic_ncols=True,
                desc=f"batchrun {job_id[:8]} (ray)")
 
     def done(task: ShardTask, outcome: ShardOutcome) -> None:
@@ -240,23 +200,3 @@ def _reported_rows(layout: SharedLayout, shard_id: str) -> int:
         return int(read_json(layout.progress(shard_id)).get("finished", 0))
     except (OSError, ValueError):
         return 0
-
-
-def _job_rows(prepared: PreparedJob) -> list[JobRow]:
-    """The job's rows as the executor records them: each valid row with its key, label and carried values, and each
-    invalid one named by its id or location."""
-    rows = [JobRow(row.request.index, row.request.id, prepared.row_keys[row.request.index], row.request.label,
-                   row.request.carried) for row in prepared.rows]
-    rows += [JobRow(bad.index, bad.output_id, carried=bad.carried) for bad in prepared.spec.invalid]
-    return sorted(rows, key=lambda row: row.idx)
-
-
-def _release(store: Store, job_id: str, state: str, error: str | None) -> None:
-    """As the executor releases a job: a release failing after a failed run must not hide the first error."""
-    try:
-        with stops_deferred():
-            store.release(job_id, state, error)
-    except StoreError:
-        if state == "done":
-            raise
-        log.warning("could not release job %s after the run failed; the next run will take its lock over", job_id)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from batchrun.errors import BatchrunError
 from batchrun.host import HOST, state_dir
-from batchrun.job import JobOptions, prepare_job
+from batchrun.job import JobOptions, RunSetup, prepare_job
 from batchrun.output import atomic_write
 from batchrun.store import JobNotFound, Store, StoreError
 
@@ -66,7 +66,7 @@ def local_db_path(job_id: str, shard_id: str) -> Path:
 
 def run_shard(task: ShardTask, node: str) -> ShardOutcome:
     """Run (or resume) one shard to its end and publish its answers; `node` names this node in reports."""
-    from batchrun.job import submit as run_job  # the executor: torch loads here
+    from batchrun.job import run_prepared  # the executor: torch loads here
 
     layout = SharedLayout(Path(task.shared_root))
     _check_shared_dir(layout, task.fingerprint, node)
@@ -80,7 +80,6 @@ def run_shard(task: ShardTask, node: str) -> ShardOutcome:
         raise ShardRefused(f"shard {shard.id}'s rows encode differently on {node} than on the driver: run the same "
                            "checkpoint, batchrun and transformers versions on every node")
     shard_job = prepared.fingerprint[:16]
-    del prepared  # the executor prepares its own
     db_path = local_db_path(task.job_id, shard.id)
     db_path.parent.mkdir(parents=True, exist_ok=True)
     resumed_from = restore_progress(db_path, layout.snapshot(shard.id), shard_job)
@@ -90,7 +89,7 @@ def run_shard(task: ShardTask, node: str) -> ShardOutcome:
     started = time.monotonic()
     monitor = _Monitor(task, node, db_path, shard_job)
     with monitor:
-        summary = run_job(spec, options=task.options, db=db_path, write_output=False, quiet=True)
+        summary = run_prepared(prepared, RunSetup(db_path))
     _publish(layout, task, db_path, shard_job, node)
     _remove_database(db_path)
     layout.snapshot(shard.id).unlink(missing_ok=True)

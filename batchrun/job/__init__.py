@@ -1,5 +1,7 @@
 """A job from spec to answers: options, identity (fingerprint, row keys), preparation and planning, and the
-resumable executor (`submit`, which needs torch and so is loaded on first use: `batchrun plan` stays light).
+resumable executor (`submit`, and `run_prepared` for a job already prepared, which need torch and so are loaded on
+first use: `batchrun plan` stays light). A run's rows are computed by this machine's model unless it is given another
+Computation (the Ray driver's).
 """
 from batchrun.job.calibration import calibration_settings
 from batchrun.job.compare import DEFAULT_SAMPLE, Comparison, refuse_one_model_twice
@@ -10,17 +12,19 @@ from batchrun.job.models import keep_models_open
 from batchrun.job.options import CALIBRATION_METHODS, DEFAULT_CALIBRATION, DEFAULT_PASS_MINUTES, JobOptions
 from batchrun.job.prepare import (DEFAULT_MODEL_LABEL, PreparedJob, model_label, names_default_model, nothing_runs,
                                   plan_report, plan_rows, prepare_job, resolve_model)
+from batchrun.job.running import Computation, JobRun, RunSetup, RunSummary
 
-__all__ = ["CALIBRATION_METHODS", "Comparison", "DEFAULT_CALIBRATION", "DEFAULT_MODEL_LABEL", "DEFAULT_PASS_MINUTES",
-           "DEFAULT_SAMPLE", "JobOptions", "PreparedJob", "calibration_settings", "compare_models",
-           "describe_comparison", "keep_models_open", "model_identity_parts", "model_label", "names_default_model",
-           "nothing_runs", "one_row_per_key", "plan_report", "plan_rows", "prepare_job", "refuse_one_model_twice",
-           "resolve_model", "submit"]
+__all__ = ["CALIBRATION_METHODS", "Comparison", "Computation", "DEFAULT_CALIBRATION", "DEFAULT_MODEL_LABEL",
+           "DEFAULT_PASS_MINUTES", "DEFAULT_SAMPLE", "JobOptions", "JobRun", "PreparedJob", "RunSetup", "RunSummary",
+           "calibration_settings", "compare_models", "describe_comparison", "keep_models_open",
+           "model_identity_parts", "model_label", "names_default_model", "nothing_runs", "one_row_per_key",
+           "plan_report", "plan_rows", "prepare_job", "refuse_one_model_twice", "resolve_model", "run_prepared",
+           "submit"]
 
 
 def __getattr__(name: str):
-    if name == "submit":
-        from batchrun.job.execute import submit
+    if name in ("submit", "run_prepared"):
+        from batchrun.job import execute
 
-        return submit
+        return getattr(execute, name)
     raise AttributeError(f"module 'batchrun.job' has no attribute {name!r}")

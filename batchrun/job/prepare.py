@@ -29,6 +29,11 @@ from batchrun.spec import (EncodedRow, JobSpec, SpecSettings, encode_requests, k
 DEFAULT_MODEL_LABEL = "default (SmolLM2-135M-Instruct)"  # shown, stored and written for jobs run without --model
 # A model resolved with the process's peak this much higher was converted here (a registry model's first use)
 PROVISIONING_PEAK_BYTES = 64 << 20
+# What a run holds of each row it has read and encoded, for as long as it runs: the request (its text and settings)
+# and the prompt's token ids as Python integers. A large spec's rows are part of the floor
+# (docs/planning.md#the-memory-floor; the figures behind them: docs/performance.md#held-rows).
+HELD_BYTES_PER_ROW = 1_100
+HELD_BYTES_PER_PROMPT_TOKEN = 56
 ASSUMED_BANDWIDTH = 1.0e9  # bytes/s: below the cold reads in docs/performance.md, so an unmeasured disk plans slow
 
 
@@ -170,8 +175,9 @@ def bandwidth_for(checkpoint: Path, options: JobOptions) -> Bandwidth:
 
 
 def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobOptions, device: str,
-              generated: dict[int, int] | None = None) -> Candidate:
-    """Plan `rows` (runnable ones); `generated`: row index -> tokens a previous run already generated."""
+              generated: dict[int, int] | None = None, held: Sequence[EncodedRow] | None = None) -> Candidate:
+    """Plan `rows` (runnable ones); `generated`: row index -> tokens a previous run already generated; `held`: every
+    row the run holds as it goes (the whole spec's, repeats and finished rows included; default `rows`)."""
     costs = row_costs(rows, generated)
     # The kept positions and shortest sequence of the first pass (runtime/score.py): plan and run share the prefix.
     shortest = min((shortest_first_pass_sequence(row) for row in rows), default=0)
@@ -183,7 +189,8 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
     common = 0 if windows_allow else shared_prefix_tokens(prompts, own_tokens=kept_positions(rows),
                                                           shortest_sequence=shortest)
     compute_dtype = compute_dtype_for(options, device, sizes.storage_dtype)
-    rates = machine_rates(prepared, options, compute_dtype, device, costs)
+    rates = machine_rates(prepared, options, compute_dtype, device, costs,
+                          held_rows_bytes(rows if held is None else held))
     budget = memory_budget(options, device, rates.runtime_overhead_bytes)
     request = PlanRequest(model=prepared.name, device=device, compute_dtype=compute_dtype,
                           memory_budget_bytes=budget, streaming=parse_streaming(options.streaming),
@@ -211,11 +218,10 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
 def memory_budget(options: JobOptions, device: str, runtime_bytes: int) -> int:
     """--memory as given; else the memory a run may use, counted once. On the host what is available (MemAvailable,
     or the cgroup's limit less its usage) already leaves out what this process holds, while the plan counts the
-    runtime (`runtime_bytes`: imports, tokenizer) on its own: so what this process holds is given back, up to what
-    the plan counts for it (its anonymous memory: the files it maps are page cache, which a cgroup's headroom may
-    already count as free). Counted twice, the runtime would take its share of a small budget a second time
-    (docs/planning.md#memory-the-plan-counts). What the process holds beyond that (the encoded rows of a large
-    spec) stays taken. A model a Ray worker keeps open from its last shard (job.models) is given back too: the plan
+    runtime (`runtime_bytes`: imports, tokenizer, the job's encoded rows) on its own: so what this process holds is
+    given back, up to what the plan counts for it (its anonymous memory: the files it maps are page cache, which a
+    cgroup's headroom may already count as free). Counted twice, the runtime would take its share of a small budget
+    a second time (docs/planning.md#memory-the-plan-counts). A model a Ray worker keeps open from its last shard (job.models) is given back too: the plan
     counts its weights."""
     if options.memory_gb:
         return int(options.memory_gb * 1e9)
@@ -225,16 +231,22 @@ def memory_budget(options: JobOptions, device: str, runtime_bytes: int) -> int:
     return available + min(anonymous_resident_bytes() or 0, runtime_bytes + kept_model_bytes())
 
 
+def held_rows_bytes(rows: Sequence[EncodedRow]) -> int:
+    """What the run holds of `rows` while it runs: each request and its prompt's token ids."""
+    return len(rows) * HELD_BYTES_PER_ROW + sum(len(row.prompt_ids) for row in rows) * HELD_BYTES_PER_PROMPT_TOKEN
+
+
 def machine_rates(prepared: PreparedModel, options: JobOptions, compute_dtype: str, device: str,
-                  costs: Sequence[RowCost]) -> Rates:
-    """What the plan learns from this machine (batchrun.measure), for this checkpoint computed in compute_dtype."""
+                  costs: Sequence[RowCost], rows_bytes: int = 0) -> Rates:
+    """What the plan learns from this machine (batchrun.measure), for this checkpoint computed in compute_dtype;
+    `rows_bytes`: what the job's rows hold (held_rows_bytes), fixed beside the runtime and the tokenizer."""
     return Rates(
         bandwidth=bandwidth_for(prepared.checkpoint, options),
         compute_flops_per_s=measure.compute_rate(compute_dtype, device),
         memory_bytes_per_s=measure.memory_read_rate(compute_dtype, device),
         disk_free_bytes=disk_free_bytes(prepared.checkpoint),
-        runtime_overhead_bytes=measure.runtime_overhead_bytes(compute_dtype) + prepared.tokenizer_bytes,
-        tokenizer_bytes=prepared.tokenizer_bytes,
+        runtime_overhead_bytes=measure.runtime_overhead_bytes(compute_dtype) + prepared.tokenizer_bytes + rows_bytes,
+        tokenizer_bytes=prepared.tokenizer_bytes, rows_bytes=rows_bytes,
         decode_rates=_decode_rates(prepared.sizes, compute_dtype, device, costs),
         packs_weights=measure.packs_weights(compute_dtype, device),
         layer_call_seconds=measure.layer_call_seconds(device), compute_threads=measure.compute_threads())
@@ -341,7 +353,7 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
             report["prompt_tokens_max"] = max((len(r.prompt_ids) for r in rows), default=0)
             report["new_tokens_max"] = max((r.request.max_new_tokens for r in rows if not r.is_choice), default=0)
             report["unrunnable_rows"] = [{"location": r.request.location, "reason": r.error} for r in rows if r.error]
-        candidate = plan_rows(prepared, distinct, options, device).to_json()
+        candidate = plan_rows(prepared, distinct, options, device, held=rows).to_json()
         refusal = nothing_runs(rows, len(spec.invalid))
         if refusal:
             candidate["blockers"].append(refusal)

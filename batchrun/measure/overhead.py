@@ -20,6 +20,9 @@ PEAK_DISPUTED_BEYOND = 1.25
 # Used only when the probe below cannot run: resident set of a CPU process that imported torch and
 # transformers' model code, rounded up.
 RUNTIME_OVERHEAD_FALLBACK_BYTES = 700 << 20
+# A command's import time judges the cached one once either lasts this long, and disputes it beyond this ratio.
+IMPORT_JUDGED_MIN_SECONDS = 2.0
+IMPORT_DISPUTED_BEYOND = 1.5
 
 
 # What a run holds before its first weight: everything the executor imports, torch's kernels and thread pools
@@ -93,6 +96,30 @@ def judge_runtime_overhead(peak_bytes: int, planned_bytes: int, *, job: str) -> 
         log.info("the first pass peaked at %d MB where the plan said %d MB: the runtime's memory is measured again "
                  "at the next plan", peak_bytes // 10**6, planned_bytes // 10**6)
     return disputed
+
+
+def judge_runtime_import(seconds: float) -> bool:
+    """This command took `seconds` to import what a run imports, where the plan's ETA counted the cached figure:
+    once either is at least IMPORT_JUDGED_MIN_SECONDS, a ratio outside IMPORT_DISPUTED_BEYOND either way (a figure
+    probed while the machine was busy, or a library upgraded in place) disputes it and the next plan probes again.
+    Returns whether it was disputed."""
+    cached_seconds = runtime_import_seconds_cached()
+    if cached_seconds is None or max(seconds, cached_seconds) < IMPORT_JUDGED_MIN_SECONDS:
+        return False
+    if 1 / IMPORT_DISPUTED_BEYOND <= seconds / max(cached_seconds, 1e-9) <= IMPORT_DISPUTED_BEYOND:
+        return False
+    disputed = dispute("runtime_overhead", sys.executable,
+                       {"import_seconds": round(seconds, 3), "cached_import_seconds": round(cached_seconds, 3)})
+    if disputed:
+        log.info("importing the runtime took %.1f s where the plan counted %.1f s: it is probed again at the next "
+                 "plan", seconds, cached_seconds)
+    return disputed
+
+
+def runtime_import_seconds_cached() -> float | None:
+    """The cached import time, without probing where there is none."""
+    entry = cached("runtime_overhead", sys.executable)
+    return entry.get("import_seconds") if entry and entry.get("probe") == _probe_digest() else None
 
 
 def _runtime_probe() -> dict | None:

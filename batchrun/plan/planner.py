@@ -264,8 +264,9 @@ def _plan_memory(job: PlanInputs, fixed: Fixed, peak: _Peak) -> PlanMemory:
         memory_budget_bytes=job.request.memory_budget_bytes, weights_bytes=fixed.weights.bytes,
         runtime_overhead_bytes=rates.runtime_overhead_bytes, peak_memory_bytes=fixed.bytes + peak.batch_bytes,
         turn_bytes=peak.turn_bytes,
-        memory_floor=[["runtime", rates.runtime_overhead_bytes - rates.tokenizer_bytes],
+        memory_floor=[["runtime", rates.runtime_overhead_bytes - rates.tokenizer_bytes - rates.rows_bytes],
                       *([["tokenizer", rates.tokenizer_bytes]] if rates.tokenizer_bytes else []),
+                      *([["job rows", rates.rows_bytes]] if rates.rows_bytes else []),
                       *map(list, fixed.weights.parts)],
         token_matrices=fixed.placement.word, token_matrices_reason=fixed.placement_reason,
         packs_weights=fixed.packs_weights, prefetch_depth=peak.read_ahead, decode_prefetch_depth=peak.decode_depth)

@@ -51,7 +51,7 @@ class Rates:
     compute_threads: the threads the rates were measured with; a host streaming with prefetch decodes on one fewer
     (rates.decode_cores_share).
     packs_weights: a streamed run's long prefills multiply packed weights (measure.packs_weights), one layer more.
-    runtime_overhead_bytes: what the runtime (and the tokenizer) hold before any weight is read.
+    runtime_overhead_bytes: what the runtime (and the tokenizer, and the job's rows) hold before any weight is read.
     disk_free_bytes: free disk where a download would go (None: unknown)."""
     bandwidth: Bandwidth
     compute_flops_per_s: float | None
@@ -63,3 +63,4 @@ class Rates:
     packs_weights: bool = False
     disk_free_bytes: int | None = None
     tokenizer_bytes: int = 0  # the tokenizer's part of runtime_overhead_bytes
+    rows_bytes: int = 0  # the job's read and encoded rows' part of runtime_overhead_bytes

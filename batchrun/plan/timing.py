@@ -13,7 +13,7 @@ from batchrun.plan.refill import ScheduledPass
 
 # A decode pass streams every weight from RAM once, so below a few dozen sequences it runs at the speed of memory,
 # not of the matmul units. The KV cache moves once more: attention reads it. Appending the token writes in place
-# (prefill.RoomyLayer), and transformers' SDPA decodes grouped-query heads packed (pack_gqa), without expanding K and
+# (caches.RoomyLayer), and transformers' SDPA decodes grouped-query heads packed (pack_gqa), without expanding K and
 # V to every query head.
 KV_COPIES_PER_DECODE = 1
 # A host streaming a layer moves it through RAM besides the disk read: the kernel copies it out of the page cache
@@ -198,7 +198,7 @@ def job_timeline(pricing: PassPricing, rows: Sequence[RowCost], batches: Sequenc
     `shared_prefix` prompt tokens once (prefill.SharedPrefix), one sequence alone its whole prompt; the scheduled
     passes share `schedule_prefix` tokens (score.GreedyPool: 0 where a pass holds one row), computed by their first
     pass. `decode_merges` False: the scheduled passes' micro-batches cannot merge for decoding (sliding-window caches of
-    rows longer than the window, prefill.merge_for_decode), so each admission's prefill micro-batches decode in a
+    rows longer than the window, decode.merge_for_decode), so each admission's prefill micro-batches decode in a
     call of their own for as long as one of their rows lives. `own_rows`: the rows without the shared prefix, where
     the caller has them."""
     if own_rows is None:

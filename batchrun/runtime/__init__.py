@@ -2,12 +2,14 @@
 turns, prefill with a shared prefix, and scoring choices or generating tokens. Needs torch.
 """
 from batchrun.runtime.devices import check_device, default_device, default_dtype
+from batchrun.runtime.handle import ModelHandle, open_model
 from batchrun.runtime.prefill import cache_argument, output_cache
 from batchrun.runtime.prefix_attention import attends_through_sdpa, reads_prefix_in_place, sdpa_groups_one_token_queries
-from batchrun.runtime.resident import ResidentModel, open_model
+from batchrun.runtime.resident import ResidentModel
 from batchrun.runtime.score import Answer, GreedyPool, PoolPlan, eos_token_ids, generation_answer, score_choices
 from batchrun.runtime.stream import LayerReads, StreamedModel
 
-__all__ = ["Answer", "GreedyPool", "LayerReads", "PoolPlan", "ResidentModel", "StreamedModel", "attends_through_sdpa",
-           "cache_argument", "check_device", "default_device", "default_dtype", "eos_token_ids", "generation_answer",
-           "open_model", "output_cache", "reads_prefix_in_place", "score_choices", "sdpa_groups_one_token_queries"]
+__all__ = ["Answer", "GreedyPool", "LayerReads", "ModelHandle", "PoolPlan", "ResidentModel", "StreamedModel",
+           "attends_through_sdpa", "cache_argument", "check_device", "default_device", "default_dtype",
+           "eos_token_ids", "generation_answer", "open_model", "output_cache", "reads_prefix_in_place",
+           "score_choices", "sdpa_groups_one_token_queries"]

@@ -1,6 +1,6 @@
 """Decoding against a shared prefix without copying it: attention over [prefix | own tokens] in two parts.
 
-A decode step of a micro-batch whose sequences share a prompt prefix (prefill.PrefixSharedLayer) would
+A decode step of a micro-batch whose sequences share a prompt prefix (caches.PrefixSharedLayer) would
 otherwise concatenate the prefix's keys and values [1, H, P, D], expanded to every sequence, with each
 sequence's own [b, H, S, D] at every layer of every pass: b copies of the prefix written and read again
 per layer (docs/streaming.md#decoding-without-copying-the-cache). Here the scores against the prefix come

@@ -1,4 +1,4 @@
-"""One entry point for the executor: a model that runs resident when it fits, streamed when not."""
+"""The plain transformers model, every weight loaded once, run as a streamed model is (handle.ModelHandle)."""
 from __future__ import annotations
 
 import ctypes
@@ -11,13 +11,12 @@ from transformers import AutoModelForCausalLM
 from batchrun.checkpoint import TokenizerOnDemand, load_config, read_tensor_infos, storage_dtype
 from batchrun.host import glibc, keep_heap_flat, return_freed_memory
 from batchrun.runtime.devices import resolve_dtype
-from batchrun.runtime.linear_kernels import route_linears
-from batchrun.runtime.stream import LayerReads, StreamedModel, find_decoder_stack, text_config
+from batchrun.runtime.stream import find_decoder_stack, text_config
 from batchrun.runtime.turns import PassProgress, TurnCallback
 
 
 class ResidentModel(TokenizerOnDemand):
-    """The plain transformers model, weights loaded once. Same surface as StreamedModel."""
+    """The plain transformers model, weights loaded once: a ModelHandle (handle.py), as StreamedModel is."""
 
     def __init__(self, checkpoint: Path, *, device: str, dtype=None, trust_remote_code: bool = False):
         load_config(checkpoint, trust_remote_code=trust_remote_code)
@@ -41,7 +40,7 @@ class ResidentModel(TokenizerOnDemand):
         self._in_pass = False
         self._micro = 0
         self._before_layer = None
-        self.on_turn: TurnCallback | None = None  # told of each layer turn of a pass (turns.PassProgress)
+        self._on_turn: TurnCallback | None = None
         self._progress: PassProgress | None = None
         self._hooks = [self.model.register_forward_pre_hook(self._count_pass)]
         self._hooks += [layer.register_forward_pre_hook(self._make_layer_hook(i))
@@ -69,7 +68,7 @@ class ResidentModel(TokenizerOnDemand):
         computes: `light` and `rows` matter only to a streamed model)."""
         self.passes += 1
         self._in_pass, self._before_layer = True, before_layer
-        self._progress = PassProgress.of(self.on_turn, len(calls), len(self.layers))
+        self._progress = PassProgress.of(self._on_turn, len(calls), len(self.layers))
         try:
             results = []
             for micro, call in enumerate(calls):
@@ -79,6 +78,13 @@ class ResidentModel(TokenizerOnDemand):
             return results
         finally:
             self._in_pass, self._before_layer, self._micro, self._progress = False, None, 0, None
+
+    def report_turns(self, on_turn: TurnCallback | None) -> None:
+        """Tell `on_turn` of each layer turn of the passes run_pass runs from now on (turns.PassProgress)."""
+        self._on_turn = on_turn
+
+    def use_prefill_read_ahead_in_decode(self) -> None:
+        """Nothing to do: resident weights are not read ahead."""
 
     @property
     def max_seq_len(self) -> int | None:
@@ -193,15 +199,3 @@ def lies_in(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
     start = storage.data_ptr()
     end = start + storage.nbytes()
     return any(low < end and start < high for low, high in ranges)
-
-
-def open_model(checkpoint: Path, *, mode: str, device: str, dtype=None, trust_remote_code: bool = False,
-               linear_kernel: str = "aten", reads: LayerReads = LayerReads()):
-    """The model as the plan chose to run it: `mode` "resident" or "streamed" (its layers read as `reads` says).
-    `linear_kernel`: what computes the model's nn.Linear layers (linear_kernels.py; measure.linear_kernel picks)."""
-    if mode == "resident":
-        model = ResidentModel(checkpoint, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-    else:
-        model = StreamedModel(checkpoint, device=device, dtype=dtype, reads=reads, trust_remote_code=trust_remote_code)
-    route_linears(model.model, linear_kernel)
-    return model

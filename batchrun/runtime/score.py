@@ -13,8 +13,9 @@ from typing import Sequence
 import torch
 
 from batchrun.plan import RowCost, admit, shares_prefix
-from batchrun.runtime.prefill import (PrefillCalls, SharedPrefix, collect_decoded, decode_calls, drop_finished,
-                                      merge_for_decode, prefill)
+from batchrun.runtime.decode import collect_decoded, decode_calls, drop_finished, merge_for_decode
+from batchrun.runtime.handle import ModelHandle
+from batchrun.runtime.prefill import PrefillCalls, SharedPrefix, prefill
 from batchrun.quality import numeric_score
 from batchrun.spec import EncodedRow, choice_sequences, kept_positions
 
@@ -34,7 +35,7 @@ class Answer:
 
 
 # -- choice rows ---------------------------------------------------------------------------------
-def score_choices(handle, rows: Sequence[EncodedRow], pad_id: int, *, micro_batch: int | None = None,
+def score_choices(handle: ModelHandle, rows: Sequence[EncodedRow], pad_id: int, *, micro_batch: int | None = None,
                   share_prefix: bool = True) -> list[Answer]:
     """All choices of all rows in one pass; log-likelihood of each choice's tokens after the prompt. Each forward
     call keeps only the log-probabilities of its rows' choice tokens (choice_picks), never a vocabulary row."""
@@ -100,7 +101,7 @@ class PoolPlan:
     """What the plan decided for a job's generation rows, as the pool carries it out."""
     limits: tuple[int, int]  # (most sequences, most padded tokens) one pass holds
     micro_batch: int | None = None  # sequences per prefill call; None: all at once
-    decode_micro_batch: int | None = None  # sequences per decode call (prefill.merge_for_decode); None: all at once
+    decode_micro_batch: int | None = None  # sequences per decode call (decode.merge_for_decode); None: all at once
     shared_prefix: int = 0  # prompt tokens every row starts with, computed once by the first pass
     # Every row, answered in full, fits inside the smallest sliding window: windowed layers cache like full ones,
     # so the micro-batches of rows admitted in different passes merge into one decode call
@@ -120,8 +121,8 @@ class GreedyPool:
     prompt + those tokens, and decoding continues from there.
     """
 
-    def __init__(self, handle, rows: Sequence[EncodedRow], costs: Sequence[RowCost], plan: PoolPlan, tokenizer,
-                 eos_ids: set[int], pad_id: int, prefixes: dict[int, tuple[list[int], float]] | None = None):
+    def __init__(self, handle: ModelHandle, rows: Sequence[EncodedRow], costs: Sequence[RowCost], plan: PoolPlan,
+                 tokenizer, eos_ids: set[int], pad_id: int, prefixes: dict[int, tuple[list[int], float]] | None = None):
         self.handle, self.tokenizer, self.eos_ids, self.pad_id = handle, tokenizer, eos_ids, pad_id
         self.special_ids = special_token_ids(tokenizer)
         self.costs, self.limits = costs, plan.limits

@@ -1,16 +1,15 @@
 """The layer-streaming runtime: a transformers model whose decoder layers live on disk.
 
-Lifecycle per decoder layer (accelerate's hook pattern): load (read its tensors from the shards into
-a buffer slot, on a worker thread one or more layers ahead), run (the model's own forward), release
-(parameters back to meta, slot back to the pool). transformers owns the architecture; we only
-discover the decoder stack and swap weights in and out around each layer's forward.
+StreamedModel builds the model on meta, loads what stays resident (embeddings, final norm, head, unless the token
+matrices stream: token_matrices.py) and hooks one StreamedLayer into each decoder layer (streamed_layer.py: load
+before its forward, release after, accelerate's hook shape); a ReadAhead reads the layers into buffer slots on a
+worker thread one or more layers ahead (read_ahead.py). transformers owns the architecture; we only discover the
+decoder stack and swap weights in and out around each layer's forward.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,13 +18,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from batchrun.checkpoint import (CheckpointError, TokenizerOnDemand, load_config, read_tensor_infos, resolve_checkpoint,
                                  storage_dtype)
-from batchrun.host import faults, keep_heap_flat, return_freed_memory
+from batchrun.host import keep_heap_flat
 from batchrun.plan import HEAD_CHUNK_BYTES
 from batchrun.runtime.devices import default_device, resolve_dtype
-from batchrun.runtime.linear_kernels import (PACK_MIN_ROWS, drop_packed_weights, pack_weights, packing_available,
-                                             route_linears, routed_weight_names, sharing_tiles)
-from batchrun.runtime.loader import LayerLoader, LayerWeights, SlotPool
-from batchrun.runtime.token_matrices import GatheredEmbedding, MatrixRows, StreamedHead, transforms_logits
+from batchrun.runtime.linear_kernels import PACK_MIN_ROWS, packing_available, route_linears, routed_weight_names
+from batchrun.runtime.loader import LayerLoader, SlotPool
+from batchrun.runtime.read_ahead import ReadAhead
+from batchrun.runtime.streamed_layer import PassState, StreamedLayer
+from batchrun.runtime.token_matrices import (GatheredEmbedding, MatrixRows, StreamedHead, StreamedMatrices,
+                                             transforms_logits)
 from batchrun.runtime.turns import LayerTurns, PassGroup, PassProgress, TurnCallback, run_interleaved
 from batchrun.runtime.weights import Recipe, build_recipes, read_into, realize, tensor_from_bytes
 
@@ -85,16 +86,11 @@ class StreamedModel(TokenizerOnDemand):
         self.dtype = resolve_dtype(dtype, self.device, storage_dtype(infos))
         keep_heap_flat()  # before the first weight is allocated, so no heap grows under the model
         self.config = AutoConfig.from_pretrained(self.checkpoint, trust_remote_code=trust_remote_code)
-        quantization = getattr(self.config, "quantization_config", None)
-        if quantization:  # from_config would build plain layers: packed weights read without their scales
-            method = (quantization.get("quant_method") if isinstance(quantization, dict)
-                      else getattr(quantization, "quant_method", None))
-            raise CheckpointError(f"{self.checkpoint}: quantized checkpoint ({method or 'unknown method'}); "
-                                  "streaming reads unquantized safetensors only: run it resident or use an "
-                                  "unquantized checkpoint")
+        _refuse_quantized(self.checkpoint, self.config)
         self.num_layers = text_config(self.config).num_hidden_layers
         self.max_seq_len = max_seq_len or getattr(text_config(self.config), "max_position_embeddings", None)
         self._trust_remote_code = trust_remote_code
+        self._current = PassState()  # what run_pass tells the layers (and a streamed head) of the pass in flight
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=self.dtype,
                                                           trust_remote_code=trust_remote_code)
@@ -102,36 +98,24 @@ class StreamedModel(TokenizerOnDemand):
         self._read_generation_config()
         self.layers_path, self.layers = find_decoder_stack(self.model, self.num_layers)
         route_linears(self.model, "aten")  # routed linears take a weight a decode pass leaves narrow (run_pass)
-        recipes = build_recipes(self.model, infos)
-        layer_recipes, resident = self._split_recipes(recipes)
-        self._load_resident(self._stream_token_matrices(resident, reads))
-        self._meta_params = [{name: p for name, p in layer.named_parameters()} for layer in self.layers]
-        self._check_layers_covered(layer_recipes)
-        prefetching = self.prefetching = reads.prefetch
-        self.prefetch_depth = max(1, reads.depth) if prefetching else 0
-        # Decode passes (run_pass(light=True)) may read further ahead: the plan gives them the slot the prefill's
-        # activations no longer need (plan.make_plan, decode_prefetch_depth).
-        self.decode_prefetch_depth = max(self.prefetch_depth, reads.decode_depth or 0) if prefetching else 0
-        self._depth = self.prefetch_depth  # the depth of the pass in flight
-        self.slots = SlotPool(self.prefetch_depth + 1)
-        self.loader = LayerLoader(layer_recipes, [f"{self.layers_path}.{i}." for i in range(self.num_layers)],
-                                  self._meta_params, device=self.device, model=self.model, config=self.config,
+        layer_recipes, resident = self._split_recipes(build_recipes(self.model, infos))
+        self.matrices, resident = self._place_token_matrices(resident, reads)
+        self._load_resident(resident)
+        meta = [dict(layer.named_parameters()) for layer in self.layers]  # every decoder parameter is on meta still
+        self._check_layers_covered(layer_recipes, meta)
+        self.loader = LayerLoader(layer_recipes, [f"{self.layers_path}.{i}." for i in range(self.num_layers)], meta,
+                                  device=self.device, model=self.model, config=self.config,
                                   drop_page_cache=reads.drop_page_cache,
                                   narrowable=[routed_weight_names(layer) for layer in self.layers])
-        self._narrow = False  # whether the pass in flight leaves linear weights narrow (run_pass(light=True))
-        # Whether long prefills may pack (measure.packs_weights: where the packed kernel measured faster), and
-        # whether the pass in flight does (run_pass(rows=...)).
-        self.may_pack, self._pack = reads.pack_weights, False
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batchrun-prefetch") \
-            if prefetching else None
-        self._pending: dict[int, Future] = {}
-        self._active: dict[int, LayerWeights] = {}
+        self.reader = ReadAhead(self.loader, self.num_layers, prefetch=reads.prefetch, depth=reads.depth,
+                                decode_depth=reads.decode_depth)
+        # Whether long prefills may pack (measure.packs_weights: where the packed kernel measured faster).
+        self.may_pack = reads.pack_weights
         self.passes = 0
-        self._group: PassGroup | None = None
-        self.on_turn: TurnCallback | None = None  # told of each layer turn of a pass (turns.PassProgress)
-        self._progress: PassProgress | None = None
-        self._hooks = []
-        self._install_hooks()
+        self._on_turn: TurnCallback | None = None
+        self._streamed_layers = [StreamedLayer(index, layer, meta[index], self.reader, self._current).init()
+                          for index, layer in enumerate(self.layers)]
+        self._counting = self.model.register_forward_pre_hook(self._before_pass)
         self._closed = False
 
     # -- building ------------------------------------------------------------------------------
@@ -158,15 +142,14 @@ class StreamedModel(TokenizerOnDemand):
                 resident.append(recipe)
         return per_layer, resident
 
-    def _stream_token_matrices(self, recipes: list[Recipe], reads: LayerReads) -> list[Recipe]:
-        """Those of `recipes` that stay resident: the embedding and head as `reads` says are read as passes need
-        them instead (token_matrices.py), hooked in here."""
-        self._gathered: GatheredEmbedding | None = None
-        self._head: StreamedHead | None = None
-        self._matrix_rows: list[MatrixRows] = []
+    def _place_token_matrices(self, recipes: list[Recipe], reads: LayerReads
+                              ) -> tuple[StreamedMatrices, list[Recipe]]:
+        """The embedding and head that `reads` says are read as passes need them (token_matrices.py), hooked in
+        here, and those of `recipes` that stay resident."""
+        matrices = StreamedMatrices()
         embedding, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         if head is None:
-            return recipes
+            return matrices, recipes
         names = {module: name for name, module in self.model.named_modules()}
         embed_target, head_target = f"{names[embedding]}.weight", f"{names[head]}.weight"
         by_target = {recipe.target: recipe for recipe in recipes}
@@ -180,7 +163,7 @@ class StreamedModel(TokenizerOnDemand):
         gather = ((stream_head if tied else reads.gather_embeddings) and embed_recipe is not None
                   and embed_recipe.is_plain)
         if not (gather or stream_head):
-            return recipes
+            return matrices, recipes
         drop = reads.drop_page_cache
         matrix_rows = {}  # one reader per tensor: a tied matrix serves both uses
 
@@ -191,17 +174,17 @@ class StreamedModel(TokenizerOnDemand):
             return matrix_rows[info.name]
 
         if gather:
-            self._gathered = GatheredEmbedding(embedding, rows_of(embed_recipe))
+            matrices.gathered = GatheredEmbedding(embedding, rows_of(embed_recipe))
         if stream_head:
-            self._head_path = names[head]
+            matrices.head_path = names[head]
             # a chunk no larger than a decoder layer: the head never sets the run's floor
             layer_bytes = max(sum(p.numel() for p in layer.parameters()) for layer in self.layers) * self.dtype.itemsize
-            self._head = StreamedHead(rows_of(head_recipe), self.num_layers, lambda: self._group,
-                                      chunk_bytes=min(HEAD_CHUNK_BYTES, layer_bytes),
-                                      reduces=not transforms_logits(text_config(self.config)))
-        self._matrix_rows = list(matrix_rows.values())
+            matrices.head = StreamedHead(rows_of(head_recipe), self.num_layers, lambda: self._current.group,
+                                         chunk_bytes=min(HEAD_CHUNK_BYTES, layer_bytes),
+                                         reduces=not transforms_logits(text_config(self.config)))
+        matrices.rows = list(matrix_rows.values())
         streamed = {embed_target if gather else None, head_target if stream_head else None}
-        return [recipe for recipe in recipes if recipe.target not in streamed]
+        return matrices, [recipe for recipe in recipes if recipe.target not in streamed]
 
     def _load_resident(self, recipes: list[Recipe]) -> None:
         """Embeddings, final norm, head: read once, cast, keep. Then buffers and tied weights."""
@@ -217,14 +200,14 @@ class StreamedModel(TokenizerOnDemand):
                 tensors.append(tensor_from_bytes(raw, info))
             for target, value in realize(recipe, tensors, self.model, self.config).items():
                 self._set_tensor(target, value)
-        if self._head is None:
+        head = self.matrices.head
+        if head is None:
             self.model.tie_weights()
         else:  # the streamed head takes the module's place, keeping its bias (a small resident tensor)
-            original = self.model.get_submodule(self._head_path)
-            bias = getattr(original, "bias", None)
-            self._head.bias = None if bias is None or bias.is_meta else bias
-            parent, _, attr = self._head_path.rpartition(".")
-            setattr(self.model.get_submodule(parent) if parent else self.model, attr, self._head)
+            bias = getattr(self.model.get_submodule(self.matrices.head_path), "bias", None)
+            head.bias = None if bias is None or bias.is_meta else bias
+            parent, _, attr = self.matrices.head_path.rpartition(".")
+            setattr(self.model.get_submodule(parent) if parent else self.model, attr, head)
         self._materialise_buffers()
         missing = [name for name, p in self.model.named_parameters()
                    if p.is_meta and not name.startswith(self.layers_path + ".")]
@@ -261,70 +244,28 @@ class StreamedModel(TokenizerOnDemand):
             param._is_hf_initialized = True
         self.model.initialize_weights()
 
-    def _check_layers_covered(self, layer_recipes: list[list[Recipe]]) -> None:
+    def _check_layers_covered(self, layer_recipes: list[list[Recipe]], meta: list[dict]) -> None:
         for index, recipes in enumerate(layer_recipes):
             produced = {r.target for r in recipes}
             prefix = f"{self.layers_path}.{index}."
-            wanted = {prefix + name for name in self._meta_params[index]}
+            wanted = {prefix + name for name in meta[index]}
             # A converter may produce several targets from its first one (qkv -> q, k, v), so only
             # flag a layer that has no recipe at all.
             if not produced and wanted:
                 raise CheckpointError(f"{self.checkpoint}: decoder layer {index} has no tensors in the checkpoint")
 
-    # -- the load / run / release lifecycle ----------------------------------------------------
-    def _install_hooks(self) -> None:
-        self._hooks.append(self.model.register_forward_pre_hook(self._before_pass))
-        for index, layer in enumerate(self.layers):
-            self._hooks.append(layer.register_forward_pre_hook(self._make_pre_hook(index)))
-            self._hooks.append(layer.register_forward_hook(self._make_post_hook(index)))
-
+    # -- passes --------------------------------------------------------------------------------
     def _before_pass(self, module, args):
-        if self._group is not None:
-            return  # a micro-batch of a pass that run_pass already counted
-        self._start_pass()
+        if self._current.group is None:  # else a micro-batch of a pass that run_pass already counted
+            self._start_pass()
 
     def _start_pass(self) -> None:
-        # A pass interrupted by an exception leaves layers assigned: release them first.
-        for index in list(self._active):
-            self._release(index)
+        self._release_layers()  # a pass interrupted by an exception leaves layers in place
         self.passes += 1
 
-    def _make_pre_hook(self, index: int):
-        def hook(module, args):
-            group = self._group
-            if group is not None:
-                group.turns.wait(index, group.micro)
-            if group is None or group.micro == 0:  # load once; later micro-batches reuse the weights
-                weights = self._acquire(index)
-                for name, tensor in weights.tensors.items():
-                    _assign(module, name, tensor)
-                self._active[index] = weights
-                if self._pack:
-                    pack_weights(module)
-                if self._executor is not None:
-                    for ahead in range(1, self._depth + 1):
-                        self._schedule((index + ahead) % self.num_layers)
-            if group is not None and group.before_layer is not None:
-                group.before_layer(index, group.micro)
-        return hook
-
-    def _make_post_hook(self, index: int):
-        def hook(module, args, output):
-            group = self._group
-            if group is None or group.last_micro:
-                self._release(index)
-                if self._executor is not None:
-                    # The freed slot takes the next layer not yet asked for now, not when the next layer starts:
-                    # the reader never waits for the forward thread while a slot is free.
-                    self._schedule((index + self._depth + 1) % self.num_layers)
-                faults.reached("layer")
-            if self.device.type == "cpu":
-                return_freed_memory()  # before the next turn: its activations are the next resident ones
-            if self._progress is not None:
-                self._progress.turn_done()
-            if group is not None:
-                group.turns.advance(index, group.micro)
-        return hook
+    def _release_layers(self) -> None:
+        for layer in self._streamed_layers:
+            layer.release()
 
     def run_pass(self, calls, before_layer=None, *, light: bool = False, rows: int = 0) -> list:
         """Run forward calls as the micro-batches of ONE pass: each layer is read once for all of them.
@@ -339,140 +280,75 @@ class StreamedModel(TokenizerOnDemand):
         bfloat16 pass on the CPU multiplies packed copies of each layer's linear weights (linear_kernels.pack_weights)
         where the model was opened with pack_weights.
         """
-        self._narrow = light
-        self._pack = self.packs_weights(rows) and not light
-        self._use_depth(self.decode_prefetch_depth if light else self.prefetch_depth)
-        self._progress = PassProgress.of(self.on_turn, len(calls), self.num_layers)
-        with self._leaving_a_core(light):
+        current = self._current
+        current.pack = self.packs_weights(rows) and not light
+        self.reader.begin_pass(light)
+        current.progress = PassProgress.of(self._on_turn, len(calls), self.num_layers)
+        with self.reader.leaving_a_core(light):
             try:
                 if len(calls) == 1 and before_layer is None:
                     with torch.inference_mode():
                         return [calls[0]()]
                 self._start_pass()
-                self._group = PassGroup(LayerTurns(len(calls)), before_layer)
+                current.group = PassGroup(LayerTurns(len(calls)), before_layer)
                 try:
-                    return run_interleaved(self._group, calls, torch.inference_mode)
+                    return run_interleaved(current.group, calls, torch.inference_mode)
                 finally:
-                    self._group = None
-                    for index in list(self._active):  # after a failure, nothing stays materialised
-                        self._release(index)
+                    current.group = None
+                    self._release_layers()  # after a failure, nothing stays materialised
             finally:
-                self._progress = None
-
-    @contextlib.contextmanager
-    def _leaving_a_core(self, light: bool):
-        # A decode pass computes on one thread fewer: with every core, the matmuls keep stalling on the one that the
-        # reader's page-cache copy and the widening are using (docs/streaming.md#what-bounds-a-pass). A prefill
-        # keeps every core: its compute outlasts the reads.
-        # The widening linears' tiles, most of a decode pass's compute, still go to every core, a tile per worker at
-        # a time (linear_kernels.sharing_tiles): a worker the reader delays holds up no other.
-        threads = torch.get_num_threads()
-        if not (light and self.device.type == "cpu" and self._executor is not None and threads > 1):
-            yield
-            return
-        torch.set_num_threads(threads - 1)
-        try:
-            with sharing_tiles(threads):
-                yield
-        finally:
-            torch.set_num_threads(threads)
-
-    def _use_depth(self, depth: int) -> None:
-        """Between passes: read `depth` layers ahead from now on. A pass starts at layer 0, and the previous one left
-        layers 0..old depth read ahead; shrinking gives back those beyond the new depth (a wasted read each, once per
-        switch) and frees the buffers of the slots that leaves unused, before this pass's activations need them."""
-        if depth == self._depth or self._executor is None:
-            return
-        if depth < self._depth:
-            self._give_back_pending(keep=range(depth + 1))
-            for slot in self.slots.retire_free(depth + 1):
-                self.loader.forget_slot(slot)
-            return_freed_memory()
-        else:
-            self.slots.grow(depth + 1)
-        self._depth = depth
-
-    def _schedule(self, index: int) -> None:
-        if index in self._pending or index in self._active:
-            return
-        self._pending[index] = self._executor.submit(self._load, index, self._narrow)
-
-    def _load(self, index: int, narrow: bool) -> LayerWeights:
-        slot = self.slots.take()
-        try:
-            return self.loader.load(index, slot, narrow)
-        except BaseException:
-            self.slots.give(slot)
-            raise
-
-    def _acquire(self, index: int) -> LayerWeights:
-        future = self._pending.pop(index, None)
-        if future is None and self._executor is not None:
-            self._give_back_pending(keep=(index,))
-            future = self._executor.submit(self._load, index, self._narrow)
-        weights = future.result() if future is not None else self._load(index, self._narrow)
-        try:
-            if weights.narrow and not self._narrow:  # read ahead for a decode pass, needed by a prefill
-                self.loader.widen_narrow(weights)
-            weights.wait_widened()
-        except BaseException:
-            self.slots.give(weights.slot)  # a failed widening fails this pass, not the slot pool
-            raise
-        if weights.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(weights.ready)
-        return weights
-
-    def _give_back_pending(self, keep) -> None:
-        """Give back the slots of layers read ahead that nobody will run next (an out-of-order request, a shallower
-        read-ahead): all pending but those in `keep`."""
-        for index, future in list(self._pending.items()):
-            if index not in keep:
-                del self._pending[index]
-                weights = future.result()
-                try:
-                    weights.wait_widened()  # nothing may still write into a slot given back
-                finally:
-                    self.slots.give(weights.slot)
+                current.progress = None
 
     def packs_weights(self, rows: int) -> bool:
         """Whether a pass multiplying each layer by `rows` positions packs its linear weights first."""
         return (self.may_pack and rows >= PACK_MIN_ROWS and self.device.type == "cpu"
                 and self.dtype == torch.bfloat16 and packing_available())
 
-    def _release(self, index: int) -> None:
-        weights = self._active.pop(index, None)
-        if weights is None:
-            return
-        layer = self.layers[index]
-        drop_packed_weights(layer)
-        for name in weights.tensors:
-            _assign(layer, name, self._meta_params[index][name])
-        if self.device.type == "cuda":  # the layer's kernels may still be queued: the next copy into its slot waits
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            self.loader.slot_in_use_until(weights.slot, done)
-        self.slots.give(weights.slot)
-
     # -- public surface ------------------------------------------------------------------------
+    def report_turns(self, on_turn: TurnCallback | None) -> None:
+        """Tell `on_turn` of each layer turn of the passes run_pass runs from now on (turns.PassProgress)."""
+        self._on_turn = on_turn
+
+    def use_prefill_read_ahead_in_decode(self) -> None:
+        """Decode passes read ahead only as far as a prefill: the plan sized a deeper read-ahead for them on keys and
+        values read in place, which this model's attention does not do."""
+        self.reader.decode_depth = self.reader.prefill_depth
+
+    @property
+    def prefetching(self) -> bool:
+        return self.reader.prefetching
+
+    @property
+    def prefetch_depth(self) -> int:
+        return self.reader.prefill_depth
+
+    @property
+    def decode_prefetch_depth(self) -> int:
+        return self.reader.decode_depth
+
+    @property
+    def slots(self) -> SlotPool:
+        return self.reader.slots
+
     @property
     def peak_materialised_layers(self) -> int:
-        return self.slots.peak_in_use
+        return self.reader.slots.peak_in_use
 
     @property
     def bytes_read(self) -> int:
-        return self.loader.bytes_read + sum(rows.bytes_read for rows in self._matrix_rows)
+        return self.loader.bytes_read + self.matrices.bytes_read
 
     def forward(self, *args, **kwargs):
-        self._narrow = self._pack = False
-        self._use_depth(self.prefetch_depth)
+        self._current.pack = False
+        self.reader.begin_pass(light=False)
         with torch.inference_mode():
             return self.model(*args, **kwargs)
 
     __call__ = forward
 
     def generate(self, *args, **kwargs):
-        self._narrow = self._pack = False
-        self._use_depth(self.prefetch_depth)
+        self._current.pack = False
+        self.reader.begin_pass(light=False)
         with torch.inference_mode():
             return self.model.generate(*args, **kwargs)
 
@@ -480,21 +356,13 @@ class StreamedModel(TokenizerOnDemand):
         if getattr(self, "_closed", True):
             return
         self._closed = True
-        if self._executor is not None:
-            for future in self._pending.values():
-                future.cancel()
-            self._executor.shutdown(wait=True, cancel_futures=True)
-        self._pending.clear()
-        for index in list(self._active):
-            self._release(index)
-        for handle in self._hooks:
-            handle.remove()
+        self.reader.stop()
+        for layer in self._streamed_layers:
+            layer.detach()
+        self._counting.remove()
         self.model.register_forward_pre_hook(_refuse_closed)  # not a device error from the meta layers
         self.loader.close()
-        if self._gathered is not None:
-            self._gathered.remove()
-        for rows in self._matrix_rows:
-            rows.close()
+        self.matrices.close()
 
     def __enter__(self):
         return self
@@ -514,13 +382,11 @@ def _refuse_closed(module, args):
     raise RuntimeError("this StreamedModel is closed: its layers are no longer read from disk; open a new one")
 
 
-def _assign(module: torch.nn.Module, dotted: str, tensor: torch.Tensor) -> None:
-    path, _, name = dotted.rpartition(".")
-    owner = module.get_submodule(path) if path else module
-    if name in owner._parameters:
-        if isinstance(tensor, torch.nn.Parameter):
-            owner._parameters[name] = tensor
-        else:
-            owner._parameters[name] = torch.nn.Parameter(tensor, requires_grad=False)
-    else:
-        owner._buffers[name] = tensor
+def _refuse_quantized(checkpoint: Path, config) -> None:
+    """from_config would build plain layers: packed weights would be read without their scales."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = (quantization.get("quant_method") if isinstance(quantization, dict)
+                  else getattr(quantization, "quant_method", None))
+        raise CheckpointError(f"{checkpoint}: quantized checkpoint ({method or 'unknown method'}); streaming reads "
+                              "unquantized safetensors only: run it resident or use an unquantized checkpoint")

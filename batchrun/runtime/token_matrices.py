@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -232,6 +232,27 @@ class StreamedHead(torch.nn.Module):
         if self._chunk is None:
             self._chunk = torch.empty(self.chunk_rows, self.rows.width, dtype=self.rows.dtype, device=self.rows.device)
         return self._chunk
+
+
+@dataclass
+class StreamedMatrices:
+    """The token matrices a streamed model reads as passes need them (the embedding gathered, the head streamed,
+    either or both), and the readers of their tensors: one per tensor, as a tied matrix serves both uses."""
+
+    gathered: GatheredEmbedding | None = None
+    head: StreamedHead | None = None
+    head_path: str = ""  # the head module the streamed head takes the place of
+    rows: list[MatrixRows] = field(default_factory=list)
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(rows.bytes_read for rows in self.rows)
+
+    def close(self) -> None:
+        if self.gathered is not None:
+            self.gathered.remove()
+        for rows in self.rows:
+            rows.close()
 
 
 def _positions_of(counts: list[int], calls: list[int], device) -> torch.Tensor:

@@ -124,7 +124,7 @@ def test_token_matrices_streamed_is_planned_and_run_with_the_same_answers(tmp_pa
     floor = re.search(r"^floor\s+(.*)$", result.stderr, re.M).group(1)
     assert "head chunk" in floor and "embedding" not in floor
     handle = opened[-1]
-    assert handle._head is not None and handle._gathered is not None  # neither matrix held
+    assert handle.matrices.head is not None and handle.matrices.gathered is not None  # neither matrix held
     assert_same_answers(answers, plain)
     refused = invoke("plan", spec, "--model", model, "--token-matrices", "some")
     assert refused.exit_code == 2 and "--token-matrices" in refused.output

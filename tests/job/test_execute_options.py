@@ -48,7 +48,8 @@ def test_a_run_loads_the_tokenizer_once_and_plans_for_its_memory(tmp_path, tiny_
                      on_plan=planned.append)
     assert summary.rows_done == len(REVIEWS)
     runtime = prepare.measure.runtime_overhead_bytes(planned[0].compute_dtype)
-    assert planned[0].memory.runtime_overhead_bytes == (300 << 20) + runtime
+    rows = dict(planned[0].memory.memory_floor)["job rows"]
+    assert planned[0].memory.runtime_overhead_bytes == (300 << 20) + runtime + rows
     assert dict(planned[0].memory.memory_floor)["tokenizer"] == 300 << 20
 
 
@@ -251,3 +252,46 @@ def test_generation_passes_far_quicker_than_planned_have_their_rates_measured_ag
             streaming="never")
     assert remeasured == ["cpu"]  # the next plan measured the cost instead of trusting the disputed figure
     assert cache.load()["layer_call"][key]["seconds"] == 2e-4
+
+
+def test_a_submit_whose_start_disagrees_with_the_cached_import_time_has_it_probed_again(tmp_path, tiny_checkpoint):
+    """An import time probed while the machine was busy stays in every later ETA: a `batchrun submit` whose own
+    imports took far less disputes it before it plans, so its own plan probes again. A fresh process: only a command
+    run right after its own imports judges them (a test runner's long-lived process would not)."""
+    import subprocess
+    import sys
+
+    from batchrun import measure
+    from batchrun.measure import cache
+    from tests.support import choice_spec
+
+    measure.runtime_overhead_bytes()  # the probe's entry, as a plan leaves it
+    entry = cache.cached("runtime_overhead", sys.executable)
+    cache.store("runtime_overhead", sys.executable, {**entry, "import_seconds": 90.0})
+    done = subprocess.run([sys.executable, "-m", "batchrun", "submit", str(choice_spec(tmp_path)), "--model",
+                           str(tiny_checkpoint("llama")), "--streaming", "never", "--db", str(tmp_path / "j.db"),
+                           "--output", str(tmp_path / "o.parquet"), "--quiet"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    probed = cache.load()["runtime_overhead"][sys.executable]
+    assert probed["import_seconds"] < 60 and "disputed" not in probed  # probed again, not the disputed figure
+
+
+def test_the_rows_a_job_holds_are_part_of_its_floor_and_its_peak(tmp_path, tiny_checkpoint):
+    """A large spec's rows stay in memory as the run goes (each request and its prompt's token ids), repeats of one
+    prompt included: the plan counts them in the floor, so a spec of many rows plans a higher peak than a few of the
+    same rows, by what they hold."""
+    from batchrun.job import plan_report
+    from batchrun.job.prepare import HELD_BYTES_PER_PROMPT_TOKEN, HELD_BYTES_PER_ROW
+
+    def planned(rows: int) -> dict:
+        spec = write_jsonl(tmp_path / f"{rows}.jsonl", [{"id": f"r{i}", "prompt": f"Review: {REVIEWS[i % 4]}",
+                                                          "choices": ["positive", "negative"]} for i in range(rows)])
+        options = JobOptions(model=str(tiny_checkpoint("llama")), streaming="never", batch_size=1)
+        return plan_report(spec, [options.model], options)
+
+    few, many = planned(10), planned(1000)
+    floor_few, floor_many = (dict(report["candidates"][0]["memory_floor"])["job rows"] for report in (few, many))
+    assert floor_few == 10 * HELD_BYTES_PER_ROW + few["prompt_tokens_total"] * HELD_BYTES_PER_PROMPT_TOKEN
+    assert floor_many == 1000 * HELD_BYTES_PER_ROW + many["prompt_tokens_total"] * HELD_BYTES_PER_PROMPT_TOKEN
+    peaks = [report["candidates"][0]["peak_memory_bytes"] for report in (few, many)]
+    assert peaks[1] - peaks[0] == floor_many - floor_few

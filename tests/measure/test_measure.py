@@ -352,3 +352,14 @@ def test_generation_passes_that_disagree_with_their_plan_dispute_every_rate_that
     seed()
     assert measure.judge_generation_rates("float32", "cpu", 9.0, 3.0, job="j")  # too slow: disputed as well
     assert f"layer_call:{key}" in disputed()
+
+
+def test_an_import_time_far_from_the_cached_one_is_disputed_and_a_close_one_kept():
+    entry = {"bytes": 500 << 20, "import_seconds": 3.0, "probe": overhead._probe_digest()}
+    cache.store("runtime_overhead", sys.executable, entry)
+    assert not measure.judge_runtime_import(3.9)  # within 1.5x
+    cache.store("runtime_overhead", sys.executable, {**entry, "import_seconds": 1.0})
+    assert not measure.judge_runtime_import(1.4)  # both under the judged minimum
+    cache.store("runtime_overhead", sys.executable, {**entry, "import_seconds": 9.0})
+    assert measure.judge_runtime_import(3.1)
+    assert cached_measurements()["runtime_overhead"][sys.executable]["disputed"]["cached_import_seconds"] == 9.0

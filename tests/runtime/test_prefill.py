@@ -7,7 +7,9 @@ import torch
 
 from batchrun.plan import MIN_SHARED_PREFIX
 from batchrun.runtime import LayerReads, ResidentModel, StreamedModel
-from batchrun.runtime.prefill import PrefixSharedLayer, SharedPrefix, decode, drop_finished, merge_for_decode, prefill
+from batchrun.runtime.caches import PrefixSharedLayer
+from batchrun.runtime.decode import decode, drop_finished, merge_for_decode
+from batchrun.runtime.prefill import SharedPrefix, prefill
 from tests.reference import assert_matches_reference, decode_matching_reference, sequences
 from tests.support import copy_checkpoint
 

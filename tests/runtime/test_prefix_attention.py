@@ -11,7 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from batchrun.plan import MIN_SHARED_PREFIX
 from batchrun.runtime import StreamedModel, cache_argument, output_cache, prefix_attention
-from batchrun.runtime.prefill import merge_for_decode, prefill
+from batchrun.runtime.decode import merge_for_decode
+from batchrun.runtime.prefill import prefill
 from tests.reference import assert_matches_reference, decode_matching_reference, sequences
 from tests.tiny_models import TINY_ARCHS
 

@@ -297,7 +297,7 @@ def test_a_released_slot_starts_the_next_read_before_the_next_layer_runs(tmp_pat
         for index in range(1, layers - 1):
             streamed.layers[index].register_forward_pre_hook(
                 lambda module, args, ahead=index + 1: asked_before_start.append(
-                    ahead in streamed._pending or ahead in streamed._active), prepend=True)
+                    ahead in streamed.reader.pending or ahead in streamed.reader.in_use), prepend=True)
         streamed(sample_ids(512))
         assert asked_before_start == [True] * (layers - 2)
 

@@ -48,7 +48,7 @@ def test_at_most_two_layers_materialised_during_a_pass(tiny_checkpoint):
         def count_real(module, args):
             real = sum(1 for layer in streamed.layers for p in layer.parameters() if not p.is_meta)
             per_layer = len(list(streamed.layers[0].parameters()))
-            prefetched = len(streamed._pending)
+            prefetched = len(streamed.reader.pending)
             counts.append(real / per_layer + prefetched)
 
         hooks = [layer.register_forward_pre_hook(count_real) for layer in streamed.layers]
@@ -147,8 +147,9 @@ def test_a_long_bfloat16_prefill_packs_each_layer_once_and_gives_the_same_logits
     expected_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     ids = sample_ids(expected_model.config.vocab_size, batch=3)
     packed_layers, packed_uses = [], []
-    real_pack, real_use = stream.pack_weights, linear_kernels._packed_weight
-    monkeypatch.setattr(stream, "pack_weights", lambda module: packed_layers.append(module) or real_pack(module))
+    real_pack, real_use = linear_kernels.pack_weights, linear_kernels._packed_weight
+    monkeypatch.setattr("batchrun.runtime.streamed_layer.pack_weights",
+                        lambda module: packed_layers.append(module) or real_pack(module))
 
     def counted_use(module, inputs):
         packed_weight = real_use(module, inputs)
