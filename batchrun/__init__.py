@@ -12,7 +12,7 @@ import time
 
 __version__ = "0.1.0"
 # When this process began importing batchrun: a command's own start-up (torch, transformers, the executor), which
-# `submit` compares with the figure its ETA counted (measure.judge_runtime_import).
+# `submit` records as the start its next ETAs count (measure.record_runtime_import).
 IMPORT_STARTED = time.monotonic()
 
 from batchrun.host import apply_native_defaults  # noqa: E402 - before torch loads anywhere: MKL reads them then

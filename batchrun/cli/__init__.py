@@ -52,7 +52,7 @@ def submit(spec, models, output, db, force, quiet, as_json, **kw):
     began = time.monotonic()
     from batchrun.job import submit as run_submit  # noqa: F401 - the runtime: torch and transformers load here
     if fresh:  # the start its ETA counted: this process's imports, the runtime's included
-        measure.judge_runtime_import(IMPORTS_DONE - batchrun.IMPORT_STARTED + time.monotonic() - began)
+        measure.record_runtime_import(IMPORTS_DONE - batchrun.IMPORT_STARTED + time.monotonic() - began)
     if len(models) > 1:
         raise click.BadParameter("submit takes one --model", param_hint="--model")
     cluster = ray_settings(kw)

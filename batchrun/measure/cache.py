@@ -45,7 +45,7 @@ def dispute(section: str, key: str, evidence: dict) -> bool:
     if entry is None or entry.get("disputed"):
         return False
     entry["disputed"] = {**evidence, "at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    _write(measurements)
+    write(measurements)
     return True
 
 
@@ -81,10 +81,10 @@ def store(section: str, key: str, entry: dict) -> None:
     entry = {**entry, "machine": identity(section, key),
              "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     measurements.setdefault(section, {})[key] = entry
-    _write(measurements)
+    write(measurements)
 
 
-def _write(measurements: dict) -> None:
+def write(measurements: dict) -> None:
     file = state_dir() / MEASUREMENTS_FILE
     temporary = file.with_suffix(f".{os.getpid()}.tmp")
     try:

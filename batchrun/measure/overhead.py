@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import statistics
 import subprocess
 import sys
 
-
+from batchrun.measure import cache
 from batchrun.measure.cache import cached, dispute, store
 
 log = logging.getLogger(__name__)
@@ -20,9 +21,9 @@ PEAK_DISPUTED_BEYOND = 1.25
 # Used only when the probe below cannot run: resident set of a CPU process that imported torch and
 # transformers' model code, rounded up.
 RUNTIME_OVERHEAD_FALLBACK_BYTES = 700 << 20
-# A command's import time judges the cached one once either lasts this long, and disputes it beyond this ratio.
-IMPORT_JUDGED_MIN_SECONDS = 2.0
-IMPORT_DISPUTED_BEYOND = 1.5
+# The import time an ETA counts is the median of this many recent `submit` starts (the probe's own among them),
+# so neither a cold first start after a boot nor one quick start moves it alone.
+IMPORT_OBSERVATIONS_KEPT = 5
 
 
 # What a run holds before its first weight: everything the executor imports, torch's kernels and thread pools
@@ -98,22 +99,20 @@ def judge_runtime_overhead(peak_bytes: int, planned_bytes: int, *, job: str) -> 
     return disputed
 
 
-def judge_runtime_import(seconds: float) -> bool:
-    """This command took `seconds` to import what a run imports, where the plan's ETA counted the cached figure:
-    once either is at least IMPORT_JUDGED_MIN_SECONDS, a ratio outside IMPORT_DISPUTED_BEYOND either way (a figure
-    probed while the machine was busy, or a library upgraded in place) disputes it and the next plan probes again.
-    Returns whether it was disputed."""
-    cached_seconds = runtime_import_seconds_cached()
-    if cached_seconds is None or max(seconds, cached_seconds) < IMPORT_JUDGED_MIN_SECONDS:
-        return False
-    if 1 / IMPORT_DISPUTED_BEYOND <= seconds / max(cached_seconds, 1e-9) <= IMPORT_DISPUTED_BEYOND:
-        return False
-    disputed = dispute("runtime_overhead", sys.executable,
-                       {"import_seconds": round(seconds, 3), "cached_import_seconds": round(cached_seconds, 3)})
-    if disputed:
-        log.info("importing the runtime took %.1f s where the plan counted %.1f s: it is probed again at the next "
-                 "plan", seconds, cached_seconds)
-    return disputed
+def record_runtime_import(seconds: float) -> float | None:
+    """This command took `seconds` to import what a run imports: it joins the cached figure's recent observations,
+    and the figure becomes their median (the next ETA counts it). The measured memory is left alone: timing a start
+    needs no probe, and a probe re-run inside a run's memory cap could cost the run its memory. Returns the new
+    figure, or None where nothing is cached yet (the first plan probes)."""
+    measurements = cache.load()
+    entry = measurements.get("runtime_overhead", {}).get(sys.executable)
+    if cached("runtime_overhead", sys.executable) is None or entry.get("probe") != _probe_digest():
+        return None
+    observed = [*entry.get("import_observed", [entry["import_seconds"]]), round(seconds, 3)]
+    entry["import_observed"] = observed[-IMPORT_OBSERVATIONS_KEPT:]
+    entry["import_seconds"] = statistics.median(entry["import_observed"])
+    cache.write(measurements)
+    return entry["import_seconds"]
 
 
 def runtime_import_seconds_cached() -> float | None:
