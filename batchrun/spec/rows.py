@@ -13,14 +13,15 @@ from batchrun.spec.values import (checked_choices, checked_label, checked_stop, 
                                   refuse_unknown_keys)
 
 NATIVE_KEYS = ("id", "custom_id", "prompt", "messages", "system", "choices", "max_new_tokens", "stop", "label",
-               "metadata")
+               "metadata", "continue_final_message")
 # label and metadata are batchrun's own, beside an OpenAI line's keys: the expected answer and the user's data.
 OPENAI_KEYS = ("custom_id", "method", "url", "body", "label", "metadata")
 OPENAI_CHAT_URL = "/v1/chat/completions"
 # The chat-completions parameters batchrun reads (tools only to refuse them) and those it ignores: sampling, output
 # formats, logging, caching and streaming say nothing a greedy, text-only run of one answer a request could honour.
+# continue_final_message is vLLM's extension of the same request, read as a native row's.
 BODY_READ_KEYS = ("messages", "max_tokens", "max_completion_tokens", "stop", "n", "tools", "functions", "tool_choice",
-                  "function_call", "web_search_options")
+                  "function_call", "web_search_options", "continue_final_message")
 BODY_IGNORED_KEYS = ("model", "temperature", "top_p", "seed", "response_format", "presence_penalty",
                      "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "user", "metadata", "store",
                      "service_tier", "stream", "stream_options", "parallel_tool_calls", "reasoning_effort", "verbosity",
@@ -42,6 +43,9 @@ class Request:
     stop: tuple[str, ...]
     label: str | None = None  # the expected answer: one of the choices, or the text a generation row should give
     carried: dict | None = None  # output column -> value the row carries through (metadata, --keep-columns)
+    # The final assistant message is the start of the answer, continued in its own turn (vLLM's
+    # continue_final_message), not followed by a new turn.
+    continue_final: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,11 +130,25 @@ def _request_shape(row: dict, index: int, row_id: str | int, location: str, job:
     system = row.get("system")
     if prompt is not None:
         prompt = checked_text(prompt, "prompt", allow_empty=False)
-        return _prompt_request(index, row_id, location, prompt, _row_system(system, job), answer)
+        return _continued(_prompt_request(index, row_id, location, prompt, _row_system(system, job), answer),
+                          row.get("continue_final_message"), "continue_final_message")
     if system is not None:
         raise RowProblem("system applies to prompt rows; put a system message first in messages instead")
     pairs = _messages(messages, "messages", job.system)
-    return Request(index, row_id, location, pairs, None, *answer)
+    return _continued(Request(index, row_id, location, pairs, None, *answer), row.get("continue_final_message"),
+                      "continue_final_message")
+
+
+def _continued(request: Request, value: object, what: str) -> Request:
+    """The request continuing its final assistant message where the row asks (`value` true)."""
+    if value is None or value is False:
+        return request
+    if value is not True:
+        raise RowProblem(f"{what} must be true or false, got {kind(value)}")
+    if request.messages[-1][0] != "assistant":
+        raise RowProblem(f"{what} continues a final assistant message, and this row's last message is "
+                         f"{request.messages[-1][0]!r}")
+    return replace(request, continue_final=True)
 
 
 def _row_system(system: object, job: JobSettings) -> str | None:
@@ -176,7 +194,8 @@ def _openai_request(row: dict, index: int, row_id: str | int, location: str, job
     limit = completion_limit if limit is None else limit
     messages = _messages(body["messages"], "body.messages", job.system, developer_is_system=True)
     answer = _answer(None, limit, body.get("stop"), job, limit_name=limit_name, stop_name="body.stop")
-    return Request(index, row_id, location, messages, None, *answer)
+    return _continued(Request(index, row_id, location, messages, None, *answer), body.get("continue_final_message"),
+                      "body.continue_final_message")
 
 
 def _refuse_tool_use(body: dict) -> None:
