@@ -77,6 +77,8 @@ def fingerprint(spec: JobSpec, model_identity: Sequence[bytes], compute_dtype: s
                      request.max_new_tokens if generates else None, request.stop if generates else None]
         if request.label is not None or request.carried is not None:
             described += [request.label, request.carried]
+        if request.pair is not None:
+            described.append(request.pair.to_json())
         digest.update(json.dumps(described, sort_keys=True).encode())
         for ids in (row.prompt_ids, *row.choice_ids):  # packed: a big corpus has hundreds of millions of tokens
             digest.update(array("q", [len(ids), *ids]).tobytes())

@@ -8,12 +8,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from batchrun.spec.files import kind, show
+from batchrun.spec.pairs import (ORDERS, PairOrder, checked_pair_choices, corpus_orders, corpus_pair, native_orders,
+                                 native_pair, order_label, pair_label)
 from batchrun.spec.template import Field, RowProblem, render_template, template_columns
 from batchrun.spec.values import (checked_choices, checked_label, checked_stop, checked_text, positive_int,
                                   refuse_unknown_keys)
 
 NATIVE_KEYS = ("id", "custom_id", "prompt", "messages", "system", "choices", "max_new_tokens", "stop", "label",
-               "metadata", "continue_final_message")
+               "metadata", "continue_final_message", "a", "b")
 # label and metadata are batchrun's own, beside an OpenAI line's keys: the expected answer and the user's data.
 OPENAI_KEYS = ("custom_id", "method", "url", "body", "label", "metadata")
 OPENAI_CHAT_URL = "/v1/chat/completions"
@@ -33,7 +35,9 @@ MESSAGE_KEYS = ("role", "content", "name")  # an OpenAI message's name is accept
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    index: int  # 0-based position among all rows of the file (valid and invalid), in input order
+    # 0-based position among the requests of all rows of the file (valid and invalid), in input order; a pair row's
+    # second order comes right after its first
+    index: int
     id: str | int
     location: str  # "jobs/x.jsonl:12" or "data.parquet: row 3", for messages
     messages: tuple[tuple[str, str], ...]  # (role, content); a system message, if any, comes first
@@ -46,6 +50,7 @@ class Request:
     # The final assistant message is the start of the answer, continued in its own turn (vLLM's
     # continue_final_message), not followed by a new turn.
     continue_final: bool = False
+    pair: PairOrder | None = None  # set on the two requests of a pair row (spec/pairs.py)
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,28 @@ class JobSettings:
     row_settings: tuple[str, ...]  # the corpus columns that are a row's settings, not data
     label_column: str | None = None  # corpus mode: the column holding each row's expected answer
     keep_columns: tuple[str, ...] | None = None  # corpus mode: input columns copied to the output; ("*",): all
+    pair_columns: tuple[str, str] | None = None  # corpus mode: the two answers each row's pair judges
+
+
+def row_requests(row: dict, index: int, row_id: str | int, location: str, job: JobSettings) -> list[Request]:
+    """The requests a row runs as: itself, or a pair row's two orders (indices `index` and `index + 1`)."""
+    if job.pair_columns is not None:
+        answers = corpus_pair(row, job.pair_columns)
+        label = pair_label(row.get(job.label_column), f"label (column {job.label_column!r})") \
+            if job.label_column is not None else None
+        orders = corpus_orders(row, job.pair_columns, job.label_column)
+    else:
+        answers = native_pair(row)
+        if answers is None:
+            return [row_request(row, index, row_id, location, job)]
+        label, orders = pair_label(row.get("label")), native_orders(row, answers)
+    made = []
+    for offset, (order, order_row) in enumerate(zip(ORDERS, orders)):
+        request = row_request(order_row, index + offset, row_id, location, job)
+        choices = checked_pair_choices(request.choices, request.max_new_tokens)
+        made.append(replace(request, label=order_label(label, order, choices),
+                            pair=PairOrder(order, len(answers[0]), len(answers[1]), label)))
+    return made
 
 
 def row_request(row: dict, index: int, row_id: str | int, location: str, job: JobSettings) -> Request:
