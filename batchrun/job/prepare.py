@@ -332,6 +332,8 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
     device = detect_device(options)
     report: dict = {"spec": str(spec_path), "rows": spec.total_rows, "invalid_rows": len(spec.invalid),
                     "device": device, "candidates": []}
+    if spec.pair_rows:
+        report["pair_rows"] = spec.pair_rows
     for model in models:
         try:
             prepared = prepare_model(model, options)

@@ -119,7 +119,8 @@ def _share(count: int, total: int) -> dict:
 
 def describe_pairs(found: dict) -> list[str]:
     """The pair statistics as terminal lines."""
-    lines = [f"pairs: {found['judged']} of {found['pairs']} pair rows judged in both orders"]
+    lines = [f"pairs: {found['judged']} of {found['pairs']} pair rows judged in both orders (each is two of the "
+             "job's rows, one per order)"]
     for key, what in (("consistency", "consistency (both orders agree)"),
                       ("first_slot", "first-slot preference (of the order-wise verdicts)"),
                       ("longer", "longer answer preferred (consistent verdicts, lengths differ)")):
