@@ -3,9 +3,11 @@ symmetry a judge run in both orders must have whatever its position bias: swappi
 1 minus itself, and identical answers average to exactly one half (on tiny models and the default model)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from batchrun.output import output_rows, pair_statistics, results_table
+from batchrun.output import encode_results, output_rows, pair_statistics, results_table
 from batchrun.store import RowResult
 from tests.job.test_resume import job_status, run_to_end, submit_args
 from tests.support import invoke, run_job, write_jsonl
@@ -71,6 +73,11 @@ def test_two_orders_fold_into_one_row_with_the_pair_statistics():
     low, high = found["first_slot"]["interval"]
     assert low < 0.75 < high
     assert (found["accuracy"]["correct"], found["accuracy"]["labelled"]) == (1, 2)
+    lines = [json.loads(line) for line in bytes(encode_results(rows, "jsonl")).decode().splitlines()]
+    assert [line["custom_id"] for line in lines] == ["p1", "plain", "p2", "p3"]
+    body = lines[0]["response"]["body"]
+    assert body["choices"][0]["message"]["content"] == "a" and body["p_a"] == pytest.approx(0.75)
+    assert lines[0]["label"] == "a" and lines[0]["correct"] is True and lines[3]["response"] is None
 
 
 @pytest.mark.parametrize("calibrate", ["none", "batch"])

@@ -2,6 +2,8 @@
 order says and the label the order should answer; corpus mode's pair columns; and every refusal naming the row."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from batchrun.spec import PairOrder, SpecError, read_spec
 from tests.support import only_problem, write_jsonl
 
+READY_JOB = Path(__file__).resolve().parents[2] / "jobs" / "answer-judging.jsonl"
 PROMPT = "Question: {q}\nAnswer A: {a}\nAnswer B: {b}\nBetter:"
 PAIR = {"prompt": "Q: 2+2?\nA: {a}\nB: {b}\nBetter:", "a": "4", "b": "five", "choices": [" A", " B"]}
 
@@ -96,3 +99,15 @@ def test_a_corpus_row_without_its_pair_column_is_refused_by_its_line(tmp_path):
     path = write_jsonl(tmp_path / "corpus.jsonl", [{"left": "x", "right": "y"}, {"left": "x", "right": None}])
     assert only_problem(path, template="A: {left} B: {right}", choices=[" A", " B"], pair_columns=("left", "right")) \
         == f"{path}:line 2: pair column 'right' is null"
+
+
+def test_the_ready_judging_job_is_labelled_pair_rows_with_the_better_answer_in_either_slot():
+    spec = read_spec(READY_JOB)
+    firsts = [request for request in spec.requests if request.pair.order == "ab"]
+    assert spec.pair_rows == len(firsts) == len(spec.requests) // 2 and not spec.invalid
+    labels = [request.pair.label for request in firsts]
+    assert labels.count("a") == labels.count("b") and "tie" in labels
+    # the better answer is the shorter one in some pairs and the longer in others: length and verdict can part
+    lengths = {(request.pair.a_chars < request.pair.b_chars) == (request.pair.label == "a")
+               for request in firsts if request.pair.label != "tie" and request.pair.a_chars != request.pair.b_chars}
+    assert lengths == {True, False}
