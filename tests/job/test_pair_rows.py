@@ -110,6 +110,7 @@ def test_status_and_plan_count_the_pairs_and_both_orders(tmp_path, tiny_checkpoi
     assert f"{2 * len(PAIRS) + 1} rows; {len(PAIRS)} pair rows judged in both orders" in plan.output
     report = (tmp_path / "a.report.html").read_text()
     assert 'data-table="pairs"' in report and "First-slot preference" in report
+    assert "The labelled rows are pair rows" in report
 
 
 def test_corpus_pair_columns_judge_each_row_in_both_orders(tmp_path, tiny_checkpoint):
