@@ -221,7 +221,8 @@ def _remove_abandoned_temps(path: Path) -> None:
 def results_table(rows: Sequence[RowResult | OutputRow]) -> pa.Table:
     """The answers as an Arrow table, one row per result, in input order: the answer the output gives (calibrated
     where the job calibrates), the model's own probabilities beside the calibrated ones, the label and whether the
-    answer matches it, then the columns the rows carry through (metadata, kept corpus columns)."""
+    answer matches it, a pair row's P(a wins) in each order and its verdict's figures (where the job has pair rows),
+    then the columns the rows carry through (metadata, kept corpus columns)."""
     ordered = as_output_rows(rows)
     results = [row.result for row in ordered]
     columns = {
