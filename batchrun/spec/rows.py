@@ -77,7 +77,7 @@ def row_requests(row: dict, index: int, row_id: str | int, location: str, job: J
             if job.label_column is not None else None
         orders = corpus_orders(row, job.pair_columns, job.label_column)
     else:
-        answers = native_pair(row)
+        answers = native_pair(row) if job.template is None else None  # a corpus row's a and b are plain columns
         if answers is None:
             return [row_request(row, index, row_id, location, job)]
         label, orders = pair_label(row.get("label")), native_orders(row, answers)

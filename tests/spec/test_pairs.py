@@ -95,6 +95,12 @@ def test_pair_columns_are_checked_as_a_job_setting(tmp_path, settings, reason):
     assert caught.value.problems[0].startswith(f"job setting: {reason}")
 
 
+def test_corpus_columns_named_a_and_b_are_plain_data_without_pair_columns(tmp_path):
+    path = write_jsonl(tmp_path / "corpus.jsonl", [{"a": "x", "b": "y"}])
+    requests = read_spec(path, template="A: {a} B: {b}", choices=[" A", " B"]).requests
+    assert [(request.prompt, request.pair) for request in requests] == [("A: x B: y", None)]
+
+
 def test_a_corpus_row_without_its_pair_column_is_refused_by_its_line(tmp_path):
     path = write_jsonl(tmp_path / "corpus.jsonl", [{"left": "x", "right": "y"}, {"left": "x", "right": None}])
     assert only_problem(path, template="A: {left} B: {right}", choices=[" A", " B"], pair_columns=("left", "right")) \
