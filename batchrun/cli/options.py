@@ -95,6 +95,9 @@ def job_options(fn):
                                             "calibration fitted on labels)."),
         click.option("--keep-columns", help="Corpus mode: input columns to copy into the output, comma-separated, "
                                             "or '*' for all."),
+        click.option("--pair-columns", metavar="A,B",
+                     help="Corpus mode: two columns holding answers to judge against each other; the template names "
+                          "both, and each row runs in both orders (docs/judging.md)."),
         click.option("--calibrate", type=click.Choice(CALIBRATION_METHODS), default=DEFAULT_CALIBRATION,
                      show_default=True, help="Calibrate choice probabilities: batch (the job's own rows), "
                                              "content-free (corpus mode), labels (fitted on labelled rows); "
@@ -153,7 +156,7 @@ def build_options(model: str | None, kw: dict):
     _warn_typed_newline("--system", kw["system"])
     keep = kw["keep_columns"]
     return JobOptions(model=model, template=kw["template"], id_column=kw["id_column"],
-                      label_column=kw["label_column"], calibrate=kw["calibrate"],
+                      label_column=kw["label_column"], calibrate=kw["calibrate"], pair_columns=kw["pair_columns"],
                       keep_columns=tuple(name.strip() for name in keep.split(",") if name.strip()) if keep else None,
                       choices=_choices_option(kw["choices"]), system=kw["system"],
                       max_new_tokens=kw["max_new_tokens"], stop=tuple(_stop_string(s) for s in kw["stop"]) or None,

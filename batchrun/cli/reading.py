@@ -67,7 +67,7 @@ def status(job, db, as_json):
 def _quality_if_any(store: Store, job_id: str) -> dict | None:
     """Accuracy so far and the calibration, for a job with labelled rows or a calibration."""
     found = job_quality(store, job_id)
-    has_labels = found["choice"] or found["generation"] or found["labelled_errored"]
+    has_labels = found["choice"] or found["generation"] or found["labelled_errored"] or found.get("pairs")
     return found if has_labels or found["calibration"]["method"] != "none" else None
 
 

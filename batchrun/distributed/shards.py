@@ -82,5 +82,5 @@ def write_shard_spec(path, rows: Sequence[EncodedRow]) -> None:
 def shard_options(options: JobOptions, compute_dtype: str) -> JobOptions:
     """The options a worker runs a shard with: the rows carry their own messages, choices and limits, the driver's
     compute dtype is fixed (auto could pick another on another node), and calibration belongs to the whole job."""
-    return replace(options, template=None, id_column=None, label_column=None, keep_columns=None, choices=None,
-                   system=None, stop=None, calibrate="none", skip_invalid=False, dtype=compute_dtype)
+    return replace(options, template=None, id_column=None, label_column=None, keep_columns=None, pair_columns=None,
+                   choices=None, system=None, stop=None, calibrate="none", skip_invalid=False, dtype=compute_dtype)

@@ -84,10 +84,12 @@ def sample_spec(requests: Sequence[Request]) -> Path:
     choices and limits), so both jobs' rows share their keys and either reuses the other's answers."""
     lines = []
     for request in requests:
-        row: dict = {"id": request.id, "messages": [{"role": role, "content": text} for role, text in request.messages]}
+        # a pair row's two orders are two rows here, each judged against the choice its order should give
+        row_id = request.id if request.pair is None else f"{request.id} ({request.pair.order})"
+        row: dict = {"id": row_id, "messages": [{"role": role, "content": text} for role, text in request.messages]}
         if request.prompt is not None:  # a prompt row: the same text through the same encoding as the full job's
             system = request.messages[0][1] if request.messages[0][0] == "system" else ""
-            row = {"id": request.id, "prompt": request.prompt, "system": system}
+            row = {"id": row_id, "prompt": request.prompt, "system": system}
         if request.choices is not None:
             row["choices"] = list(request.choices)
         else:
@@ -124,7 +126,7 @@ def compare(spec_path: Path, models: Sequence[str | None], options: JobOptions, 
                              "label, or --label-column in corpus mode)")
     chosen = stratified_sample(labelled, sample)
     sample_options = replace(options, template=None, id_column=None, label_column=None, keep_columns=None,
-                             choices=None, system=None, skip_invalid=False)
+                             pair_columns=None, choices=None, system=None, skip_invalid=False)
     db_path = Path(db) if db is not None else default_db_path()
     results = []
     for model in models:

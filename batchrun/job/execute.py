@@ -125,8 +125,9 @@ def _side_job(spec_path: Path, options: JobOptions, setup: RunSetup) -> str:
 
 
 def _judge(answers: JobAnswers, summary: RunSummary) -> None:
-    """Accuracy over the labelled rows and the calibration used, where the job has either."""
-    if answers.calibration.method == "none" and not any(row.result.label is not None for row in answers.rows):
+    """Accuracy over the labelled rows, the pair statistics and the calibration used, where the job has any."""
+    if answers.calibration.method == "none" and not any(row.result.label is not None or row.pair is not None
+                                                        for row in answers.rows):
         return
     summary.quality = quality(answers)
     summary.notes += describe_calibration(answers.calibration) + answers.notes
@@ -164,7 +165,7 @@ def _release(store: Store, job_id: str, state: str, error: str | None = None) ->
 
 def _all_row_ids(prepared: PreparedJob) -> list[JobRow]:
     ids = [JobRow(r.request.index, r.request.id, prepared.row_keys[r.request.index], r.request.label,
-                  r.request.carried) for r in prepared.rows]
+                  r.request.carried, r.request.pair and r.request.pair.to_json()) for r in prepared.rows]
     # An invalid row whose id could not be read is named by its location ("spec.jsonl:12").
     ids += [JobRow(bad.index, bad.output_id, carried=bad.carried) for bad in prepared.spec.invalid]
     return sorted(ids, key=lambda row: row.idx)

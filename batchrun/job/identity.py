@@ -64,8 +64,8 @@ def fingerprint(spec: JobSpec, model_identity: Sequence[bytes], compute_dtype: s
     A row is its id, token ids (which stand for the tokenizer, chat template, system message, template and --raw),
     choices, token limit and stop strings: an option that changes no row (--max-new-tokens on a spec of choice
     rows, --choices where every row has its own) keeps the job, one that changes any row makes a new one. A
-    row's label and carried values, and the calibration, are the job's too (they change its output); a job without
-    them keeps the identity it always had."""
+    row's label and carried values, a pair row's order, and the calibration, are the job's too (they change its
+    output); a job without them keeps the identity it always had."""
     digest = hashlib.sha256()
     digest.update(spec.content_sha256.encode())
     for part in model_identity:
@@ -77,6 +77,8 @@ def fingerprint(spec: JobSpec, model_identity: Sequence[bytes], compute_dtype: s
                      request.max_new_tokens if generates else None, request.stop if generates else None]
         if request.label is not None or request.carried is not None:
             described += [request.label, request.carried]
+        if request.pair is not None:
+            described.append(request.pair.to_json())
         digest.update(json.dumps(described, sort_keys=True).encode())
         for ids in (row.prompt_ids, *row.choice_ids):  # packed: a big corpus has hundreds of millions of tokens
             digest.update(array("q", [len(ids), *ids]).tobytes())

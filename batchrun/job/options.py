@@ -13,7 +13,7 @@ from batchrun.spec import TRUNCATE_SIDES
 # Settings that can change answers, recorded with a job. Its identity is what they do to its rows (fingerprint):
 # batch size, memory budget, streaming policy and prefetch change no row, so a job resumes whatever they are.
 ANSWER_SETTINGS = ("template", "id_column", "choices", "system", "max_new_tokens", "stop", "raw", "dtype",
-                   "label_column", "keep_columns", "calibrate", "truncate")
+                   "label_column", "keep_columns", "calibrate", "truncate", "pair_columns")
 CALIBRATION_METHODS = ("auto", "none", "batch", "content-free", "labels")
 DEFAULT_CALIBRATION = "auto"  # changes answers only where labelled rows show it helps (docs/calibration.md)
 # A crash, a kill or a power cut costs the pass in flight: passes are planned to last at most this long.
@@ -56,6 +56,7 @@ class JobOptions:
     trust_remote_code: bool = False
     label_column: str | None = None  # corpus mode: the column holding each row's expected answer
     keep_columns: tuple[str, ...] | None = None  # corpus mode: input columns copied into the output; ("*",): all
+    pair_columns: tuple[str, str] | None = None  # corpus mode: the two answers each row's pair judges, in both orders
     calibrate: str = DEFAULT_CALIBRATION  # how choice probabilities are calibrated (docs/calibration.md)
     pass_minutes: float | None = DEFAULT_PASS_MINUTES  # the longest a pass is planned to take; None: no bound
     truncate: str | None = None  # "head" | "tail": cut an over-long row's document from that end; None: refuse it
@@ -84,6 +85,8 @@ class JobOptions:
             raise SettingRefused(f"calibrate {self.calibrate!r}: use one of {', '.join(CALIBRATION_METHODS)}")
         if isinstance(self.keep_columns, str):
             self.keep_columns = tuple(name.strip() for name in self.keep_columns.split(",") if name.strip())
+        if isinstance(self.pair_columns, str):
+            self.pair_columns = tuple(name.strip() for name in self.pair_columns.split(","))
         if self.streaming is not None:
             try:
                 parse_streaming(self.streaming)

@@ -140,7 +140,7 @@ def read_job_spec(spec_path: Path, options: JobOptions) -> JobSpec:
     return read_spec(spec_path, SpecSettings(
         template=options.template, id_column=options.id_column, choices=options.choices, system=options.system,
         max_new_tokens=options.max_new_tokens, stop=options.stop, skip_invalid=options.skip_invalid,
-        label_column=options.label_column, keep_columns=options.keep_columns))
+        label_column=options.label_column, keep_columns=options.keep_columns, pair_columns=options.pair_columns))
 
 
 def row_costs(rows: Sequence[EncodedRow], prefixes: dict[int, int] | None = None) -> list[RowCost]:
@@ -332,6 +332,8 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
     device = detect_device(options)
     report: dict = {"spec": str(spec_path), "rows": spec.total_rows, "invalid_rows": len(spec.invalid),
                     "device": device, "candidates": []}
+    if spec.pair_rows:
+        report["pair_rows"] = spec.pair_rows
     for model in models:
         try:
             prepared = prepare_model(model, options)

@@ -7,9 +7,10 @@ from batchrun.output.files import (CHOICE_PROBS_TYPE, OutputError, OutputExists,
                                    answers_table, atomic_write, check_output_writable, default_output_path,
                                    encode_results, job_provenance, openai_batch_line, output_format,
                                    read_parquet_results, results_table, write_jsonl, write_parquet, write_results)
+from batchrun.output.pairs import PAIR_COLUMNS, PairVerdict, describe_pairs, pair_statistics
 
 __all__ = ["CHOICE_PROBS_TYPE", "JobAnswers", "OutputError", "OutputExists", "OutputFormatUnknown", "OutputRow",
-           "Provenance", "answers_table", "atomic_write", "check_output_writable", "content_free_priors",
-           "default_output_path", "describe_calibration", "describe_quality", "encode_results",
-           "job_answers", "job_provenance", "job_quality", "openai_batch_line", "output_format", "output_rows",
+           "PAIR_COLUMNS", "PairVerdict", "Provenance", "answers_table", "atomic_write", "check_output_writable", "content_free_priors",
+           "default_output_path", "describe_calibration", "describe_pairs", "describe_quality", "encode_results",
+           "job_answers", "job_provenance", "job_quality", "openai_batch_line", "output_format", "output_rows", "pair_statistics",
            "quality", "read_parquet_results", "results_table", "write_jsonl", "write_parquet", "write_results"]

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
+from batchrun.output.pairs import PairVerdict, describe_pairs, fold_pairs, folded_result, pair_statistics
 from batchrun.quality import (Calibration, ChoiceRow, LabelMetrics, calibrate, label_metrics, mean_probs,
                               numeric_score, same_text)
 from batchrun.store import RowResult, Store
@@ -27,6 +28,7 @@ class OutputRow:
     output_tokens: int | None
     calibrated_probs: dict[str, float] | None = None
     correct: bool | None = None  # None: no label, or no answer to judge
+    pair: PairVerdict | None = None  # a pair row's two orders folded into one (output/pairs.py)
 
 
 @dataclass
@@ -45,7 +47,14 @@ def output_rows(results: Sequence[RowResult], calibration: Calibration | None = 
         row = _calibrated_row(result, calibrated) if calibrated is not None else OutputRow(
             result, result.answer, result.score, result.logprob, result.output_tokens)
         found.append(replace(row, correct=_judged(row)))
-    return found
+    return fold_pairs(found, _pair_row)
+
+
+def _pair_row(first: OutputRow, second: OutputRow, verdict: PairVerdict) -> OutputRow:
+    """A pair row as the output shows it: its verdict is the answer, judged against the pair's label."""
+    result = folded_result(first.result, second.result)
+    correct = None if result.label is None or verdict.verdict is None else verdict.verdict == result.label
+    return OutputRow(result, verdict.verdict, None, None, None, correct=correct, pair=verdict)
 
 
 def _calibrated_row(result: RowResult, calibrated: dict[str, float]) -> OutputRow:
@@ -101,13 +110,16 @@ def quality(answers: JobAnswers) -> dict:
     """Accuracy (choice rows) and exact match (generation rows) over the labelled rows that were answered, the
     model's own accuracy beside the calibrated one, and the calibration used: what `status`, `--json` and the
     summary show. A labelled row that errored has no answer to judge: it is counted apart."""
-    labelled = [row for row in answers.rows if row.result.label is not None]
+    labelled = [row for row in answers.rows if row.result.label is not None and row.pair is None]
     answered = [row for row in labelled if not row.result.failed]
     choice = [row for row in answered if row.result.choice_probs is not None]
     generation = [row for row in answered if row.result.choice_probs is None]
     found = {"choice": _metrics(choice, "accuracy"), "generation": _metrics(generation, "exact_match"),
              "labelled_errored": len(labelled) - len(answered),
              "calibration": answers.calibration.to_json(), "notes": answers.notes}
+    pairs = pair_statistics(answers.rows)
+    if pairs is not None:  # the key only where the job has pair rows: other jobs' summaries stay as they are
+        found["pairs"] = pairs
     if answers.calibration.probs and choice:  # calibration changed something: the model's own figure beside it
         found["choice_uncalibrated"] = _metrics([replace(row, answer=row.result.answer) for row in choice],
                                                 "accuracy")
@@ -148,6 +160,8 @@ def describe_quality(found: dict) -> list[str]:
         lines.append(_rate_text("exact match", found["generation"]) + " (after trimming and case-folding)")
     if found.get("labelled_errored"):
         lines.append(f"  {found['labelled_errored']} labelled row(s) errored: not judged")
+    if found.get("pairs"):
+        lines += describe_pairs(found["pairs"])
     return lines
 
 

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from batchrun.errors import BatchrunError
 from batchrun.host import HOST, disk_free_bytes, faults, package_version, pid_alive
 from batchrun.output.answers import OutputRow, job_answers, output_rows
+from batchrun.output.pairs import PAIR_COLUMNS, PairVerdict
 from batchrun.plan import format_bytes
 from batchrun.store import RowResult, Store
 
@@ -220,7 +221,8 @@ def _remove_abandoned_temps(path: Path) -> None:
 def results_table(rows: Sequence[RowResult | OutputRow]) -> pa.Table:
     """The answers as an Arrow table, one row per result, in input order: the answer the output gives (calibrated
     where the job calibrates), the model's own probabilities beside the calibrated ones, the label and whether the
-    answer matches it, then the columns the rows carry through (metadata, kept corpus columns)."""
+    answer matches it, a pair row's P(a wins) in each order and its verdict's figures (where the job has pair rows),
+    then the columns the rows carry through (metadata, kept corpus columns)."""
     ordered = as_output_rows(rows)
     results = [row.result for row in ordered]
     columns = {
@@ -237,6 +239,8 @@ def results_table(rows: Sequence[RowResult | OutputRow]) -> pa.Table:
         "label": pa.array([r.label for r in results], pa.string()),
         "correct": pa.array([row.correct for row in ordered], pa.bool_()),
     }
+    if any(row.pair is not None for row in ordered):
+        columns.update(pair_columns([row.pair for row in ordered]))
     for name, values in carried_columns(results).items():
         columns["input_" + name if name in columns else name] = values
     return pa.table(columns)
@@ -252,6 +256,14 @@ def as_output_rows(rows: Sequence[RowResult | OutputRow]) -> list[OutputRow]:
     if all(isinstance(row, OutputRow) for row in rows):
         return sorted(rows, key=lambda row: row.result.idx)
     return output_rows([row.result if isinstance(row, OutputRow) else row for row in rows])
+
+
+def pair_columns(verdicts: list[PairVerdict | None]) -> dict[str, pa.Array]:
+    """A pair row's probabilities in each order, their mean, whether the orders agree and the answers' lengths;
+    empty for the job's other rows."""
+    types = {"consistent": pa.bool_(), "a_chars": pa.int64(), "b_chars": pa.int64()}
+    return {name: pa.array([None if verdict is None else getattr(verdict, name) for verdict in verdicts],
+                           types.get(name, pa.float64())) for name in PAIR_COLUMNS}
 
 
 def _id_column(ids: list) -> pa.Array:
@@ -360,7 +372,7 @@ def openai_batch_line(row: RowResult | OutputRow, *, model: str, created: int) -
         },
     }
     extras = {"choice_probs": result.choice_probs, "calibrated_probs": row.calibrated_probs, "score": row.score,
-              "logprob": row.logprob}
+              "logprob": row.logprob, **(row.pair.columns() if row.pair is not None else {})}
     body.update({key: value for key, value in extras.items() if value is not None})
     line["response"] = {"status_code": 200, "request_id": f"req_{result.idx}", "body": body}
     return line

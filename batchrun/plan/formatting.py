@@ -194,6 +194,9 @@ def _job_summary(report: Mapping) -> str:
     parts = []
     if "spec" in report:
         parts.append(f"job {report['spec']}: {report.get('rows', '?')} rows")
+    if report.get("pair_rows"):  # each runs as two requests, counted in the rows above
+        pairs = report["pair_rows"]
+        parts.append(f"{pairs} pair rows judged in both orders ({2 * pairs} of those rows)")
     if report.get("invalid_rows"):
         parts.append(f"{report['invalid_rows']} invalid")
     if "prompt_tokens_total" in report:

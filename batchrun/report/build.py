@@ -11,6 +11,7 @@ from batchrun.report.errors import errors_section
 from batchrun.report.glance import glance_section
 from batchrun.report.labels import labels_section
 from batchrun.report.page import GENERATOR_META, page
+from batchrun.report.pairs import pair_sections
 from batchrun.report.prompts import spec_prompts
 from batchrun.report.timeline import timeline_section
 from batchrun.store import Store
@@ -29,8 +30,8 @@ def render_report(data: ReportData) -> str:
     def prompts(ids):
         return spec_prompts(job["spec_path"], job["created_at"], data.settings, ids)
 
-    sections = [glance_section(data), answers_section(data, prompts), labels_section(data), timeline_section(data),
-                errors_section(data)]
+    sections = [glance_section(data), answers_section(data, prompts), labels_section(data), *pair_sections(data),
+                timeline_section(data), errors_section(data)]
     title = f"batchrun job {job['id']}: {Path(job['spec_path']).name}"
     subtitle = (f"{job['model']} · {job['state']} · {job['rows_done'] + job['rows_errored']:,} of "
                 f"{job['rows_total']:,} rows finished · report built {data.built_at:%Y-%m-%d %H:%M:%S} UTC")

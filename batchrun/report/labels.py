@@ -21,6 +21,9 @@ def labels_section(data: ReportData) -> Section:
     quality = data.quality or {}
     kinds = [(CHOICE, quality.get(CHOICE)), (GENERATION, quality.get(GENERATION))]
     labelled = [(kind, metrics) for kind, metrics in kinds if metrics and metrics.get("labelled")]
+    if not labelled and (quality.get("pairs") or {}).get("accuracy"):
+        return Section("labels", "Against labels", note("The labelled rows are pair rows: their verdicts are scored "
+                                                        "against their labels under Pairs judged in both orders."))
     if not labelled:
         return Section("labels", "Against labels",
                        note("No answered row has a label, so there is nothing to score the answers against (give rows "

@@ -5,10 +5,12 @@ from batchrun.spec.content_free import CONTENT_FREE_VALUES, content_free_rows
 from batchrun.spec.encode import (TRUNCATE_SIDES, EncodedRow, choice_sequences, encode_requests, kept_positions,
                                   shortest_first_pass_sequence, uses_chat_template)
 from batchrun.spec.files import kind
+from batchrun.spec.pairs import PAIR_LABELS, PairOrder
 from batchrun.spec.read import JobSpec, SpecSettings, read_spec
 from batchrun.spec.rows import Request
 from batchrun.spec.template import SpecError
 
-__all__ = ["CONTENT_FREE_VALUES", "TRUNCATE_SIDES", "EncodedRow", "JobSpec", "Request", "SpecError", "SpecSettings",
+__all__ = ["CONTENT_FREE_VALUES", "TRUNCATE_SIDES", "EncodedRow", "JobSpec", "PAIR_LABELS", "PairOrder",
+           "Request", "SpecError", "SpecSettings",
            "choice_sequences", "content_free_rows", "encode_requests", "kept_positions", "kind", "read_spec",
            "shortest_first_pass_sequence", "uses_chat_template"]

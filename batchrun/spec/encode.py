@@ -54,8 +54,11 @@ def uses_chat_template(tokenizer, raw: bool) -> bool:
 def render_text(tokenizer, request: Request, raw: bool) -> str:
     if uses_chat_template(tokenizer, raw):
         messages = [{"role": role, "content": content} for role, content in request.messages]
+        if request.continue_final:  # the final assistant turn left open: the answer goes on from its text
+            return tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # Plain text: the system message (if any) and the prompt, or a messages row's contents, a blank line apart.
+    # Plain text: the system message (if any) and the prompt, or a messages row's contents, a blank line apart (a
+    # final assistant message is continued either way: the answer follows the text).
     return "\n\n".join(content for _, content in request.messages)
 
 

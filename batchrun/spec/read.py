@@ -3,10 +3,12 @@ request per row.
 
 A row is one of three shapes:
   * native:  {"id", "prompt" | "messages", "system"?, "choices"? | "max_new_tokens"?/"stop"?, "label"?, "metadata"?}
+             with "a" and "b" it is a pair row: its prompt holds {a} and {b}, and it runs in both orders (pairs.py)
   * OpenAI Batch API: {"custom_id", "method", "url", "body": {"messages", "max_tokens", "stop", ...}, "label"?, ...}
   * corpus:  any columns, when the job gives a template that builds the prompt from them; its system, choices,
              max_new_tokens and stop columns are the row's settings, as in a native row, unless the template reads them;
-             a label column (label_column) holds the expected answer, and kept columns (keep_columns) go to the output.
+             a label column (label_column) holds the expected answer, and kept columns (keep_columns) go to the output;
+             with pair_columns every row is a pair row.
 Every row is checked before anything runs; all problems are reported together. A null value means
 "not set" (Parquet has every column in every row, so optional fields are null where unused).
 """
@@ -19,8 +21,9 @@ from pathlib import Path
 
 from batchrun.spec.files import (decompressed, holds_json_array, json_array_rows, jsonl_rows, kind, sha256_of, show,
                                  spec_format)
+from batchrun.spec.pairs import checked_pair_columns
 from batchrun.spec.rows import (NATIVE_KEYS, OPENAI_KEYS, JobSettings, Request, kept_columns_of_failed_row,
-                                row_request)
+                                row_requests)
 from batchrun.spec.tables import csv_rows, parquet_rows
 from batchrun.spec.template import Field, RowProblem, SpecError, parse_template, template_columns
 from batchrun.spec.values import checked_choices, checked_stop, checked_text, positive_int, whole
@@ -56,7 +59,13 @@ class JobSpec:
 
     @property
     def total_rows(self) -> int:
+        """The job's requests, a pair row's two orders counted apart: the rows its database records."""
         return len(self.requests) + len(self.invalid)
+
+    @property
+    def pair_rows(self) -> int:
+        """The pair rows that run (each as two requests, one per order)."""
+        return sum(request.pair is not None and request.pair.order == "ab" for request in self.requests)
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,7 @@ class SpecSettings:
     skip_invalid: bool = False  # bad rows returned in JobSpec.invalid instead of refusing the spec
     label_column: str | None = None
     keep_columns: Sequence[str] | None = None
+    pair_columns: Sequence[str] | str | None = None  # corpus mode: two columns each row's pair judges ("a,b")
 
 
 def read_spec(path: str | Path, settings: SpecSettings | None = None, **fields) -> JobSpec:
@@ -82,7 +92,8 @@ def read_spec(path: str | Path, settings: SpecSettings | None = None, **fields) 
     path = Path(path)
     shown = str(path)
     file_format, compression = spec_format(path)
-    job = _with_corpus_columns(_job_settings(settings), settings.label_column, settings.keep_columns)
+    job = _with_pair_columns(_with_corpus_columns(_job_settings(settings), settings.label_column,
+                                                  settings.keep_columns), settings.pair_columns)
     skip_invalid = settings.skip_invalid
     is_parquet = file_format == "parquet"
     try:
@@ -159,6 +170,17 @@ def _with_corpus_columns(job: JobSettings, label_column: str | None, keep_column
     return replace(job, label_column=label_column, keep_columns=kept, row_settings=settings)
 
 
+def _with_pair_columns(job: JobSettings, pair_columns: Sequence[str] | str | None) -> JobSettings:
+    """Corpus mode's pair columns: every row then is a pair row, judged in both orders."""
+    if pair_columns is None:
+        return job
+    try:
+        columns = checked_pair_columns(pair_columns, job.template, (job.id_column, job.label_column))
+    except RowProblem as problem:
+        raise SpecError([f"job setting: {problem}"]) from None
+    return replace(job, pair_columns=columns)
+
+
 def _corpus_columns(job: JobSettings) -> tuple[str, ...]:
     """The columns a corpus row is read with besides the template's and the id's: its settings, its label and the
     columns it carries to the output ("*": all of them)."""
@@ -200,7 +222,8 @@ def _check_rows(rows: Iterator[tuple[int, object]], numbering: _Numbering, job: 
     invalid: list[InvalidRow] = []
     problems: list[str] = []
     ids_seen: dict[str, tuple[int, bool]] = {}  # str(id) -> (row number, id was defaulted)
-    for index, (number, row) in enumerate(rows):
+    index = 0  # the next request's; a pair row takes two
+    for number, row in rows:
         location = numbering.location(number)
         row_id = None
         try:
@@ -216,11 +239,14 @@ def _check_rows(rows: Iterator[tuple[int, object]], numbering: _Numbering, job: 
                 hint = f" (a row without an id gets its {unit} number)" if defaulted or earlier[1] else ""
                 shown, row_id = show(row_id), None  # the id is the earlier row's: name this one by its location
                 raise RowProblem(f"duplicate id {shown}: {unit} {earlier[0]} has the same id{hint}")
-            requests.append(row_request(row, index, row_id, location, job))
+            made = row_requests(row, index, row_id, location, job)
+            requests += made
+            index += len(made)
         except RowProblem as problem:
             invalid.append(InvalidRow(index=index, id=row_id, location=location, reason=str(problem),
                                       carried=kept_columns_of_failed_row(row, job)))
             problems.append(numbering.problem(number, str(problem)))
+            index += 1
     return requests, _named(invalid, set(ids_seen)), problems
 
 

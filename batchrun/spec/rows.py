@@ -8,19 +8,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from batchrun.spec.files import kind, show
+from batchrun.spec.pairs import (ORDERS, PairOrder, checked_pair_choices, corpus_orders, corpus_pair, native_orders,
+                                 native_pair, order_label, pair_label)
 from batchrun.spec.template import Field, RowProblem, render_template, template_columns
 from batchrun.spec.values import (checked_choices, checked_label, checked_stop, checked_text, positive_int,
                                   refuse_unknown_keys)
 
 NATIVE_KEYS = ("id", "custom_id", "prompt", "messages", "system", "choices", "max_new_tokens", "stop", "label",
-               "metadata")
+               "metadata", "continue_final_message", "a", "b")
 # label and metadata are batchrun's own, beside an OpenAI line's keys: the expected answer and the user's data.
 OPENAI_KEYS = ("custom_id", "method", "url", "body", "label", "metadata")
 OPENAI_CHAT_URL = "/v1/chat/completions"
 # The chat-completions parameters batchrun reads (tools only to refuse them) and those it ignores: sampling, output
 # formats, logging, caching and streaming say nothing a greedy, text-only run of one answer a request could honour.
+# continue_final_message is vLLM's extension of the same request, read as a native row's.
 BODY_READ_KEYS = ("messages", "max_tokens", "max_completion_tokens", "stop", "n", "tools", "functions", "tool_choice",
-                  "function_call", "web_search_options")
+                  "function_call", "web_search_options", "continue_final_message")
 BODY_IGNORED_KEYS = ("model", "temperature", "top_p", "seed", "response_format", "presence_penalty",
                      "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "user", "metadata", "store",
                      "service_tier", "stream", "stream_options", "parallel_tool_calls", "reasoning_effort", "verbosity",
@@ -32,7 +35,9 @@ MESSAGE_KEYS = ("role", "content", "name")  # an OpenAI message's name is accept
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    index: int  # 0-based position among all rows of the file (valid and invalid), in input order
+    # 0-based position among the requests of all rows of the file (valid and invalid), in input order; a pair row's
+    # second order comes right after its first
+    index: int
     id: str | int
     location: str  # "jobs/x.jsonl:12" or "data.parquet: row 3", for messages
     messages: tuple[tuple[str, str], ...]  # (role, content); a system message, if any, comes first
@@ -42,6 +47,10 @@ class Request:
     stop: tuple[str, ...]
     label: str | None = None  # the expected answer: one of the choices, or the text a generation row should give
     carried: dict | None = None  # output column -> value the row carries through (metadata, --keep-columns)
+    # The final assistant message is the start of the answer, continued in its own turn (vLLM's
+    # continue_final_message), not followed by a new turn.
+    continue_final: bool = False
+    pair: PairOrder | None = None  # set on the two requests of a pair row (spec/pairs.py)
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,28 @@ class JobSettings:
     row_settings: tuple[str, ...]  # the corpus columns that are a row's settings, not data
     label_column: str | None = None  # corpus mode: the column holding each row's expected answer
     keep_columns: tuple[str, ...] | None = None  # corpus mode: input columns copied to the output; ("*",): all
+    pair_columns: tuple[str, str] | None = None  # corpus mode: the two answers each row's pair judges
+
+
+def row_requests(row: dict, index: int, row_id: str | int, location: str, job: JobSettings) -> list[Request]:
+    """The requests a row runs as: itself, or a pair row's two orders (indices `index` and `index + 1`)."""
+    if job.pair_columns is not None:
+        answers = corpus_pair(row, job.pair_columns)
+        label = pair_label(row.get(job.label_column), f"label (column {job.label_column!r})") \
+            if job.label_column is not None else None
+        orders = corpus_orders(row, job.pair_columns, job.label_column)
+    else:
+        answers = native_pair(row) if job.template is None else None  # a corpus row's a and b are plain columns
+        if answers is None:
+            return [row_request(row, index, row_id, location, job)]
+        label, orders = pair_label(row.get("label")), native_orders(row, answers)
+    made = []
+    for offset, (order, order_row) in enumerate(zip(ORDERS, orders)):
+        request = row_request(order_row, index + offset, row_id, location, job)
+        choices = checked_pair_choices(request.choices, request.max_new_tokens)
+        made.append(replace(request, label=order_label(label, order, choices),
+                            pair=PairOrder(order, len(answers[0]), len(answers[1]), label)))
+    return made
 
 
 def row_request(row: dict, index: int, row_id: str | int, location: str, job: JobSettings) -> Request:
@@ -126,11 +157,25 @@ def _request_shape(row: dict, index: int, row_id: str | int, location: str, job:
     system = row.get("system")
     if prompt is not None:
         prompt = checked_text(prompt, "prompt", allow_empty=False)
-        return _prompt_request(index, row_id, location, prompt, _row_system(system, job), answer)
+        return _continued(_prompt_request(index, row_id, location, prompt, _row_system(system, job), answer),
+                          row.get("continue_final_message"), "continue_final_message")
     if system is not None:
         raise RowProblem("system applies to prompt rows; put a system message first in messages instead")
     pairs = _messages(messages, "messages", job.system)
-    return Request(index, row_id, location, pairs, None, *answer)
+    return _continued(Request(index, row_id, location, pairs, None, *answer), row.get("continue_final_message"),
+                      "continue_final_message")
+
+
+def _continued(request: Request, value: object, what: str) -> Request:
+    """The request continuing its final assistant message where the row asks (`value` true)."""
+    if value is None or value is False:
+        return request
+    if value is not True:
+        raise RowProblem(f"{what} must be true or false, got {kind(value)}")
+    if request.messages[-1][0] != "assistant":
+        raise RowProblem(f"{what} continues a final assistant message, and this row's last message is "
+                         f"{request.messages[-1][0]!r}")
+    return replace(request, continue_final=True)
 
 
 def _row_system(system: object, job: JobSettings) -> str | None:
@@ -176,7 +221,8 @@ def _openai_request(row: dict, index: int, row_id: str | int, location: str, job
     limit = completion_limit if limit is None else limit
     messages = _messages(body["messages"], "body.messages", job.system, developer_is_system=True)
     answer = _answer(None, limit, body.get("stop"), job, limit_name=limit_name, stop_name="body.stop")
-    return Request(index, row_id, location, messages, None, *answer)
+    return _continued(Request(index, row_id, location, messages, None, *answer), body.get("continue_final_message"),
+                      "body.continue_final_message")
 
 
 def _refuse_tool_use(body: dict) -> None:

@@ -217,6 +217,13 @@ def m012_pass_progress(db: sqlite_utils.Database) -> None:
     )
 
 
+@migration
+def m013_pair_orders(db: sqlite_utils.Database) -> None:
+    # Which order of a pair row a row is, the lengths of the pair's two answers and its expected verdict: the output
+    # folds a pair's two rows into one with nothing but the store to read.
+    db["rows"].add_column("pair_json", str)
+
+
 def applied_migrations(db: sqlite_utils.Database) -> set[str]:
     return {row["name"] for row in db[MIGRATIONS_TABLE].rows_where(select="name")}  # none before the table exists
 

@@ -23,6 +23,7 @@ class JobRow(NamedTuple):
     key: str | None = None
     label: str | None = None
     carried: dict | None = None
+    pair: dict | None = None  # a pair row's order: {"order", "a_chars", "b_chars", "label"} (spec.PairOrder)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class RowResult:
     choice_tokens: dict[str, int] | None = None  # a choice row's tokens per choice
     label: str | None = None  # the row's expected answer, where the spec gives one (read back, never written here)
     carried: dict | None = None  # output column -> value the row carries (read back, never written here)
+    pair: dict | None = None  # the pair row order it answers (read back, never written here)
 
     @property
     def failed(self) -> bool:
@@ -89,6 +91,7 @@ def row_result_from_db(row: dict) -> RowResult:
         choice_tokens=_loaded(row.get("choice_tokens_json")),
         label=row.get("label"),
         carried=_loaded(row.get("carried_json")),
+        pair=_loaded(row.get("pair_json")),
     )
 
 

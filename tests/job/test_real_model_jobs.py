@@ -98,3 +98,29 @@ def test_the_ticket_jobs_first_rows_stream_under_a_budget_and_answer_as_resident
                          calibrate="none", token_matrices=placement, on_plan=plans.append)
         assert plans[0].mode == "streamed"
         assert_same_answers(got, expected)
+
+
+@pytest.mark.slow
+def test_a_continued_assistant_turn_answers_as_the_same_text_written_by_hand(default_checkpoint, tmp_path):
+    """A messages row continuing its final assistant turn (a prefilled start of the answer) is scored and decoded
+    exactly as a raw prompt holding the text its chat template renders: choices and generated text alike."""
+    from batchrun.checkpoint import load_tokenizer
+
+    conversation = [{"role": "user", "content": f"Review: {REVIEWS[0]}\nIs it positive or negative?"},
+                    {"role": "assistant", "content": "The review is clearly"}]
+    rows = [{"id": "choice", "messages": conversation, "continue_final_message": True,
+             "choices": [" positive", " negative"]},
+            {"id": "text", "messages": conversation, "continue_final_message": True, "max_new_tokens": 6}]
+    text = load_tokenizer(default_checkpoint).apply_chat_template(conversation, continue_final_message=True,
+                                                                  tokenize=False)
+    assert text.endswith("<|im_start|>assistant\nThe review is clearly")
+    by_hand = [{"id": "choice", "prompt": text, "choices": [" positive", " negative"]},
+               {"id": "text", "prompt": text, "max_new_tokens": 6}]
+    _, continued = run_job(write_jsonl(tmp_path / "continued.jsonl", rows), tmp_path, default_checkpoint,
+                           "continued", streaming="never", dtype="float32", calibrate="none")
+    _, written = run_job(write_jsonl(tmp_path / "by-hand.jsonl", by_hand), tmp_path, default_checkpoint, "by-hand",
+                         streaming="never", dtype="float32", calibrate="none", raw=True)
+    assert [row["answer"] for row in continued] == [row["answer"] for row in written]
+    mine, theirs = dict(continued[0]["choice_probs"]), dict(written[0]["choice_probs"])
+    assert max(abs(mine[choice] - theirs[choice]) for choice in theirs) <= 1e-6
+    assert continued[1]["finish_reason"] == written[1]["finish_reason"]

@@ -51,3 +51,36 @@ def test_choices_the_tokenizer_cannot_tell_apart_are_an_errored_row(tmp_path):
     first, second = encode_requests(CaseBlindTokenizer(), spec.requests, raw=True)
     assert first.error == "choices 'Yes' and 'yes' encode to the same tokens: the model cannot tell them apart"
     assert second.error is None
+
+
+def test_a_final_assistant_message_is_continued_only_where_the_row_asks(tmp_path):
+    """A row asking for continue_final_message leaves its final assistant turn open, so the answer goes on from its
+    text; without it the template opens a new assistant turn after it. A chat template (SmolLM2's shape) renders
+    both; without one the answer follows the text either way."""
+    from jinja2 import Template
+
+    chat = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+    class ChatTokenizer:
+        chat_template = chat
+
+        def apply_chat_template(self, messages, add_generation_prompt=False, continue_final_message=False,
+                                tokenize=False):
+            text = Template(chat).render(messages=messages, add_generation_prompt=add_generation_prompt)
+            if continue_final_message:  # as transformers does: cut after the final message's text
+                final = messages[-1]["content"]
+                text = text[:text.rindex(final) + len(final)]
+            return text
+
+    conversation = [{"role": "user", "content": "Is the sky blue?"}, {"role": "assistant", "content": "Reason: it"}]
+    spec = read_spec(write_jsonl(tmp_path / "jobs.jsonl", [
+        {"id": "continued", "messages": conversation, "continue_final_message": True},
+        {"id": "new turn", "messages": conversation},
+        {"custom_id": "openai", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": conversation, "continue_final_message": True}}]))
+    continued, new_turn, openai = (render_text(ChatTokenizer(), request, raw=False) for request in spec.requests)
+    assert continued == openai == "<|im_start|>user\nIs the sky blue?<|im_end|>\n<|im_start|>assistant\nReason: it"
+    assert new_turn.endswith("Reason: it<|im_end|>\n<|im_start|>assistant\n")
+    assert [render_text(NO_TEMPLATE, request, raw=True) for request in spec.requests[:2]] == [
+        "Is the sky blue?\n\nReason: it"] * 2

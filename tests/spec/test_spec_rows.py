@@ -52,6 +52,10 @@ def test_line_that_is_not_an_object(tmp_path):
         ({"id": "", "prompt": "x"}, "id is empty"),
         ({"custom_id": ["a"], "prompt": "x"}, "custom_id must be a string or an integer, got a list"),
         ({"id": 2**64, "prompt": "x"}, "id 18446744073709551616 does not fit in a 64-bit integer"),
+        ({"prompt": "x", "continue_final_message": True},
+         "continue_final_message continues a final assistant message, and this row's last message is 'user'"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+          "continue_final_message": "yes"}, "continue_final_message must be true or false, got a string"),
     ],
 )
 def test_wrong_type_for_a_field(tmp_path, row, reason):
