@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from batchrun.quality import (Calibration, ChoiceRow, LabelMetrics, calibrate, label_metrics, mean_probs,
-                              numeric_score, same_text)
+from batchrun.quality import (Calibration, ChoiceRow, JudgedRow, LabelMetrics, agreement, calibrate,
+                              describe_agreement, label_metrics, mean_probs, numeric_score, same_text)
 from batchrun.store import RowResult, Store
 
 
@@ -99,19 +99,27 @@ def content_free_priors(results: Sequence[RowResult]) -> dict[tuple[str, ...], d
 
 def quality(answers: JobAnswers) -> dict:
     """Accuracy (choice rows) and exact match (generation rows) over the labelled rows that were answered, the
-    model's own accuracy beside the calibrated one, and the calibration used: what `status`, `--json` and the
-    summary show. A labelled row that errored has no answer to judge: it is counted apart."""
+    model's own accuracy beside the calibrated one, the agreement figures of the choice rows (quality.agreement),
+    and the calibration used: what `status`, `--json` and the summary show. A labelled row that errored has no
+    answer to judge: it is counted apart."""
     labelled = [row for row in answers.rows if row.result.label is not None]
     answered = [row for row in labelled if not row.result.failed]
     choice = [row for row in answered if row.result.choice_probs is not None]
     generation = [row for row in answered if row.result.choice_probs is None]
     found = {"choice": _metrics(choice, "accuracy"), "generation": _metrics(generation, "exact_match"),
+             "agreement": agreement([_judged_row(row) for row in answers.rows
+                                     if row.result.choice_probs is not None and not row.result.failed]),
              "labelled_errored": len(labelled) - len(answered),
              "calibration": answers.calibration.to_json(), "notes": answers.notes}
     if answers.calibration.probs and choice:  # calibration changed something: the model's own figure beside it
         found["choice_uncalibrated"] = _metrics([replace(row, answer=row.result.answer) for row in choice],
                                                 "accuracy")
     return {key: value.to_json() if isinstance(value, LabelMetrics) else value for key, value in found.items()}
+
+
+def _judged_row(row: OutputRow) -> JudgedRow:
+    return JudgedRow(row.result.id, row.answer, row.calibrated_probs or row.result.choice_probs, row.score,
+                     row.result.label)
 
 
 def _metrics(rows: Sequence[OutputRow], kind: str) -> LabelMetrics | None:
@@ -126,7 +134,8 @@ def job_quality(store: Store, job_id: str) -> dict:
 
 def describe_quality(found: dict) -> list[str]:
     """The quality summary as terminal lines: accuracy with its interval (the model's own beside a calibrated one),
-    per-class precision and recall, the confusion counts, exact match for generation rows."""
+    per-class precision and recall, the confusion counts, the agreement figures and corrected shares, exact match
+    for generation rows."""
     lines = []
     choice, method = found.get("choice"), found["calibration"]["method"]
     chosen = sorted({item["values"] for item in found["calibration"].get("chosen", [])})
@@ -144,6 +153,7 @@ def describe_quality(found: dict) -> list[str]:
         lines.append("  confusion (label: answers): " + "; ".join(
             f"{label}: " + ", ".join(f"{answer} {count}" for answer, count in answers.items())
             for label, answers in choice["confusion"].items()))
+        lines += ["  " + line for line in describe_agreement(found.get("agreement") or {})]
     if found.get("generation"):
         lines.append(_rate_text("exact match", found["generation"]) + " (after trimming and case-folding)")
     if found.get("labelled_errored"):
