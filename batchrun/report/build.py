@@ -29,8 +29,8 @@ def render_report(data: ReportData) -> str:
     def prompts(ids):
         return spec_prompts(job["spec_path"], job["created_at"], data.settings, ids)
 
-    sections = [glance_section(data), answers_section(data, prompts), labels_section(data), timeline_section(data),
-                errors_section(data)]
+    sections = [glance_section(data), answers_section(data, prompts), labels_section(data, prompts),
+                timeline_section(data), errors_section(data)]
     title = f"batchrun job {job['id']}: {Path(job['spec_path']).name}"
     subtitle = (f"{job['model']} · {job['state']} · {job['rows_done'] + job['rows_errored']:,} of "
                 f"{job['rows_total']:,} rows finished · report built {data.built_at:%Y-%m-%d %H:%M:%S} UTC")
