@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from batchrun.quality import (Calibration, ChoiceRow, JudgedRow, LabelMetrics, agreement, calibrate,
+from batchrun.quality import (Calibration, ChoiceRow, JudgedRow, LabelMetrics, agreement_figures, calibrate,
                               describe_agreement, label_metrics, mean_probs, numeric_score, same_text)
 from batchrun.store import RowResult, Store
 
@@ -107,7 +107,7 @@ def quality(answers: JobAnswers) -> dict:
     choice = [row for row in answered if row.result.choice_probs is not None]
     generation = [row for row in answered if row.result.choice_probs is None]
     found = {"choice": _metrics(choice, "accuracy"), "generation": _metrics(generation, "exact_match"),
-             "agreement": agreement([_judged_row(row) for row in answers.rows
+             "agreement": agreement_figures([_judged_row(row) for row in answers.rows
                                      if row.result.choice_probs is not None and not row.result.failed]),
              "labelled_errored": len(labelled) - len(answered),
              "calibration": answers.calibration.to_json(), "notes": answers.notes}

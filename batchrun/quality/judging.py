@@ -1,7 +1,7 @@
 """The agreement figures of a job's choice rows, from the same answers accuracy judges: kappa, weighted kappa where
 the choices are ordered, the rank correlations and mean absolute error of the score against numeric labels, the
 most confident disagreements, and, where the labelled rows are a sample of the job, each verdict's share corrected
-for the judge's errors.
+for the judge's errors. What each is, and when it is shown: docs/calibration.md#agreement-beyond-accuracy.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def ordered_scale(rows: Sequence[JudgedRow]) -> list[str] | None:
     return sorted(values, key=lambda value: (number(value), value))
 
 
-def agreement(rows: Sequence[JudgedRow], resamples: int = RESAMPLES, seed: int = SEED) -> dict | None:
+def agreement_figures(rows: Sequence[JudgedRow], resamples: int = RESAMPLES, seed: int = SEED) -> dict | None:
     """The figures as `status --json`, the summary and the report show them; None without a labelled row. Each
     figure is None where it is undefined, or where no row has what it needs."""
     labelled = [row for row in rows if row.label is not None]

@@ -1,11 +1,11 @@
-"""The share of a verdict in a whole corpus, corrected for the judge's errors measured on a labelled sample of it
+"""The share of a verdict in a whole corpus, corrected for the judge's errors as a labelled sample of it shows them
 (Rogan and Gladen, 1978): a judge that says "yes" to 10% of the "no" rows inflates a rare "yes", and its raw share
 says nothing of how much.
 
     corrected = (raw + specificity - 1) / (sensitivity + specificity - 1), clipped to [0, 1]
 
 with sensitivity (of the rows labelled with the verdict, the share answered it) and specificity (of the other
-labelled rows, the share answered something else) measured on the labelled rows. Its 95% interval is a percentile
+labelled rows, the share answered something else) counted on the labelled rows. Its 95% interval is a percentile
 bootstrap over both samples: the verdict's count among the corpus rows and the labelled rows' four cells (verdict or
 not, by label and by answer) are each drawn again, which is what resampling those rows with replacement gives.
 """
@@ -60,8 +60,8 @@ def corrected_share(verdict: str, answers: Sequence[str], labels: Sequence[str],
     found = replace(found, sensitivity=float(sensitivity), specificity=float(specificity))
     corrected = _rogan_gladen(np.array([raw]), np.array([sensitivity]), np.array([specificity]))[0]
     if not np.isfinite(corrected):
-        return replace(found, why_not="the answers say no more about the verdict than chance: sensitivity + specificity "
-                                     "is at most 1")
+        return replace(found, why_not="the answers say no more about the verdict than chance: sensitivity + "
+                                     "specificity is at most 1")
     interval = None
     if resamples > 0:
         rng = np.random.default_rng(seed)

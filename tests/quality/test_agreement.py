@@ -8,7 +8,7 @@ from scipy.stats import kendalltau, spearmanr
 from sklearn.metrics import cohen_kappa_score
 from sklearn.metrics import mean_absolute_error as sklearn_mae
 
-from batchrun.quality import (SEED, JudgedRow, agreement, cohen_kappa, describe_agreement, kendall_tau,
+from batchrun.quality import (SEED, JudgedRow, agreement_figures, cohen_kappa, describe_agreement, kendall_tau,
                               mean_absolute_error, ordered_scale, spearman)
 
 
@@ -119,7 +119,7 @@ def ratings(count: int, labelled: int) -> list[JudgedRow]:
 
 def test_agreement_of_rated_rows_lists_the_surest_disagreements_and_corrects_shares_where_some_rows_are_unlabelled():
     rows = ratings(400, 150)
-    found = agreement(rows)
+    found = agreement_figures(rows)
     labelled = rows[:150]
     assert found["rows"] == 150 and found["scale"] == ["1", "2", "3"] and found["seed"] == SEED
     assert found["kappa"]["value"] == pytest.approx(cohen_kappa_score([r.label for r in labelled],
@@ -140,10 +140,10 @@ def test_agreement_of_rated_rows_lists_the_surest_disagreements_and_corrects_sha
 
 
 def test_without_unlabelled_rows_or_numeric_labels_those_figures_are_left_out():
-    everything = agreement(ratings(60, 60))
+    everything = agreement_figures(ratings(60, 60))
     assert everything["shares"] == [] and len(describe_agreement(everything)) == 1
     words = [row(i, "yes" if i % 3 else "no", "yes" if i % 2 else "no", {"yes": 0.6, "no": 0.4}) for i in range(30)]
-    found = agreement(words)
+    found = agreement_figures(words)
     assert found["kappa"] is not None and found["scale"] is None
     assert found["weighted_kappa"] is found["spearman"] is found["kendall"] is found["mae"] is None
-    assert agreement([row(0, "yes", None, {"yes": 0.6, "no": 0.4})]) is None
+    assert agreement_figures([row(0, "yes", None, {"yes": 0.6, "no": 0.4})]) is None

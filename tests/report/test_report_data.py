@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from batchrun.output import CHOICE_PROBS_TYPE, OutputExists
-from batchrun.quality import JudgedRow, agreement, label_metrics
+from batchrun.quality import JudgedRow, agreement_figures, label_metrics
 from batchrun.report import ReportData, Rows, render_report, write_report
 from batchrun.report.errors import reason_group
 from batchrun.store import RowResult, Store
@@ -149,7 +149,7 @@ def test_rated_rows_show_agreement_the_surest_disagreements_with_their_prompts_a
     labelled = judged[:60]
     spec = write_jsonl(tmp_path / "rated.jsonl", [{"id": row.id, "prompt": f"Rate review number {i}",
                                                    "choices": ["1", "2", "3"]} for i, row in enumerate(judged)])
-    found = agreement(judged)
+    found = agreement_figures(judged)
     metrics = label_metrics([row.label for row in labelled], [row.answer for row in labelled]).to_json()
     data = ReportData(job=job_status(rows_total=120, rows_done=120, spec_path=str(spec),
                                      created_at=datetime.now(timezone.utc).isoformat()), runs=[], passes=[],
