@@ -141,41 +141,47 @@ def kendall_tau(scores: Sequence[float], labels: Sequence[float], resamples: int
     x, y = np.asarray(scores, dtype=float), np.asarray(labels, dtype=float)
     if len(np.unique(x)) < len(np.unique(y)):  # symmetric: count by the side with fewer distinct values
         x, y = y, x
-    _, x_group = np.unique(x, return_inverse=True)
     _, level = np.unique(y, return_inverse=True)
-    levels = int(level.max()) + 1 if len(level) else 0
-    order = np.argsort(x_group, kind="stable")
-    starts = np.searchsorted(x_group[order], np.arange(x_group.max() + 1 if len(x_group) else 0))
-    of_level = [np.flatnonzero(level[order] == k) for k in range(levels)]
+    # each level's rows by x, and where every row of a higher level falls among them (before its ties, after them)
+    members = [np.flatnonzero(level == k)[np.argsort(x[level == k], kind="stable")] for k in range(level.max() + 1)]
+    places = {(low, high): (np.searchsorted(x[members[low]], x[members[high]], "left"),
+                            np.searchsorted(x[members[low]], x[members[high]], "right"))
+              for high in range(len(members)) for low in range(high)}
+    x_tied = _tie_groups(x)
 
     def tau(weights: np.ndarray) -> np.ndarray:
-        per = max(1, BATCH_CELLS // max(1, len(x) * levels))
-        return np.concatenate([_tau_b(weights[i:i + per][:, order], starts, level[order], of_level)
+        per = max(1, BATCH_CELLS // max(1, len(x)))
+        return np.concatenate([_tau_b(weights[i:i + per], members, places, x_tied)
                                for i in range(0, len(weights), per)])
 
     return bootstrap(tau, len(x), resamples, seed)
 
 
-def _tau_b(weights: np.ndarray, starts: np.ndarray, level: np.ndarray, of_level: list[np.ndarray]) -> np.ndarray:
-    """tau-b of weighted rows sorted by x (groups of equal x begin at `starts`), y given as a level per row. A pair
-    counts once, from the row of the larger x: rows of a smaller x and a lower level agree with it, of a higher level
-    disagree; pairs of equal x count neither."""
-    count, levels = weights.shape[0], len(of_level)
-    by_level = np.zeros((count, weights.shape[1], levels))
-    for k, members in enumerate(of_level):
-        by_level[:, members, k] = weights[:, members]
-    in_group = np.add.reduceat(by_level, starts, axis=1)  # (resamples, x groups, levels)
-    before = np.cumsum(in_group, axis=1) - in_group  # weight of each level at a strictly smaller x
-    lower = np.cumsum(before, axis=2) - before
-    higher = before.sum(axis=2, keepdims=True) - lower - before
-    group = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, weights.shape[1])))
-    net = (lower - higher)[:, group, level]  # (resamples, rows): agreeing less disagreeing, per copy of each row
-    signed = (weights * net).sum(axis=1)
+def _tie_groups(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows in order of value, and where each run of equal values begins in that order."""
+    _, group = np.unique(values, return_inverse=True)
+    order = np.argsort(group, kind="stable")
+    return order, np.searchsorted(group[order], np.arange(group.max() + 1 if len(group) else 0))
+
+
+def _tau_b(weights: np.ndarray, members: list[np.ndarray], places: dict, x_tied: tuple) -> np.ndarray:
+    """tau-b of weighted rows, y given as levels. A pair of rows of two levels counts from the higher level's row:
+    the weight of the lower level's rows at a smaller x agrees with it, at a larger x disagrees; pairs of equal x or
+    equal level count neither way."""
+    count = len(weights)
+    before = [np.concatenate([np.zeros((count, 1)), np.cumsum(weights[:, rows], axis=1)], axis=1) for rows in members]
+    signed = np.zeros(count)
+    for (low, high), (left, right) in places.items():
+        # smaller x less larger x: C(< x) - (W - C(<= x))
+        net = before[low][:, left] + before[low][:, right] - before[low][:, -1:]
+        signed += (weights[:, members[high]] * net).sum(axis=1)
     total = weights.sum(axis=1)
     pairs = total * (total - 1) / 2
-    tied_x = (in_group.sum(axis=2) * (in_group.sum(axis=2) - 1) / 2).sum(axis=1)
-    level_weight = in_group.sum(axis=1)
-    tied_y = (level_weight * (level_weight - 1) / 2).sum(axis=1)
+    order, starts = x_tied
+    of_x = np.add.reduceat(weights[:, order], starts, axis=1)
+    tied_x = (of_x * (of_x - 1) / 2).sum(axis=1)
+    of_level = np.stack([cumulative[:, -1] for cumulative in before], axis=1)
+    tied_y = (of_level * (of_level - 1) / 2).sum(axis=1)
     denominator = np.sqrt((pairs - tied_x) * (pairs - tied_y))
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(denominator > 0, signed / denominator, np.nan)
