@@ -16,7 +16,7 @@ import numpy as np
 
 RESAMPLES = 1000  # bootstrap resamples behind each interval
 SEED = 66  # fixed, so the same rows give the same intervals on every run
-BATCH_CELLS = 1 << 21  # array elements a batch of resamples holds at once (weights, or weights by level)
+BATCH_CELLS = 1 << 19  # elements of one batch of resamples' weights: bounds the memory of the temporaries beside them
 
 
 @dataclass(frozen=True)
@@ -105,39 +105,51 @@ def spearman(scores: Sequence[float], labels: Sequence[float], resamples: int = 
              seed: int = SEED) -> Estimate | None:
     """Spearman's rho: the Pearson correlation of the two sides' ranks, tied values sharing their mean rank. None
     where either side is constant."""
-    x, y = _ranker(scores), _ranker(labels)
+    if len(scores) < 2:
+        return None
+    x, y = _ranker(np.asarray(scores, dtype=float)), _ranker(np.asarray(labels, dtype=float))
 
     def rho(weights: np.ndarray) -> np.ndarray:
         total = weights.sum(axis=1, keepdims=True)
-        rank_x, rank_y = x(weights), y(weights)
+        (rank_x, varied_x), (rank_y, varied_y) = x(weights), y(weights)
         centred_x = rank_x - (weights * rank_x).sum(axis=1, keepdims=True) / total
         centred_y = rank_y - (weights * rank_y).sum(axis=1, keepdims=True) / total
         spread = np.sqrt((weights * centred_x ** 2).sum(axis=1) * (weights * centred_y ** 2).sum(axis=1))
+        # a constant side is told by its values, not by a spread that rounding leaves a hair above zero
         with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(spread > 0, (weights * centred_x * centred_y).sum(axis=1) / spread, np.nan)
+            return np.where(varied_x & varied_y, (weights * centred_x * centred_y).sum(axis=1) / spread, np.nan)
 
     return bootstrap(rho, len(scores), resamples, seed)
 
 
-def _ranker(values: Sequence[float]) -> Callable[[np.ndarray], np.ndarray]:
-    """weights -> each row's mean rank in the weighted sample: a row drawn k times is k tied copies, so its rank is
-    the weight of the rows below its value plus half its value's weight (plus one half)."""
-    _, group = np.unique(np.asarray(values, dtype=float), return_inverse=True)
-    order = np.argsort(group, kind="stable")
-    starts = np.searchsorted(group[order], np.arange(group.max() + 1))
+def _ranker(values: np.ndarray) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """weights -> each row's mean rank in the weighted sample, and whether the sample holds two values or more. A
+    row drawn k times is k tied copies, so its rank is the weight of the rows below its value plus half its value's
+    weight (plus one half)."""
+    group, order, starts = _tie_groups(values)
 
-    def ranks(weights: np.ndarray) -> np.ndarray:
+    def ranks(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         of_value = np.add.reduceat(weights[:, order], starts, axis=1)
         below = np.cumsum(of_value, axis=1) - of_value
-        return (below + (of_value + 1) / 2)[:, group]
+        return (below + (of_value + 1) / 2)[:, group], (of_value > 0).sum(axis=1) >= 2
 
     return ranks
+
+
+def _tie_groups(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's run of equal values (numbered in order of value), the rows in that order, and where each run
+    begins in it."""
+    _, group = np.unique(values, return_inverse=True)
+    order = np.argsort(group, kind="stable")
+    return group, order, np.searchsorted(group[order], np.arange(group.max() + 1))
 
 
 def kendall_tau(scores: Sequence[float], labels: Sequence[float], resamples: int = RESAMPLES,
                 seed: int = SEED) -> Estimate | None:
     """Kendall's tau-b: (concordant - discordant pairs) / sqrt((pairs - pairs tied on one side) (pairs - pairs tied
     on the other)). None where either side is constant."""
+    if len(scores) < 2:
+        return None
     x, y = np.asarray(scores, dtype=float), np.asarray(labels, dtype=float)
     if len(np.unique(x)) < len(np.unique(y)):  # symmetric: count by the side with fewer distinct values
         x, y = y, x
@@ -147,7 +159,7 @@ def kendall_tau(scores: Sequence[float], labels: Sequence[float], resamples: int
     places = {(low, high): (np.searchsorted(x[members[low]], x[members[high]], "left"),
                             np.searchsorted(x[members[low]], x[members[high]], "right"))
               for high in range(len(members)) for low in range(high)}
-    x_tied = _tie_groups(x)
+    x_tied = _tie_groups(x)[1:]
 
     def tau(weights: np.ndarray) -> np.ndarray:
         per = max(1, BATCH_CELLS // max(1, len(x)))
@@ -155,13 +167,6 @@ def kendall_tau(scores: Sequence[float], labels: Sequence[float], resamples: int
                                for i in range(0, len(weights), per)])
 
     return bootstrap(tau, len(x), resamples, seed)
-
-
-def _tie_groups(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The rows in order of value, and where each run of equal values begins in that order."""
-    _, group = np.unique(values, return_inverse=True)
-    order = np.argsort(group, kind="stable")
-    return order, np.searchsorted(group[order], np.arange(group.max() + 1 if len(group) else 0))
 
 
 def _tau_b(weights: np.ndarray, members: list[np.ndarray], places: dict, x_tied: tuple) -> np.ndarray:
