@@ -108,7 +108,7 @@ def quality(answers: JobAnswers) -> dict:
     generation = [row for row in answered if row.result.choice_probs is None]
     found = {"choice": _metrics(choice, "accuracy"), "generation": _metrics(generation, "exact_match"),
              "agreement": agreement_figures([_judged_row(row) for row in answers.rows
-                                     if row.result.choice_probs is not None and not row.result.failed]),
+                                             if row.result.choice_probs is not None and not row.result.failed]),
              "labelled_errored": len(labelled) - len(answered),
              "calibration": answers.calibration.to_json(), "notes": answers.notes}
     if answers.calibration.probs and choice:  # calibration changed something: the model's own figure beside it
