@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from batchrun.output.pairs import PairVerdict, describe_pairs, fold_pairs, folded_result, pair_statistics
-from batchrun.quality import (Calibration, ChoiceRow, LabelMetrics, calibrate, label_metrics, mean_probs,
-                              numeric_score, same_text)
+from batchrun.quality import (Calibration, ChoiceRow, JudgedRow, LabelMetrics, agreement_figures, calibrate,
+                              describe_agreement, label_metrics, mean_probs, numeric_score, same_text)
 from batchrun.store import RowResult, Store
 
 
@@ -108,13 +108,16 @@ def content_free_priors(results: Sequence[RowResult]) -> dict[tuple[str, ...], d
 
 def quality(answers: JobAnswers) -> dict:
     """Accuracy (choice rows) and exact match (generation rows) over the labelled rows that were answered, the
-    model's own accuracy beside the calibrated one, and the calibration used: what `status`, `--json` and the
-    summary show. A labelled row that errored has no answer to judge: it is counted apart."""
+    model's own accuracy beside the calibrated one, the agreement figures of the choice rows (quality.agreement),
+    and the calibration used: what `status`, `--json` and the summary show. A labelled row that errored has no
+    answer to judge: it is counted apart."""
     labelled = [row for row in answers.rows if row.result.label is not None and row.pair is None]
     answered = [row for row in labelled if not row.result.failed]
     choice = [row for row in answered if row.result.choice_probs is not None]
     generation = [row for row in answered if row.result.choice_probs is None]
     found = {"choice": _metrics(choice, "accuracy"), "generation": _metrics(generation, "exact_match"),
+             "agreement": agreement_figures([_judged_row(row) for row in answers.rows if row.pair is None
+                                             and row.result.choice_probs is not None and not row.result.failed]),
              "labelled_errored": len(labelled) - len(answered),
              "calibration": answers.calibration.to_json(), "notes": answers.notes}
     pairs = pair_statistics(answers.rows)
@@ -124,6 +127,11 @@ def quality(answers: JobAnswers) -> dict:
         found["choice_uncalibrated"] = _metrics([replace(row, answer=row.result.answer) for row in choice],
                                                 "accuracy")
     return {key: value.to_json() if isinstance(value, LabelMetrics) else value for key, value in found.items()}
+
+
+def _judged_row(row: OutputRow) -> JudgedRow:
+    return JudgedRow(row.result.id, row.answer, row.calibrated_probs or row.result.choice_probs, row.score,
+                     row.result.label)
 
 
 def _metrics(rows: Sequence[OutputRow], kind: str) -> LabelMetrics | None:
@@ -138,7 +146,8 @@ def job_quality(store: Store, job_id: str) -> dict:
 
 def describe_quality(found: dict) -> list[str]:
     """The quality summary as terminal lines: accuracy with its interval (the model's own beside a calibrated one),
-    per-class precision and recall, the confusion counts, exact match for generation rows."""
+    per-class precision and recall, the confusion counts, the agreement figures and corrected shares, exact match
+    for generation rows."""
     lines = []
     choice, method = found.get("choice"), found["calibration"]["method"]
     chosen = sorted({item["values"] for item in found["calibration"].get("chosen", [])})
@@ -156,6 +165,7 @@ def describe_quality(found: dict) -> list[str]:
         lines.append("  confusion (label: answers): " + "; ".join(
             f"{label}: " + ", ".join(f"{answer} {count}" for answer, count in answers.items())
             for label, answers in choice["confusion"].items()))
+        lines += ["  " + line for line in describe_agreement(found.get("agreement") or {})]
     if found.get("generation"):
         lines.append(_rate_text("exact match", found["generation"]) + " (after trimming and case-folding)")
     if found.get("labelled_errored"):

@@ -30,7 +30,8 @@ def render_report(data: ReportData) -> str:
     def prompts(ids):
         return spec_prompts(job["spec_path"], job["created_at"], data.settings, ids)
 
-    sections = [glance_section(data), answers_section(data, prompts), labels_section(data), *pair_sections(data),
+    sections = [glance_section(data), answers_section(data, prompts), labels_section(data, prompts),
+                *pair_sections(data),
                 timeline_section(data), errors_section(data)]
     title = f"batchrun job {job['id']}: {Path(job['spec_path']).name}"
     subtitle = (f"{job['model']} · {job['state']} · {job['rows_done'] + job['rows_errored']:,} of "

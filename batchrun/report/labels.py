@@ -1,13 +1,16 @@
 """Section 3, the answers against labels: accuracy with its 95% interval, the confusion matrix, how well confidence
-predicts correctness (the reliability diagram), and per-class precision and recall.
+predicts correctness (the reliability diagram), per-class precision and recall, and the agreement figures
+(report.agreement).
 
 The metrics come from the output's job_quality (its contract: "choice" and "generation" each None or a dict with
-labelled, correct, rate, interval, per_class, confusion); the reliability diagram is binned here from the rows'
-own confidence and correctness.
+labelled, correct, rate, interval, per_class, confusion; "agreement" None or quality.agreement's dict); the
+reliability diagram is binned here from the rows' own confidence and correctness.
 """
 from __future__ import annotations
 
 from batchrun.report import charts
+from batchrun.report.agreement import agreement_parts
+from batchrun.report.answers import PromptLookup
 from batchrun.report.data import CHOICE, GENERATION, ReportData, Rows
 from batchrun.report.page import Section, figure, heading, note, percent, table
 
@@ -17,7 +20,7 @@ RELIABILITY_BINS = 10
 OTHER = "(other)"
 
 
-def labels_section(data: ReportData) -> Section:
+def labels_section(data: ReportData, prompts: PromptLookup | None = None) -> Section:
     quality = data.quality or {}
     kinds = [(CHOICE, quality.get(CHOICE)), (GENERATION, quality.get(GENERATION))]
     labelled = [(kind, metrics) for kind, metrics in kinds if metrics and metrics.get("labelled")]
@@ -37,6 +40,7 @@ def labels_section(data: ReportData) -> Section:
             parts.append(note("Calibrated answers above; the model's own answers: " + _accuracy_text(own) + "."))
         if kind == CHOICE:
             parts += _choice_parts(data.rows, metrics)
+            parts += agreement_parts(quality.get("agreement"), prompts)
     if quality.get("labelled_errored"):
         parts.append(note(f"{quality['labelled_errored']:,} labelled rows errored: they have no answer to judge and "
                           "are counted nowhere above."))

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from sklearn.metrics import cohen_kappa_score
 
 from batchrun.job.compare import stratified_sample
 from batchrun.output import read_parquet_results
-from batchrun.quality import divide_prior, mean_probs
+from batchrun.quality import SEED, divide_prior, mean_probs
 from batchrun.spec import Request
 from tests.job.test_resume import assert_same_answers, job_status, run_killed, run_to_end, submit_args
 from tests.support import invoke, write_jsonl
@@ -170,8 +171,31 @@ def test_summary_and_status_show_accuracy_with_its_interval(tmp_path, tiny_check
     assert result.exit_code == 0, result.output
     assert "accuracy " in result.stdout and "(95% CI " in result.stdout and "per class" in result.stdout
     status = invoke("status", "--db", db)
-    accuracy = next(line for line in status.stdout.splitlines() if "accuracy" in line)
-    assert accuracy.strip() == next(line for line in result.stdout.splitlines() if "accuracy" in line).strip()
+    for figure in ("accuracy", "agreement (95% CI): kappa "):
+        shown = next(line for line in status.stdout.splitlines() if figure in line)
+        assert shown.strip() == next(line for line in result.stdout.splitlines() if figure in line).strip()
+
+
+def test_agreement_and_corrected_shares_reach_the_summary_and_status_from_the_same_answers(tmp_path, tiny_checkpoint):
+    unlabelled = [{**row, "id": f"u{i}"} for i, row in enumerate(labelled_rows()[:8])]
+    for row in unlabelled:
+        del row["label"]
+    spec = write_jsonl(tmp_path / "sample.jsonl", labelled_rows() + unlabelled)
+    summary = run_to_end(submit_args(spec, tiny_checkpoint("llama"), tmp_path / "j.db", tmp_path / "a.parquet",
+                                     "--calibrate", "none"))
+    answers = read_parquet_results(tmp_path / "a.parquet")
+    labelled = [row for row in answers if row["label"] is not None]
+    found = summary["quality"]["agreement"]
+    assert found["rows"] == len(labelled) == 12 and found["seed"] == SEED
+    assert found["kappa"]["value"] == pytest.approx(
+        cohen_kappa_score([row["label"] for row in labelled], [row["answer"] for row in labelled]), abs=1e-9)
+    assert found["scale"] is found["spearman"] is None  # the choices are words: no order, no score
+    assert found["disagreements"] == sum(not row["correct"] for row in labelled)
+    assert [share["verdict"] for share in found["shares"]] == ["positive", "negative"]
+    for share in found["shares"]:
+        assert (share["rows"], share["labelled"]) == (20, 12)
+        assert share["raw"] == sum(row["answer"] == share["verdict"] for row in answers) / 20
+    assert job_status(tmp_path / "j.db")["quality"]["agreement"] == found  # seeded: the same intervals again
 
 
 def test_compare_judges_each_model_and_a_full_submit_reuses_its_rows(tmp_path, tiny_checkpoint):

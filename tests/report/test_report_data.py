@@ -15,6 +15,7 @@ import pyarrow as pa
 import pytest
 
 from batchrun.output import CHOICE_PROBS_TYPE, OutputExists
+from batchrun.quality import JudgedRow, agreement_figures, label_metrics
 from batchrun.report import ReportData, Rows, render_report, write_report
 from batchrun.report.errors import reason_group
 from batchrun.store import RowResult, Store
@@ -128,6 +129,53 @@ def test_labelled_rows_show_accuracy_confusion_reliability_and_per_class_figures
     per_class = re.search(r'<table data-table="per-class">(.*?)</table>', labels_html, re.S).group(1)
     assert [re.sub(r"<[^>]+>", " ", row).split() for row in re.findall(r"<tr>(.*?)</tr>", per_class)][1:] == [
         ["cat", "0.667", "0.667", "3"], ["dog", "0.75", "1", "3"], ["bird", "1", "0.5", "2"]]
+
+
+def table_rows(html: str, name: str) -> list[list[str]]:
+    """The cells of each row under the header of the table marked `name`."""
+    body = re.search(rf'<table data-table="{name}">(.*?)</table>', html, re.S).group(1)
+    return [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in re.findall(r"<tr>(.*?)</tr>", body)][1:]
+
+
+def test_rated_rows_show_agreement_the_surest_disagreements_with_their_prompts_and_corrected_shares(tmp_path):
+    rng = random.Random(4)
+    judged = []
+    for i in range(120):  # the first 60 labelled: a sample of the job
+        truth = rng.choice("123")
+        weights = {c: rng.random() + (0.5 if c == truth else 0.0) for c in "123"}
+        probs = {c: w / sum(weights.values()) for c, w in weights.items()}
+        judged.append(JudgedRow(f"row-{i}", max(probs, key=probs.get), probs,
+                                sum(int(c) * p for c, p in probs.items()), truth if i < 60 else None))
+    labelled = judged[:60]
+    spec = write_jsonl(tmp_path / "rated.jsonl", [{"id": row.id, "prompt": f"Rate review number {i}",
+                                                   "choices": ["1", "2", "3"]} for i, row in enumerate(judged)])
+    found = agreement_figures(judged)
+    metrics = label_metrics([row.label for row in labelled], [row.answer for row in labelled]).to_json()
+    data = ReportData(job=job_status(rows_total=120, rows_done=120, spec_path=str(spec),
+                                     created_at=datetime.now(timezone.utc).isoformat()), runs=[], passes=[],
+                      rows=Rows.from_table(labelled_table([row.label for row in labelled],
+                                                          [row.answer for row in labelled], calibrated=False)),
+                      quality={"choice": metrics, "generation": None, "agreement": found})
+    html = render_report(data)
+    labels_html = html[html.index('<section id="labels">'):html.index('<section id="run">')]
+    figures = table_rows(labels_html, "agreement")
+    assert [line[0].split(" (")[0] for line in figures] == [
+        "Cohen&#x27;s kappa", "quadratic-weighted kappa", "Spearman&#x27;s rho", "Kendall&#x27;s tau-b",
+        "mean absolute error"]
+    kappa = found["kappa"]
+    assert figures[0][1:] == [f"{kappa['value']:.3g}", f"{kappa['interval'][0]:.3f} to {kappa['interval'][1]:.3f}",
+                              "60"]
+    wrong = sorted((row for row in labelled if row.answer != row.label), key=lambda row: -row.probs[row.answer])
+    shown = table_rows(labels_html, "disagreements")
+    assert [line[0] for line in shown] == [row.id for row in wrong[:10]]
+    assert shown[0][1] == f"Rate review number {wrong[0].id.split('-')[1]}"
+    assert shown[0][2:4] == [wrong[0].label, wrong[0].answer]
+    assert f"… and {len(wrong) - 10:,} more disagreeing rows not shown" in labels_html
+    shares = table_rows(labels_html, "corrected-shares")
+    assert [line[0] for line in shares] == ["1", "2", "3"]
+    for line, share in zip(shares, found["shares"]):
+        assert line[1] == f"{share['raw']:.1%}"
+        assert line[2] == (f"{share['corrected']:.1%}" if share["corrected"] is not None else "n/a")
 
 
 def test_a_confusion_matrix_of_many_classes_keeps_the_largest_and_folds_the_rest():
