@@ -1,7 +1,7 @@
 """Running a model: resident or streamed layer by layer from safetensors, the layer loader, micro-batches taking
 turns, prefill with a shared prefix, scoring choices or generating tokens, and GGUF blocks dequantized. Needs torch.
 """
-from batchrun.runtime.dequantize import dequantize, read_gguf_rows, undo_qk_permutation
+from batchrun.runtime.gguf_blocks import dequantize, read_gguf_rows, undo_qk_permutation
 from batchrun.runtime.devices import check_device, default_device, default_dtype
 from batchrun.runtime.handle import ModelHandle, open_model
 from batchrun.runtime.prefill import cache_argument, output_cache

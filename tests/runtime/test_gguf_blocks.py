@@ -80,16 +80,15 @@ def test_a_round_trip_through_gguf_py_quantize(ggml_type):
 def test_a_tile_of_rows_dequantizes_on_its_own_into_any_dtype(ggml_type):
     raw, shape = shaped_blocks(ggml_type, (9, 2), seed=5)
     whole = dequantize(torch.from_numpy(raw.copy()), ggml_type, shape)
-    buffer = torch.from_numpy(raw.copy()).view(-1)
-    row_bytes = raw.shape[1]
-    # A tile read at an odd byte of a larger buffer (a reused read buffer) still decodes.
-    tile = buffer[3 * row_bytes - 1:7 * row_bytes - 1]
-    shifted = torch.empty(tile.numel() + 1, dtype=torch.uint8)[1:]
-    shifted.copy_(buffer[3 * row_bytes:7 * row_bytes])
+    tile_bytes = torch.from_numpy(raw[3:7].copy()).view(-1)
+    # Rows 3..6 placed at an odd byte of a larger buffer, as in a reused read buffer: no field is aligned there.
+    shifted = torch.empty(tile_bytes.numel() + 1, dtype=torch.uint8)[1:]
+    shifted.copy_(tile_bytes)
+    assert shifted.storage_offset() == 1
     assert_same_floats(dequantize(shifted, ggml_type, (4, shape[1])), whole[3:7])
-    assert not torch.equal(tile, shifted)  # the tile is indeed another buffer's bytes, not the same view
     halves = dequantize(shifted, ggml_type, (4, shape[1]), dtype=torch.bfloat16)
-    assert halves.dtype == torch.bfloat16 and torch.equal(halves, whole[3:7].to(torch.bfloat16))
+    assert halves.dtype == torch.bfloat16
+    assert_same_floats(halves.float(), whole[3:7].to(torch.bfloat16).float())
 
 
 def test_bytes_that_are_not_whole_blocks_of_the_shape_are_refused():
