@@ -1,6 +1,6 @@
 """GGUF dequantization in torch: bit for bit gguf-py's numbers for every supported type (random blocks, special fp16
 scales, several shapes), tile by tile as whole, llama.cpp's q/k row order undone as transformers undoes it, and the
-default model's GGUF layer equal to its converted float32 checkpoint."""
+default model's GGUF layer equal to its converted float32 checkpoint, every tensor of Gemma 3's GGUF gguf-py's."""
 from __future__ import annotations
 
 import numpy as np
@@ -172,3 +172,23 @@ def test_the_default_models_gguf_layer_is_its_converted_checkpoint_bit_for_bit(d
                 assert not torch.equal(weights, converted.get_tensor(converted_name))  # the permutation matters
                 weights = undo_qk_permutation(weights, head_rows)
             assert torch.equal(weights, converted.get_tensor(converted_name)), name
+
+
+@pytest.mark.slow
+def test_every_tensor_of_a_trained_k_quant_model_is_gguf_pys(gemma3_gguf):
+    # Trained blocks of the types SmolLM2's file lacks (Q4_K, Q6_K, Q5_0), each tensor whole and as a tile of rows;
+    # the 262,144-row embedding as tiles only. Slow: gguf-py parses the vocabulary in the file's metadata field by
+    # field.
+    index = read_gguf_index(gemma3_gguf)
+    assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0", "F32"} <= {info.dtype for info in index.tensors.values()}
+    for name, info in index.tensors.items():
+        tiles = [(3, 8), (info.rows - 64, info.rows)] if info.rows > 64 else [(0, info.rows)]
+        if info.numel < 1 << 24:
+            tiles.append((0, info.rows))
+        for start, stop in tiles:
+            offset, length = info.row_span(start, stop)
+            stored = np.fromfile(info.file, dtype=np.uint8, count=length, offset=offset)
+            reference = gguf_reference(stored.reshape(stop - start, info.row_bytes), info.dtype)
+            if (start, stop) == (0, info.rows):
+                reference = reference.reshape(info.shape)
+            assert torch.equal(read_gguf_rows(info, start, stop), reference), (name, start, stop)
