@@ -27,6 +27,7 @@ GGUF_BLOCKS: dict[str, tuple[int, int]] = {
 # llama.cpp's converter interleaves the two rotary halves of each q and k head for these GGUF architectures;
 # transformers undoes it on load for these only (its LlamaTensorProcessor), and so must a reader of the raw rows.
 PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
+UNKNOWN_TYPE = re.compile(r"(\d+)\)? is not a valid GGMLQuantizationType")  # gguf-py's words for it
 SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
@@ -134,6 +135,10 @@ def _read_part(file: Path) -> tuple[dict[str, str | int | float | bool], list[GG
     try:
         reader = GGUFReader(file)
     except (ValueError, OSError, IndexError) as error:
+        unknown = UNKNOWN_TYPE.search(str(error))
+        if unknown:  # a type number newer than gguf-py: it stops before naming the tensor
+            raise CheckpointError(f"{file}: holds a tensor of ggml type number {unknown[1]}, which gguf-py does not "
+                                  f"know; batchrun reads {', '.join(GGUF_BLOCKS)}") from None
         # gguf-py maps each tensor's bytes as it indexes them: a truncated file fails here, as a short tensor
         raise CheckpointError(f"{file}: not a readable GGUF file, or truncated (incomplete download?): {error}") \
             from None

@@ -143,3 +143,17 @@ def test_parts_of_different_splits_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="model-00002-of-00003.gguf: tensor 'token_embd.weight' is also in "
                                               "model-00001-of-00003.gguf"):
         read_gguf_index(files[0])
+
+
+def test_a_type_number_gguf_py_does_not_know_is_refused_naming_the_file(tmp_path):
+    tensors = {"blk.0.attn_v.weight": ("Q8_0", random_blocks("Q8_0", 2, 1, np.random.default_rng(11)))}
+    (file,) = write_gguf(tmp_path / "model.gguf", tensors)
+    data = bytearray(file.read_bytes())
+    # Tensor info: name, uint32 dims count, uint64 per dim, then the uint32 type number.
+    type_at = data.index(b"blk.0.attn_v.weight") + len("blk.0.attn_v.weight") + 4 + 2 * 8
+    assert data[type_at:type_at + 4] == (8).to_bytes(4, "little")  # Q8_0's number, so the position is right
+    data[type_at:type_at + 4] = (200).to_bytes(4, "little")
+    file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="model.gguf: holds a tensor of ggml type number 200, which gguf-py "
+                                              "does not know; batchrun reads F32, F16"):
+        read_gguf_index(file)
