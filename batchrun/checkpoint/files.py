@@ -42,7 +42,7 @@ class CheckpointError(BatchrunError, ValueError):
 class TensorInfo:
     name: str
     file: Path
-    dtype: str  # safetensors code: "F32", "BF16", "F8_E4M3", ...
+    dtype: str  # safetensors code: "F32", "BF16", "F8_E4M3", ...; a GGUF tensor's ggml type: "Q4_K", ...
     shape: tuple[int, ...]
     offset: int  # absolute byte offset in `file`: 8 + header length + data_offsets[0]
     nbytes: int
