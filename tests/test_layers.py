@@ -78,13 +78,10 @@ def test_subpackages_are_reached_through_their_init_only():
     assert not reached, "imports past another subpackage's __init__:\n" + "\n".join(reached)
 
 
-# Test files that still reach a module of another subpackage, each for a name that is no public one: the executor's
-# private release and reuse note, the measurements cache a test plants a disturbed figure in (and the measuring
-# kernels' internals), the decode step the reference runs, and the prefill's shared prefix that the shared helpers
-# hook.
+# Test files that still reach a module of another subpackage, each for a name that is no public one: the
+# measurements cache a test plants a disturbed figure in (and the measuring kernels' internals), the decode step the
+# reference runs, and the prefill's shared prefix that the shared helpers hook.
 REACHES_LEFT = {
-    "tests/cli/test_failures.py": {"batchrun.job.execute"},
-    "tests/host/test_interrupts.py": {"batchrun.job.execute"},
     "tests/job/test_execute_options.py": {"batchrun.measure.cache"},
     "tests/runtime/test_linear_kernels.py": {"batchrun.measure.cache", "batchrun.measure.compute"},
     "tests/reference.py": {"batchrun.runtime.decode"},

@@ -12,14 +12,14 @@ from batchrun.job.models import keep_models_open
 from batchrun.job.options import CALIBRATION_METHODS, DEFAULT_CALIBRATION, DEFAULT_PASS_MINUTES, JobOptions
 from batchrun.job.prepare import (DEFAULT_MODEL_LABEL, PreparedJob, model_label, names_default_model, nothing_runs,
                                   plan_report, plan_rows, prepare_job, resolve_model)
-from batchrun.job.running import Computation, JobRun, RunSetup, RunSummary
+from batchrun.job.running import Computation, JobRun, RunSetup, RunSummary, release_run, reused_note
 
 __all__ = ["CALIBRATION_METHODS", "Comparison", "Computation", "DEFAULT_CALIBRATION", "DEFAULT_MODEL_LABEL",
            "DEFAULT_PASS_MINUTES", "DEFAULT_SAMPLE", "JobOptions", "JobRun", "PreparedJob", "RunSetup", "RunSummary",
            "calibration_settings", "compare_models", "describe_comparison", "keep_models_open",
            "model_identity_parts", "model_label", "names_default_model", "nothing_runs", "one_row_per_key",
-           "plan_report", "plan_rows", "prepare_job", "refuse_one_model_twice", "resolve_model", "run_prepared",
-           "submit"]
+           "plan_report", "plan_rows", "prepare_job", "refuse_one_model_twice", "release_run", "resolve_model",
+           "reused_note", "run_prepared", "submit"]
 
 
 def __getattr__(name: str):

@@ -23,7 +23,7 @@ from transformers.utils import logging as transformers_logging
 from batchrun.checkpoint import progress_bars
 from batchrun.errors import OutputRefused, PlanRefused
 from batchrun.host import (batch_cap_after_oom, default_db_path, failure_reason, faults, interrupts_deferred,
-                           keep_freed_pages_below, killed_by_oom, memory_cgroup_dir, oom_kill_count, stops_deferred)
+                           keep_freed_pages_below, killed_by_oom, memory_cgroup_dir, oom_kill_count)
 from batchrun.job.calibration import calibration_settings
 from batchrun.job.commits import PassCommits
 from batchrun.job.files import answers_file, export_command, report_path, write_run_report
@@ -31,14 +31,15 @@ from batchrun.job.models import ModelKey, kept_models
 from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_choice_caveat, one_row_per_key, plan_rows,
                                   prepare_job, row_costs)
 from batchrun.job.progress import BAR_FORMAT
-from batchrun.job.running import AnswersFile, Computation, JobRun, RunSetup, RunSummary
+from batchrun.job.running import (AnswersFile, Computation, JobRun, RunSetup, RunSummary, release_run,
+                                  reused_note)
 from batchrun.output import (JobAnswers, OutputError, OutputExists, describe_calibration, job_answers, job_provenance,
                              quality, write_results)
 from batchrun.plan import Candidate, RowCost, without_prefix
 from batchrun.runtime import (Answer, GreedyPool, LayerReads, PoolPlan, eos_token_ids, generation_answer, open_model,
                               reads_prefix_in_place, score_choices)
 from batchrun.spec import EncodedRow, uses_chat_template
-from batchrun.store import JobRow, RowResult, Store, StoreError
+from batchrun.store import JobRow, RowResult, Store
 
 log = logging.getLogger("batchrun")
 
@@ -112,7 +113,7 @@ def _locked_run(run: JobRun, setup: RunSetup) -> RunSummary:
         raise
     finally:
         with interrupts_deferred():  # a second Ctrl-C waits for the run's record and its report
-            _release(store, job_id, state, error)
+            release_run(store, job_id, state, error)
             if answers_to is not None and state != "failed":  # a failed run (a full disk) is for `status`
                 write_run_report(store, job_id, report_path(answers_to.path))
 
@@ -147,20 +148,6 @@ def _write_output(store: Store, job_id: str, answers: JobAnswers, file: AnswersF
     except OutputExists:  # made meanwhile, by another run or by hand: this run's answers are not lost either
         raise OutputRefused(f"{file.path} appeared while the job ran and is left untouched; every answer is kept in "
                             f"the database: {export_command(store, job_id)} writes them") from None
-
-
-def _release(store: Store, job_id: str, state: str, error: str | None = None) -> None:
-    """Release the job. When the run already failed (disk full, ...), a release failing the same way must not
-    hide that first error; the lock left behind is taken over by the next run, as after a crash. A SIGTERM waits
-    for the release: cut short, it would leave the run looking dead (and maybe killed for lack of memory)."""
-    try:
-        with stops_deferred():
-            store.release(job_id, state, error)
-    except StoreError as failure:
-        if state == "done":
-            raise
-        log.warning("could not record how job %s's run ended (%s): %s; the next run will take its lock over", job_id,
-                    error or state, failure)
 
 
 def _all_row_ids(prepared: PreparedJob) -> list[JobRow]:
@@ -198,7 +185,7 @@ def _run(run: JobRun, computation: Computation) -> RunSummary:
     rows = one_row_per_key(runnable, prepared.row_keys, lambda row: len(partial.get(row.request.index, ((), 0))[0]))
     repeats = len(runnable) - len(rows)
     summary.rows_total, summary.rows_computed_now = store.status(job_id)["rows_total"], len(rows)
-    reuse_note = _reuse_note(reused)
+    reuse_note = reused_note(reused)
     if reuse_note:
         log.warning(reuse_note)
     if rows:
@@ -213,18 +200,6 @@ def _run(run: JobRun, computation: Computation) -> RunSummary:
         summary.notes.append(f"{repeats} row(s) repeat another row of this job exactly (same tokens and settings): "
                              f"computed once, {repeats_filled} answered from it")
     return summary
-
-
-def _reuse_note(reused) -> str | None:
-    if not (reused.answers or reused.partial_rows):
-        return None
-    jobs = ", ".join(reused.from_jobs[:3])  # a job rerun many times would otherwise list every earlier run
-    if len(reused.from_jobs) > 3:
-        jobs += f" and {len(reused.from_jobs) - 3} more"
-    note = f"{reused.answers} answer(s) taken from earlier job(s) {jobs}: the same rows on the same model"
-    if reused.partial_rows:
-        note += f"; {reused.partial_rows} row(s) resume from the tokens generated for them there"
-    return note
 
 
 class _ThisMachine(Computation):

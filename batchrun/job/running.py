@@ -3,6 +3,7 @@ rows is handed (JobRun) and does (Computation), and what the run returns (RunSum
 module subclasses Computation at import, and `batchrun plan` stays light."""
 from __future__ import annotations
 
+import logging
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,10 @@ from typing import Callable
 from batchrun.job.prepare import PreparedJob
 from batchrun.plan import Candidate
 from batchrun.spec import EncodedRow
-from batchrun.store import Store
+from batchrun.host import stops_deferred
+from batchrun.store import Reused, Store, StoreError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -89,3 +93,30 @@ class RunSetup:
     quiet: bool = True
     on_plan: Callable[[Candidate], None] | None = None
     elsewhere: Computation | None = None
+
+
+def release_run(store: Store, job_id: str, state: str, error: str | None = None) -> None:
+    """Release the job. When the run already failed (disk full, ...), a release failing the same way must not
+    hide that first error; the lock left behind is taken over by the next run, as after a crash. A SIGTERM waits
+    for the release: cut short, it would leave the run looking dead (and maybe killed for lack of memory)."""
+    try:
+        with stops_deferred():
+            store.release(job_id, state, error)
+    except StoreError as failure:
+        if state == "done":
+            raise
+        log.warning("could not record how job %s's run ended (%s): %s; the next run will take its lock over", job_id,
+                    error or state, failure)
+
+
+def reused_note(reused: Reused) -> str | None:
+    """What a run says of the answers it took from earlier jobs (at most three named), None where it took none."""
+    if not (reused.answers or reused.partial_rows):
+        return None
+    jobs = ", ".join(reused.from_jobs[:3])  # a job rerun many times would otherwise list every earlier run
+    if len(reused.from_jobs) > 3:
+        jobs += f" and {len(reused.from_jobs) - 3} more"
+    note = f"{reused.answers} answer(s) taken from earlier job(s) {jobs}: the same rows on the same model"
+    if reused.partial_rows:
+        note += f"; {reused.partial_rows} row(s) resume from the tokens generated for them there"
+    return note

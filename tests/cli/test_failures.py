@@ -171,11 +171,11 @@ def test_jobs_prints_a_header(tmp_path):
 
 
 def test_reuse_note_names_at_most_three_jobs():
-    from batchrun.job.execute import _reuse_note
+    from batchrun.job import reused_note
 
     earlier = [f"job{i:012d}" for i in range(7)]
-    note = _reuse_note(Reused(answers=12, partial_rows=2, from_jobs=earlier))
+    note = reused_note(Reused(answers=12, partial_rows=2, from_jobs=earlier))
     assert note.startswith(f"12 answer(s) taken from earlier job(s) {earlier[0]}, {earlier[1]}, {earlier[2]} "
                            "and 4 more: the same rows")
     assert all(job not in note for job in earlier[3:]) and "2 row(s) resume" in note
-    assert "more" not in _reuse_note(Reused(answers=1, from_jobs=earlier[:3]))
+    assert "more" not in reused_note(Reused(answers=1, from_jobs=earlier[:3]))

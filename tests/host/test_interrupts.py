@@ -41,7 +41,7 @@ def test_an_ignored_signal_stays_ignored():
 
 def test_a_sigterm_during_a_runs_release_lets_the_release_finish(tmp_path):
     """Cut short, the release would leave a finished run 'running': the next run would call it dead."""
-    from batchrun.job.execute import _release
+    from batchrun.job import release_run
     from batchrun.store import Store
 
     with Store(tmp_path / "j.db") as store:
@@ -57,5 +57,5 @@ def test_a_sigterm_during_a_runs_release_lets_the_release_finish(tmp_path):
 
         store.release = release_with_a_stop_midway
         with pytest.raises(Stopped), stop_signals_unwind():
-            _release(store, job_id, "done")
+            release_run(store, job_id, "done")
         assert store.status(job_id)["state"] == "done" and store.status(job_id)["running_pid"] is None
