@@ -16,6 +16,7 @@ from batchrun.distributed import submit_job
 from batchrun.job import DEFAULT_SAMPLE, JobOptions, compare_models, describe_comparison, plan_report, resolve_model
 from batchrun.output import describe_quality
 from batchrun.plan import format_comparison, format_plan_table
+from batchrun.quality import PANEL_METHODS
 
 from batchrun.cli.database import db
 from batchrun.cli.failures import FriendlyErrors
@@ -106,13 +107,21 @@ def plan(spec, models, as_json, **kw):
 @click.option("--report", "report_path", type=click.Path(path_type=Path),
               help="Page to write: accuracy against the wait per model (default: <spec stem>.compare.html beside "
                    "the spec; an existing file is replaced only when batchrun wrote it).")
-def compare(spec, models, sample, db, quiet, as_json, report_path, **kw):
+@click.option("--panel", type=click.Choice(PANEL_METHODS),
+              help="Also combine the models' answers row by row: the mean of their probabilities, or a majority "
+                   "vote; one --model is then enough.")
+@click.option("--output", "-o", type=click.Path(path_type=Path),
+              help="The panel's answers file (Parquet; default: <spec stem>.panel.parquet beside the spec).")
+@click.option("--force", is_flag=True, help="Overwrite an existing panel answers file.")
+def compare(spec, models, sample, db, quiet, as_json, report_path, panel, output, force, **kw):
     """Is the bigger model worth the wait? Run SPEC's labelled rows on each --model, judge them against their
-    labels, and price the whole job on each by its plan. The work is stored: a later submit reuses it."""
+    labels, and price the whole job on each by its plan. The work is stored: a later submit reuses it. With
+    --panel, the models also judge as one panel, written as a file of answers."""
     options = build_options(None, kw)
-    spec = spec_file(spec, kw.pop("spec_format"))
+    # a panel read from stdin has no directory for its answers to go beside
+    spec = spec_file(spec, kw.pop("spec_format"), output_named=panel is None or output is not None)
     found = compare_models(spec, [None if name == "default" else name for name in models], options, sample=sample,
-                           db=db, quiet=quiet or as_json).to_json()
+                           db=db, quiet=quiet or as_json, panel=panel, output=output, force=force).to_json()
     page = _write_comparison_page(found, report_path or spec.with_name(f"{spec.stem}.compare.html"))
     if as_json:
         click.echo(json.dumps({**found, "report": page and str(page)}, indent=2))

@@ -1,6 +1,7 @@
 """Is the bigger model worth the wait? The user's labelled rows, run on each candidate model through the normal
 executor (so the work is stored, and a later full `submit` on either model reuses it), judged against their labels,
-beside what the whole job would cost on each model by its plan.
+beside what the whole job would cost on each model by its plan; with a panel, the models' answers combined row by
+row into the panel's (output/panel.py), written as a file beside the spec and judged like each model's.
 """
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from batchrun.errors import SettingRefused
 from batchrun.host import default_db_path, stored_spec
 from batchrun.job.options import JobOptions
 from batchrun.job.prepare import model_label, names_default_model, plan_report, read_job_spec
-from batchrun.output import job_answers, quality
+from batchrun.output import (Judge, OutputExists, check_output_writable, describe_panel, job_answers, panel_figures,
+                             panel_of, quality, write_panel)
 from batchrun.plan import format_duration
+from batchrun.quality import PANEL_METHODS
 from batchrun.spec import Request
 from batchrun.store import Store
 
@@ -105,19 +108,26 @@ class Comparison:
     labelled_rows: int
     models: list[ModelResult]
     verdict: str
+    panel: dict | None = None  # the panel's figures (output.panel_figures) and its file, where a panel was asked for
 
     def to_json(self) -> dict:
-        return {"spec": self.spec, "sample_rows": self.sample_rows, "labelled_rows": self.labelled_rows,
-                "models": [model.to_json() for model in self.models], "verdict": self.verdict}
+        found = {"spec": self.spec, "sample_rows": self.sample_rows, "labelled_rows": self.labelled_rows,
+                 "models": [model.to_json() for model in self.models], "verdict": self.verdict}
+        if self.panel is not None:  # the key only with a panel: other comparisons read as they did
+            found["panel"] = self.panel
+        return found
 
 
 def compare(spec_path: Path, models: Sequence[str | None], options: JobOptions, *, sample: int = DEFAULT_SAMPLE,
-            db: Path | None = None, quiet: bool = True) -> Comparison:
-    """Run up to `sample` labelled rows of the spec on each model and price the whole job on each."""
+            db: Path | None = None, quiet: bool = True, panel: str | None = None, output: Path | None = None,
+            force: bool = False) -> Comparison:
+    """Run up to `sample` labelled rows of the spec on each model and price the whole job on each. `panel` ("mean"
+    or "majority"): also combine the models' answers into the panel's, written to `output` (default: <spec
+    stem>.panel.parquet beside the spec; an existing file is replaced only with `force`)."""
     from batchrun.job.execute import submit  # the executor: torch loads here
 
-    if len(models) < 2:
-        raise SettingRefused("compare needs at least two models (--model A --model B)")
+    db_path = Path(db) if db is not None else default_db_path()
+    panel_path = panel_output(spec_path, models, panel, output, force, db_path)
     refuse_one_model_twice(models)
     requests = read_job_spec(spec_path, options).requests
     labelled = [request for request in requests if request.label is not None]
@@ -127,14 +137,52 @@ def compare(spec_path: Path, models: Sequence[str | None], options: JobOptions, 
     chosen = stratified_sample(labelled, sample)
     sample_options = replace(options, template=None, id_column=None, label_column=None, keep_columns=None,
                              pair_columns=None, choices=None, system=None, skip_invalid=False)
-    db_path = Path(db) if db is not None else default_db_path()
     results = []
     for model in models:
         summary = submit(sample_spec(chosen), options=replace(sample_options, model=model), db=db_path,
                          write_output=False, quiet=quiet)
         plan = plan_report(spec_path, [model], options)["candidates"][0]
         results.append(_model_result(model, summary.job_id, db_path, plan))
-    return Comparison(str(spec_path), len(chosen), len(labelled), results, verdict(results))
+    found = Comparison(str(spec_path), len(chosen), len(labelled), results, verdict(results))
+    if panel is not None:
+        found.panel = _panel(panel, results, db_path, panel_path, force)
+    return found
+
+
+def panel_output(spec_path: Path, models: Sequence[str | None], panel: str | None, output: Path | None,
+                 force: bool, db: Path) -> Path | None:
+    """Where the panel's answers go, checked before any row runs: the method known, enough models, and a file that
+    can be written there (an existing one only with force). None without a panel."""
+    if panel is None:
+        if output is not None:
+            raise SettingRefused(f"--output {output} names the panel's answers file: give --panel "
+                                 f"{'|'.join(PANEL_METHODS)} with it")
+        if len(models) < 2:
+            raise SettingRefused("compare needs at least two models (--model A --model B), or --panel with one")
+        return None
+    if panel not in PANEL_METHODS:
+        raise SettingRefused(f"panel {panel!r}: use one of {', '.join(PANEL_METHODS)}")
+    if not models:
+        raise SettingRefused("a panel needs at least one model (--model A)")
+    path = Path(output) if output is not None else spec_path.with_name(f"{spec_path.stem}.panel.parquet")
+    check_output_writable(path, spec_path, db)
+    if path.exists() and not force:
+        raise OutputExists(path)
+    return path
+
+
+def _panel(method: str, results: Sequence[ModelResult], db: Path, path: Path, force: bool) -> dict:
+    """The panel of the models' sample jobs: its answers written to `path`, its figures returned."""
+    store = Store(db)
+    try:
+        judges = [Judge(result.model, result.job_id, job_answers(store, result.job_id)) for result in results]
+    finally:
+        store.close()
+    combined = panel_of(method, judges)
+    if not combined.rows:
+        raise SettingRefused("the panel has no row to combine: no choice row was answered by every model (a panel "
+                             "combines choice rows; generation rows have no probabilities to combine)")
+    return {**panel_figures(combined), "output": str(write_panel(path, combined, force=force))}
 
 
 def refuse_one_model_twice(models: Sequence[str | None]) -> None:
@@ -170,6 +218,8 @@ def _model_result(model: str | None, job_id: str, db: Path, plan: dict) -> Model
 def verdict(results: Sequence[ModelResult]) -> str:
     """One sentence per runner-up: how much more often the best model is right, for how much of the wait, and
     whether the difference is established (the 95% intervals do not overlap)."""
+    if len(results) < 2:  # a panel of one: no runner-up
+        return ""
     ranked = sorted(results, key=lambda result: result.judged["rate"], reverse=True)
     best = ranked[0]
     return " ".join(_against(best, other) for other in ranked[1:])
@@ -220,4 +270,7 @@ def describe(found: dict) -> list[str]:
                     f"[{result['calibration']}]"
         passes = f"{result['passes']} pass{'' if result['passes'] == 1 else 'es'}"
         lines.append(line + f"; whole job: {passes}, {result['eta_human'] or 'does not fit'}")
-    return lines + [found["verdict"]]
+    lines += [found["verdict"]] if found["verdict"] else []
+    if found.get("panel"):
+        lines += describe_panel(found["panel"]) + [f"panel's answers: {found['panel']['output']}"]
+    return lines
