@@ -135,6 +135,9 @@ def compare(spec_path: Path, models: Sequence[str | None], options: JobOptions, 
         raise SettingRefused(f"{spec_path}: no row has a label; compare judges models on labelled rows (give rows a "
                              "label, or --label-column in corpus mode)")
     chosen = stratified_sample(labelled, sample)
+    if panel is not None and all(request.choices is None for request in chosen):
+        raise SettingRefused(f"{spec_path}: a panel combines choice rows' probabilities, and the sample has only "
+                             "generation rows: give rows choices, or leave out --panel")
     sample_options = replace(options, template=None, id_column=None, label_column=None, keep_columns=None,
                              pair_columns=None, choices=None, system=None, skip_invalid=False)
     results = []

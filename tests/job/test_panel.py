@@ -13,7 +13,7 @@ from sklearn.metrics import cohen_kappa_score
 from batchrun.output import PANEL_COLUMNS, answers_table, read_parquet_results
 from batchrun.store import Store
 from tests.job.test_labels_and_calibration import CORPUS_OPTIONS, REVIEWS, corpus_spec
-from tests.support import invoke
+from tests.support import invoke, write_jsonl
 
 
 def job_rows(db, job_id: str) -> dict:
@@ -133,3 +133,13 @@ def test_compare_refuses_a_panel_it_cannot_make_before_running_anything(tmp_path
     taken = invoke("compare", spec, "-m", llama, "--panel", "mean", "--db", db, *CORPUS_OPTIONS)
     assert taken.exit_code == 1 and "corpus.panel.parquet exists; pass --force to overwrite" in taken.output
     assert not db.exists()  # refused before any job was recorded
+
+
+def test_a_panel_of_generation_rows_is_refused_before_any_row_runs(tmp_path, tiny_checkpoint):
+    spec = write_jsonl(tmp_path / "said.jsonl", [{"id": f"g{i}", "prompt": f"Say {word}.", "max_new_tokens": 2,
+                                                  "label": word} for i, word in enumerate(["hi", "yes", "no"])])
+    db = tmp_path / "j.db"
+    result = invoke("compare", spec, "-m", tiny_checkpoint("llama"), "--panel", "majority", "--db", db)
+    assert result.exit_code == 1
+    assert "a panel combines choice rows' probabilities, and the sample has only generation rows" in result.output
+    assert not db.exists() and not (tmp_path / "said.panel.parquet").exists()
