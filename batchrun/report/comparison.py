@@ -1,5 +1,5 @@
 """The page `batchrun compare` writes: each model's accuracy on the labelled rows against the whole job's wait, one
-point each with its interval, the figures as a table, and the verdict."""
+point each with its interval, the figures as a table, and the verdict; with a panel, its figures beside its judges'."""
 from __future__ import annotations
 
 from html import escape
@@ -30,8 +30,30 @@ def comparison_page(found: dict) -> str:
             + note(f"{found['sample_rows']} of the spec's {found['labelled_rows']} labelled rows, stratified by label, "
                    "ran on each model; the runs are stored, so a later submit reuses them."))
     title = f"batchrun compare: {Path(found['spec']).name}"
-    return page(title, f"{len(models)} models on {found['sample_rows']} labelled rows",
-                [Section("compare", "Accuracy against the wait", body)])
+    sections = [Section("compare", "Accuracy against the wait", body)]
+    if found.get("panel"):
+        sections.append(Section("panel", "Panel", _panel_body(found["panel"])))
+    return page(title, f"{len(models)} model{'' if len(models) == 1 else 's'} on {found['sample_rows']} labelled "
+                "rows", sections)
+
+
+def _panel_body(panel: dict) -> str:
+    """Each judge's and the panel's accuracy and kappa against the labels on the panel's rows, and the judges'
+    agreement among themselves."""
+    between = panel["fleiss_kappa"]
+    rows = [[name, _rate(figures["accuracy"]), _kappa(figures["kappa"])]
+            for name, figures in [(judge["model"], judge) for judge in panel["judges"]] + [("panel", panel["panel"])]]
+    agreement = "undefined (one judge, or one answer throughout)" if between is None else _kappa(between)
+    return (table(["judge", "accuracy", "kappa against the labels"], rows, name="panel")
+            + note(f"The {panel['method']} of the judges' answers on the {panel['rows']} rows all of them answered; "
+                   f"Fleiss' kappa between the judges {agreement}. The panel's answers: {panel['output']}."))
+
+
+def _kappa(estimate: dict | None) -> str:
+    if not estimate:
+        return "undefined"
+    interval = estimate["interval"]
+    return f"{estimate['value']:.2f}" + (f" ({interval[0]:.2f} to {interval[1]:.2f})" if interval else "")
 
 
 def write_comparison(found: dict, path: Path, *, force: bool = False) -> Path:

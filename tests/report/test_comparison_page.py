@@ -71,3 +71,21 @@ def test_compare_writes_its_page_beside_the_spec_and_keeps_a_users_file(tmp_path
     mine.write_text("my notes")
     result = invoke(*args, "--report", mine)
     assert result.exit_code == 0 and mine.read_text() == "my notes" and "not replaced" in result.stderr
+
+
+def test_a_panel_shows_its_judges_and_its_own_figures(tmp_path):
+    def kappa(value: float) -> dict:
+        return {"value": value, "interval": [value - 0.1, value + 0.1], "rows": 60}
+
+    panel = {"method": "mean", "rows": 60, "labelled": 60, "fleiss_kappa": kappa(0.4), "output": "/data/p.parquet",
+             "judges": [{"model": "small", "job_id": "a" * 16, "accuracy": metrics(56, 60, 0.84, 0.97),
+                         "kappa": kappa(0.87)},
+                        {"model": "large", "job_id": "b" * 16, "accuracy": metrics(44, 60, 0.61, 0.83),
+                         "kappa": None}],
+             "panel": {"accuracy": metrics(51, 60, 0.74, 0.92), "kappa": kappa(0.7)}}
+    html = write_comparison({**COMPARISON, "panel": panel}, tmp_path / "panel.compare.html").read_text()
+    assert '<section id="panel">' in html
+    for cell in ("93.3% (84%-97%)", "0.87 (0.77 to 0.97)", "73.3% (61%-83%)", "undefined", "85.0% (74%-92%)",
+                 "0.70 (0.60 to 0.80)", "Fleiss&#x27; kappa between the judges 0.40 (0.30 to 0.50)", "/data/p.parquet"):
+        assert cell in html, cell
+    assert '<section id="panel">' not in write_comparison(COMPARISON, tmp_path / "plain.compare.html").read_text()
