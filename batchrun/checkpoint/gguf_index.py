@@ -3,14 +3,17 @@ order it), absolute byte range and the bytes of one row, and the file's scalar m
 (`name-00001-of-00003.gguf`) is read as one index over its parts.
 
 Only the types batchrun dequantizes are accepted (GGUF_BLOCKS); any other, or a big-endian file, is refused here,
-naming the tensor or the file, before any weight is read. gguf-py is imported inside the reader (it brings numpy, no
-torch): planning a safetensors model pays nothing for it.
+naming the tensor or the file, before any weight is read. The header is parsed here with struct alone (no gguf-py,
+numpy or torch), and the metadata arrays (a tokenizer's vocabulary, most of a small model's header) are skipped
+unread, so planning a GGUF model reads little more than its tensor infos.
 """
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -27,7 +30,25 @@ GGUF_BLOCKS: dict[str, tuple[int, int]] = {
 # llama.cpp's converter interleaves the two rotary halves of each q and k head for these GGUF architectures;
 # transformers undoes it on load for these only (its LlamaTensorProcessor), and so must a reader of the raw rows.
 PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
-UNKNOWN_TYPE = re.compile(r"(\d+)\)? is not a valid GGMLQuantizationType")  # gguf-py's words for it
+# ggml type number -> name, gguf-py's GGMLQuantizationType: the unsupported types are named when refused.
+GGML_TYPES: dict[int, str] = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K",
+    12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
+    20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
+    29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4", 40: "NVFP4", 41: "Q1_0",
+}
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)  # those gguf-py reads; version 1 counted in uint32
+GGUF_DEFAULT_ALIGNMENT = 32
+# GGUF value type numbers (gguf-py's GGUFValueType): the scalars' little-endian layouts, and the two others.
+_SCALARS = {0: struct.Struct("<B"), 1: struct.Struct("<b"), 2: struct.Struct("<H"), 3: struct.Struct("<h"),
+            4: struct.Struct("<I"), 5: struct.Struct("<i"), 6: struct.Struct("<f"), 7: struct.Struct("<?"),
+            10: struct.Struct("<Q"), 11: struct.Struct("<q"), 12: struct.Struct("<d")}
+_STRING, _ARRAY = 8, 9
+_U32, _U64 = _SCALARS[4], _SCALARS[10]
+_COUNTS = struct.Struct("<QQ")  # tensor count, key/value count
+_ARRAY_HEAD = struct.Struct("<IQ")  # item type, item count
+_TYPE_AND_OFFSET = struct.Struct("<IQ")  # a tensor's ggml type number and offset in the data section
 SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
@@ -129,32 +150,139 @@ def read_gguf_index(path: str | os.PathLike) -> GGUFIndex:
 
 def _read_part(file: Path) -> tuple[dict[str, str | int | float | bool], list[GGUFTensorInfo]]:
     try:
-        from gguf import GGUFEndian, GGUFReader, GGUFValueType
-    except ImportError as error:
-        raise CheckpointError(f"{file}: reading GGUF needs the gguf package: pip install gguf ({error})") from error
-    try:
-        reader = GGUFReader(file)
-    except (ValueError, OSError, IndexError) as error:
-        unknown = UNKNOWN_TYPE.search(str(error))
-        if unknown:  # a type number newer than gguf-py: it stops before naming the tensor
-            raise CheckpointError(f"{file}: holds a tensor of ggml type number {unknown[1]}, which gguf-py does not "
-                                  f"know; batchrun reads {', '.join(GGUF_BLOCKS)}") from None
-        # gguf-py maps each tensor's bytes as it indexes them: a truncated file fails here, as a short tensor
+        with open(file, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            cursor = _Cursor(data)
+            metadata = _read_preamble(file, cursor)
+            _read_metadata(cursor, metadata)
+            entries = [_read_tensor_entry(cursor) for _ in range(int(metadata["GGUF.tensor_count"]))]
+            data_start = _aligned(cursor.pos, metadata.get("general.alignment"))
+            size = len(data)
+    except CheckpointError:  # a ValueError too, already naming the file
+        raise
+    except (_Unreadable, ValueError, OSError) as error:  # mmap refuses an empty file with ValueError
         raise CheckpointError(f"{file}: not a readable GGUF file, or truncated (incomplete download?): {error}") \
             from None
-    if reader.endianess == GGUFEndian.BIG:
+    infos: dict[str, GGUFTensorInfo] = {}
+    for name, type_number, shape, offset in entries:
+        info = _tensor_info(file, name, type_number, shape, data_start + offset)
+        if name in infos:
+            raise CheckpointError(f"{file}: tensor {name!r} appears twice in the file")
+        if info.offset + info.nbytes > size:  # the data section is short: the file was cut
+            raise CheckpointError(f"{file}: not a readable GGUF file, or truncated (incomplete download?): tensor "
+                                  f"{name!r} ends at byte {info.offset + info.nbytes}, past the file's {size}")
+        infos[name] = info
+    return metadata, list(infos.values())
+
+
+class _Unreadable(Exception):
+    """The header is cut short or is not GGUF; _read_part names the file."""
+
+
+class _Cursor:
+    """A read position in the mapped file: every read is bounds-checked, so a cut header is refused, not misread."""
+
+    def __init__(self, data: mmap.mmap) -> None:
+        self.data, self.pos = data, 0
+
+    def skip(self, size: int) -> int:
+        """Advance `size` bytes; returns where they start."""
+        start, self.pos = self.pos, self.pos + size
+        if self.pos > len(self.data):
+            raise _Unreadable(f"it ends at byte {len(self.data)}, inside its header")
+        return start
+
+    def unpack(self, layout: struct.Struct) -> tuple:
+        return layout.unpack_from(self.data, self.skip(layout.size))
+
+    def string(self) -> str:
+        (length,) = self.unpack(_U64)
+        start = self.skip(length)
+        return self.data[start:start + length].decode("utf-8")
+
+
+def _read_preamble(file: Path, cursor: _Cursor) -> dict[str, str | int | float | bool]:
+    """The magic, version and counts, as gguf-py reports them among the fields ("GGUF.version", ...)."""
+    if bytes(cursor.data[:4]) != GGUF_MAGIC:
+        raise _Unreadable(f"it starts with {bytes(cursor.data[:4])!r}, not GGUF's magic {GGUF_MAGIC!r}")
+    cursor.skip(4)
+    (version,) = cursor.unpack(_U32)
+    if version & 0xFFFF == 0 and version:  # the version's low bytes are zero when its byte order is swapped
         raise CheckpointError(f"{file}: a big-endian GGUF file; batchrun reads little-endian GGUF only (convert it "
                               "again without --bigendian)")
-    metadata = {key: field.contents() for key, field in reader.fields.items()
-                if len(field.types) == 1 and field.types[0] != GGUFValueType.ARRAY}
-    infos = [_tensor_info(file, tensor.name, tensor.tensor_type.name, tuple(int(d) for d in reversed(tensor.shape)),
-                          int(tensor.data_offset)) for tensor in reader.tensors]
-    return metadata, infos
+    if version not in GGUF_VERSIONS:
+        raise _Unreadable(f"GGUF version {version}; batchrun reads versions {', '.join(map(str, GGUF_VERSIONS))}")
+    tensor_count, kv_count = cursor.unpack(_COUNTS)
+    return {"GGUF.version": version, "GGUF.tensor_count": tensor_count, "GGUF.kv_count": kv_count}
 
 
-def _tensor_info(file: Path, name: str, ggml_type: str, shape: tuple[int, ...], offset: int) -> GGUFTensorInfo:
+def _read_metadata(cursor: _Cursor, metadata: dict[str, str | int | float | bool]) -> None:
+    """Every key/value into `metadata` but arrays, which are skipped unread: a tokenizer's vocabulary is most of
+    a small model's header, and nothing the index serves needs it."""
+    for _ in range(int(metadata["GGUF.kv_count"])):
+        key = cursor.string()
+        (value_type,) = cursor.unpack(_U32)
+        if key in metadata:
+            raise _Unreadable(f"metadata key {key!r} appears twice")
+        if value_type == _ARRAY:
+            _skip_array(cursor)
+        elif value_type == _STRING:
+            metadata[key] = cursor.string()
+        elif value_type in _SCALARS:
+            (metadata[key],) = cursor.unpack(_SCALARS[value_type])
+        else:
+            raise _Unreadable(f"metadata key {key!r} has value type number {value_type}, which GGUF does not define")
+
+
+def _skip_array(cursor: _Cursor) -> None:
+    item_type, count = cursor.unpack(_ARRAY_HEAD)
+    if item_type in _SCALARS:
+        cursor.skip(_SCALARS[item_type].size * count)
+    elif item_type == _STRING:
+        # Each string's length is read to find the next one; a bare loop over the mapping is the fast way to do it
+        # without numpy.
+        data, pos, length_at = cursor.data, cursor.pos, _U64.unpack_from
+        try:
+            for _ in range(count):
+                pos += 8 + length_at(data, pos)[0]
+        except struct.error:
+            raise _Unreadable(f"it ends at byte {len(data)}, inside its header") from None
+        cursor.skip(pos - cursor.pos)
+    elif item_type == _ARRAY:
+        for _ in range(count):
+            _skip_array(cursor)
+    else:
+        raise _Unreadable(f"an array of value type number {item_type}, which GGUF does not define")
+
+
+def _read_tensor_entry(cursor: _Cursor) -> tuple[str, int, tuple[int, ...], int]:
+    """(name, ggml type number, shape rows first, offset in the data section) of the next tensor info."""
+    name = cursor.string()
+    (n_dims,) = cursor.unpack(_U32)
+    dims = struct.unpack_from(f"<{n_dims}Q", cursor.data, cursor.skip(8 * n_dims))
+    type_number, offset = cursor.unpack(_TYPE_AND_OFFSET)
+    return name, type_number, tuple(reversed(dims)), offset
+
+
+def _aligned(position: int, alignment: object) -> int:
+    """Where the data section starts: the end of the tensor infos padded to `general.alignment` (GGUF's default
+    when absent)."""
+    if alignment is None:
+        alignment = GGUF_DEFAULT_ALIGNMENT
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+        raise _Unreadable(f"general.alignment is {alignment!r}, not a power of two")
+    return -(-position // alignment) * alignment
+
+
+def _tensor_info(file: Path, name: str, type_number: int, shape: tuple[int, ...], offset: int) -> GGUFTensorInfo:
+    ggml_type = GGML_TYPES.get(type_number)
+    if ggml_type is None:  # a type newer than this table
+        raise CheckpointError(f"{file}: holds a tensor of ggml type number {type_number}, which gguf-py does not "
+                              f"know; batchrun reads {', '.join(GGUF_BLOCKS)} (tensor {name!r})")
     if ggml_type not in GGUF_BLOCKS:
         raise CheckpointError(f"{file}: tensor {name!r} is of ggml type {ggml_type}, which batchrun cannot "
                               f"dequantize (it reads {', '.join(GGUF_BLOCKS)})")
-    weights, block_bytes = GGUF_BLOCKS[ggml_type]  # gguf-py has checked that rows are whole blocks
+    weights, block_bytes = GGUF_BLOCKS[ggml_type]
+    if shape and shape[-1] % weights:  # a row is whole blocks, else rows are no byte ranges
+        raise CheckpointError(f"{file}: tensor {name!r} of ggml type {ggml_type} has rows of {shape[-1]} weights, "
+                              f"not whole blocks of {weights}")
     return GGUFTensorInfo(name, file, ggml_type, shape, offset, math.prod(shape) // weights * block_bytes)
