@@ -106,9 +106,10 @@ def record_runtime_import(seconds: float) -> float | None:
     figure, or None where nothing is cached yet (the first plan probes)."""
     measurements = cache.load()
     entry = measurements.get("runtime_overhead", {}).get(sys.executable)
-    if cached("runtime_overhead", sys.executable) is None or entry.get("probe") != _probe_digest():
+    if entry is None or cached("runtime_overhead", sys.executable) is None or entry.get("probe") != _probe_digest():
         return None
-    observed = [*entry.get("import_observed", [entry["import_seconds"]]), round(seconds, 3)]
+    probed = [entry["import_seconds"]] if entry.get("import_seconds") is not None else []
+    observed = [*entry.get("import_observed", probed), round(seconds, 3)]
     entry["import_observed"] = observed[-IMPORT_OBSERVATIONS_KEPT:]
     entry["import_seconds"] = statistics.median(entry["import_observed"])
     cache.write(measurements)
