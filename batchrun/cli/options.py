@@ -104,6 +104,9 @@ def job_options(fn):
                                              "docs/calibration.md."),
         click.option("--choices", help='Choices for rows that set none: comma-separated (yes,no), or a JSON array for '
                                         'exact strings (\'[" positive", "1,000"]\').'),
+        click.option("--then", metavar="CUE",
+                     help="Choice rows first write their reasons (up to --max-new-tokens, ending at --stop or at the "
+                          "cue), then their choices are scored after this cue, e.g. 'Verdict:' (docs/judging.md)."),
         click.option("--system", help="System message for rows that set none."),
         click.option("--max-new-tokens", type=int, default=16, show_default=True,
                      help="Token limit for generation rows that set none."),
@@ -157,6 +160,7 @@ def build_options(model: str | None, kw: dict):
     keep = kw["keep_columns"]
     return JobOptions(model=model, template=kw["template"], id_column=kw["id_column"],
                       label_column=kw["label_column"], calibrate=kw["calibrate"], pair_columns=kw["pair_columns"],
+                      then=kw["then"],
                       keep_columns=tuple(name.strip() for name in keep.split(",") if name.strip()) if keep else None,
                       choices=_choices_option(kw["choices"]), system=kw["system"],
                       max_new_tokens=kw["max_new_tokens"], stop=tuple(_stop_string(s) for s in kw["stop"]) or None,

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from batchrun.job import Computation, JobRun, PreparedJob, RunSummary, plan_rows
 from batchrun.spec import EncodedRow
-from batchrun.store import RowResult, Store, StoreError
+from batchrun.store import Rationale, RowResult, Store, StoreError
 
 from batchrun.distributed import pool
 from batchrun.distributed.layout import SharedLayout, now_iso, read_json, record_shared_dir, write_json
@@ -192,7 +192,8 @@ def _published(layout: SharedLayout, fingerprint: str, shard_id: str) -> dict:
 
 
 def _commit(store: Store, job_id: str, record: dict) -> None:
-    store.commit_batch(job_id, [RowResult(**row) for row in record["rows"]], passes=int(record["passes"]))
+    store.commit_batch(job_id, [RowResult(**{**row, "rationale": row.get("rationale") and Rationale.from_json(
+        row["rationale"])}) for row in record["rows"]], passes=int(record["passes"]))
 
 
 def _reported_rows(layout: SharedLayout, shard_id: str) -> int:

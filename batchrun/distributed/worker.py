@@ -112,7 +112,8 @@ def _publish(layout: SharedLayout, task: ShardTask, db_path: Path, shard_job: st
         results = store.results(shard_job)
         passes = store.status(shard_job)["passes"]
     rows = [{**{name: value for name, value in vars(result).items() if name not in ("label", "carried")},
-             "idx": result.id} for result in results]  # the shard's row ids are their places in the job
+             "idx": result.id,  # the shard's row ids are their places in the job
+             "rationale": result.rationale and result.rationale.to_json()} for result in results]
     if len(rows) != len(task.shard.indices):
         raise RuntimeError(f"shard {task.shard.id} ended with {len(rows)} of its {len(task.shard.indices)} rows")
     write_json(layout.result(task.shard.id),

@@ -13,9 +13,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from tqdm import tqdm
 from transformers.utils import logging as transformers_logging
@@ -31,15 +31,16 @@ from batchrun.job.models import ModelKey, kept_models
 from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_choice_caveat, one_row_per_key, plan_rows,
                                   prepare_job, row_costs)
 from batchrun.job.progress import BAR_FORMAT
+from batchrun.job.verdicts import verdict_costs, verdict_rows, with_rationale
 from batchrun.job.running import (AnswersFile, Computation, JobRun, RunSetup, RunSummary, release_run,
                                   reused_note)
 from batchrun.output import (JobAnswers, OutputError, OutputExists, describe_calibration, job_answers, job_provenance,
                              quality, write_results)
-from batchrun.plan import Candidate, RowCost, without_prefix
+from batchrun.plan import Candidate, RowCost, pack_batches, without_prefix
 from batchrun.runtime import (Answer, GreedyPool, LayerReads, PoolPlan, eos_token_ids, generation_answer, open_model,
                               reads_prefix_in_place, score_choices)
 from batchrun.spec import EncodedRow, uses_chat_template
-from batchrun.store import JobRow, RowResult, Store
+from batchrun.store import JobRow, Rationale, RowResult, Store
 
 log = logging.getLogger("batchrun")
 
@@ -207,8 +208,11 @@ class _ThisMachine(Computation):
 
     def compute(self, run: JobRun, rows: list[EncodedRow], partial: dict) -> None:
         summary, job_id = run.summary, run.job_id
+        rows = _with_written_verdicts(run, rows)
         plan = _plan_run(run, rows, partial)
-        batches = [[rows[i] for i in batch] for batch in plan.batching.batches]
+        # the plan's batches past `rows` are the verdicts still to come, packed once their rationales are written
+        batches = [batch for batch in ([rows[i] for i in batch if i < len(rows)] for batch in plan.batching.batches)
+                   if batch]
         status = run.store.status(job_id)
         finished_before = status["rows_done"] + status["rows_errored"]
         # rows answered before, and those this run computes (a row repeating another is answered after the run)
@@ -230,13 +234,37 @@ class _ThisMachine(Computation):
 _THIS_MACHINE = _ThisMachine()
 
 
+def _with_written_verdicts(run: JobRun, rows: list[EncodedRow]) -> list[EncodedRow]:
+    """`rows` with each verdict row whose rationale an earlier run wrote as its verdict (a choice row); a verdict
+    that no longer fits the context is answered with its error here, its rationale kept."""
+    rationales = run.store.finished_rationales(run.job_id)
+    written = [row for row in rows if row.request.index in rationales]
+    if not written:
+        return rows
+    verdicts = verdict_rows(run.prepared, written, rationales)
+    _commit_verdict_errors(run.store, run.job_id, verdicts, written, rationales)
+    return [row for row in rows if row.request.index not in rationales] + [row for row in verdicts if not row.error]
+
+
+def _commit_verdict_errors(store: Store, job_id: str, verdicts: list[EncodedRow], written: list[EncodedRow],
+                           rationales: Mapping[int, Rationale]) -> None:
+    prompts = {row.request.index: len(row.prompt_ids) for row in written}
+    failed = [with_rationale(error_result(row.request.index, row.request.id, f"the verdict after the rationale: "
+                                          f"{row.error}"), rationales[row.request.index], prompts[row.request.index])
+              for row in verdicts if row.error]
+    if failed:
+        store.commit_batch(job_id, failed, passes=0)
+
+
 def _plan_run(run: JobRun, rows: list[EncodedRow], partial: dict) -> Candidate:
     """Plan this run's rows (resumed rows prefill what an earlier run generated), record the plan with the run, and
     refuse a plan that does not fit."""
     prepared, store, job_id, summary = run.prepared, run.store, run.job_id, run.summary
     prefixes = {i: len(partial[i][0]) for i in partial}
     options = _after_previous_run(prepared.options, store.previous_runs(job_id), summary.notes)
-    plan = plan_rows(prepared.model, rows, options, prepared.device, prefixes, held=prepared.rows)
+    to_write = [row for row in rows if row.request.verdict is not None]
+    plan = plan_rows(prepared.model, rows, options, prepared.device, prefixes, held=prepared.rows,
+                     later=verdict_costs(prepared, to_write))
     summary.notes += one_choice_caveat(rows)  # the plan's caveat too: said where no plan table is shown
     cgroup = memory_cgroup_dir()
     store.record_run_plan(job_id, batch_size=plan.batching.batch_size, planned_peak_bytes=plan.memory.peak_memory_bytes,
@@ -285,17 +313,13 @@ def _run_batches(prepared: PreparedJob, commits: PassCommits, plan: Candidate, b
     # A --micro-batch of the user's own makes calls the plan did not size: trim after every turn then.
     keep_below = None if prepared.options.micro_batch else plan.memory.peak_memory_bytes - plan.memory.turn_bytes
     failed = True
+    scoring = _Scoring(model, pad_id, micro_batch, commits, {row.request.index: row for row in prepared.rows},
+                       commits.store.finished_rationales(commits.job_id))
     try:
         with keep_freed_pages_below(keep_below):
             for batch in batches:
                 if batch[0].is_choice:
-                    started = commits.pass_started(functools.partial(len, batch), answers=True)
-                    answers = score_choices(model, batch, pad_id, micro_batch=micro_batch)
-                    faults.reached("pass")
-                    ids = {r.request.index: r.request.id for r in batch}
-                    commits.store.commit_batch(commits.job_id, [to_row_result(a, ids[a.idx]) for a in answers],
-                                               passes=1)
-                    commits.pass_committed(len(answers), started)
+                    scoring.score(batch)
             generation = [row for batch in batches if not batch[0].is_choice for row in batch]
             if generation:
                 pool_plan = PoolPlan((plan.batching.batch_size, plan.batching.batch_tokens), micro_batch,
@@ -308,6 +332,7 @@ def _run_batches(prepared: PreparedJob, commits: PassCommits, plan: Candidate, b
                                   prefixes={r.request.index: partial[r.request.index] for r in generation
                                             if r.request.index in partial})
                 summary.empty_answers += _run_generation(pool, commits)
+                _score_verdicts(prepared, scoring, plan, [row for row in generation if row.request.verdict])
         failed = False
     finally:
         commits.bar.close()
@@ -355,24 +380,73 @@ def _decode_micro_batch(model, plan: Candidate, micro_batch: int | None, summary
 
 
 def _run_generation(pool: GreedyPool, commits: PassCommits) -> int:
-    """Run the job's generation rows to their end, committing each pass; return how many of the answers stopped
-    before any text."""
+    """Run the job's generation rows to their end, committing each pass (a verdict row's rationale waits in the
+    store for its verdict); return how many of the answers stopped before any text."""
     ids = {seq.row.request.index: seq.row.request.id for seq in pool.sequences}
     store, job_id = commits.store, commits.job_id
     empty = 0
     if pool.already_finished:
-        store.commit_batch(job_id, [to_row_result(generation_answer(s), ids[s.row.request.index])
-                                    for s in pool.already_finished], passes=0)
-        commits.progress.committed(len(pool.already_finished))
+        results, rationales = _finished(pool.already_finished, ids)
+        store.commit_pass(job_id, results, {}, passes=0, rationales=rationales)
+        commits.progress.committed(len(results))
     while not pool.done:
         started = commits.pass_started(lambda: pool.in_flight, answers=False)
         finished = pool.step()
         faults.reached("pass")
-        results = [to_row_result(generation_answer(s), ids[s.row.request.index]) for s in finished]
-        store.commit_pass(job_id, results, pool.partial(), passes=1)
-        commits.pass_committed(len(finished), started)
+        results, rationales = _finished(finished, ids)
+        store.commit_pass(job_id, results, pool.partial(), passes=1, rationales=rationales)
+        commits.pass_committed(len(results), started)
         empty += sum(1 for r in results if r.answer == "" and r.finish_reason == "stop")
     return empty
+
+
+def _finished(sequences, ids: dict) -> tuple[list[RowResult], dict[int, Rationale]]:
+    """The answers of finished sequences, and the rationales of those that are a verdict row's first stage."""
+    results, rationales = [], {}
+    for seq in sequences:
+        index = seq.row.request.index
+        if seq.row.request.verdict is not None:
+            rationales[index] = Rationale(seq.text, tuple(seq.generated), seq.logprob, seq.finish or "length")
+        else:
+            results.append(to_row_result(generation_answer(seq), ids[index]))
+    return results, rationales
+
+
+@dataclass
+class _Scoring:
+    """Choice passes of a run: each scores a batch and commits its answers (a verdict's with its rationale)."""
+    model: object
+    pad_id: int
+    micro_batch: int | None
+    commits: PassCommits
+    rows_by_index: Mapping[int, EncodedRow]  # the job's rows as the spec encoded them: a verdict's own prompt
+    rationales: dict[int, Rationale]  # the written rationales whose verdicts are still to be scored
+
+    def score(self, batch: list[EncodedRow]) -> None:
+        commits = self.commits
+        started = commits.pass_started(functools.partial(len, batch), answers=True)
+        answers = score_choices(self.model, batch, self.pad_id, micro_batch=self.micro_batch)
+        faults.reached("pass")
+        ids = {r.request.index: r.request.id for r in batch}
+        results = [to_row_result(a, ids[a.idx]) for a in answers]
+        for result in results:
+            if result.idx in self.rationales:
+                with_rationale(result, self.rationales[result.idx], len(self.rows_by_index[result.idx].prompt_ids))
+        commits.store.commit_batch(commits.job_id, results, passes=1)
+        commits.pass_committed(len(answers), started)
+
+
+def _score_verdicts(prepared: PreparedJob, scoring: _Scoring, plan: Candidate, rows: list[EncodedRow]) -> None:
+    """The verdicts of the rationales this run wrote, in choice passes packed as the plan packs rows."""
+    if not rows:
+        return
+    faults.reached("verdicts")
+    scoring.rationales.update(scoring.commits.store.finished_rationales(scoring.commits.job_id))
+    verdicts = verdict_rows(prepared, rows, scoring.rationales)
+    _commit_verdict_errors(scoring.commits.store, scoring.commits.job_id, verdicts, rows, scoring.rationales)
+    verdicts = [row for row in verdicts if not row.error]
+    for batch in pack_batches(row_costs(verdicts), plan.batching.batch_size, plan.batching.batch_tokens):
+        scoring.score([verdicts[i] for i in batch])
 
 
 def generation_costs(rows: list[EncodedRow], partial: dict, shared_prefix: int) -> list[RowCost]:

@@ -47,8 +47,9 @@ def row_keys(model_identity: Sequence[bytes], compute_dtype: str,
             continue
         digest = model.copy()
         generates = not row.is_choice
-        digest.update(json.dumps([row.request.choices, row.request.max_new_tokens if generates else None,
-                                  row.request.stop if generates else None]).encode())
+        described = [row.request.choices, row.request.max_new_tokens if generates else None,
+                     row.request.stop if generates else None]
+        digest.update(json.dumps(described + _verdict(row.request)).encode())
         for ids in (row.prompt_ids, *row.choice_ids):
             digest.update(array("q", [len(ids), *ids]).tobytes())
         keys[row.request.index] = digest.hexdigest()
@@ -79,6 +80,7 @@ def fingerprint(spec: JobSpec, model_identity: Sequence[bytes], compute_dtype: s
             described += [request.label, request.carried]
         if request.pair is not None:
             described.append(request.pair.to_json())
+        described += _verdict(request)
         digest.update(json.dumps(described, sort_keys=True).encode())
         for ids in (row.prompt_ids, *row.choice_ids):  # packed: a big corpus has hundreds of millions of tokens
             digest.update(array("q", [len(ids), *ids]).tobytes())
@@ -88,6 +90,12 @@ def fingerprint(spec: JobSpec, model_identity: Sequence[bytes], compute_dtype: s
     digest.update(json.dumps({"dtype": compute_dtype} if calibrate == "none"
                              else {"dtype": compute_dtype, "calibrate": calibrate}).encode())
     return digest.hexdigest()
+
+
+def _verdict(request) -> list:
+    """What a row that writes its reasons first scores after them (its cue and choices); nothing for other rows, whose
+    keys and jobs stay as they were."""
+    return [] if request.verdict is None else [request.verdict.to_json()]
 
 
 def one_row_per_key(rows: Sequence[EncodedRow], key_of: Mapping[int, str | None],

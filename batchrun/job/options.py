@@ -13,7 +13,7 @@ from batchrun.spec import TRUNCATE_SIDES
 # Settings that can change answers, recorded with a job. Its identity is what they do to its rows (fingerprint):
 # batch size, memory budget, streaming policy and prefetch change no row, so a job resumes whatever they are.
 ANSWER_SETTINGS = ("template", "id_column", "choices", "system", "max_new_tokens", "stop", "raw", "dtype",
-                   "label_column", "keep_columns", "calibrate", "truncate", "pair_columns")
+                   "label_column", "keep_columns", "calibrate", "truncate", "pair_columns", "then")
 CALIBRATION_METHODS = ("auto", "none", "batch", "content-free", "labels")
 DEFAULT_CALIBRATION = "auto"  # changes answers only where labelled rows show it helps (docs/calibration.md)
 # A crash, a kill or a power cut costs the pass in flight: passes are planned to last at most this long.
@@ -57,6 +57,7 @@ class JobOptions:
     label_column: str | None = None  # corpus mode: the column holding each row's expected answer
     keep_columns: tuple[str, ...] | None = None  # corpus mode: input columns copied into the output; ("*",): all
     pair_columns: tuple[str, str] | None = None  # corpus mode: the two answers each row's pair judges, in both orders
+    then: str | None = None  # choice rows write a rationale first, then their verdict is scored after this cue
     calibrate: str = DEFAULT_CALIBRATION  # how choice probabilities are calibrated (docs/calibration.md)
     pass_minutes: float | None = DEFAULT_PASS_MINUTES  # the longest a pass is planned to take; None: no bound
     truncate: str | None = None  # "head" | "tail": cut an over-long row's document from that end; None: refuse it
@@ -96,7 +97,8 @@ class JobOptions:
     def with_effective_calibration(self, requests) -> JobOptions:
         """Auto calibration weighs methods on labelled choice rows; without any, it is none, and the job is the one
         it would be without calibration (the same identity, the same recorded settings)."""
-        if self.calibrate == "auto" and not any(r.choices is not None and r.label is not None for r in requests):
+        if self.calibrate == "auto" and not any(r.scored_choices is not None and r.label is not None
+                                                for r in requests):
             return replace(self, calibrate="none")
         return self
 

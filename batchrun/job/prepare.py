@@ -140,7 +140,8 @@ def read_job_spec(spec_path: Path, options: JobOptions) -> JobSpec:
     return read_spec(spec_path, SpecSettings(
         template=options.template, id_column=options.id_column, choices=options.choices, system=options.system,
         max_new_tokens=options.max_new_tokens, stop=options.stop, skip_invalid=options.skip_invalid,
-        label_column=options.label_column, keep_columns=options.keep_columns, pair_columns=options.pair_columns))
+        label_column=options.label_column, keep_columns=options.keep_columns, pair_columns=options.pair_columns,
+        then=options.then))
 
 
 def row_costs(rows: Sequence[EncodedRow], prefixes: dict[int, int] | None = None) -> list[RowCost]:
@@ -175,10 +176,12 @@ def bandwidth_for(checkpoint: Path, options: JobOptions) -> Bandwidth:
 
 
 def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobOptions, device: str,
-              generated: dict[int, int] | None = None, held: Sequence[EncodedRow] | None = None) -> Candidate:
+              generated: dict[int, int] | None = None, held: Sequence[EncodedRow] | None = None,
+              later: Sequence[RowCost] = ()) -> Candidate:
     """Plan `rows` (runnable ones); `generated`: row index -> tokens a previous run already generated; `held`: every
-    row the run holds as it goes (the whole spec's, repeats and finished rows included; default `rows`)."""
-    costs = row_costs(rows, generated)
+    row the run holds as it goes (the whole spec's, repeats and finished rows included; default `rows`); `later`:
+    choice rows the run adds once its generation is done (the verdicts after rationales), packed after `rows`."""
+    costs = row_costs(rows, generated) + list(later)
     # The kept positions and shortest sequence of the first pass (runtime/score.py): plan and run share the prefix.
     shortest = min((shortest_first_pass_sequence(row) for row in rows), default=0)
     prompts = [row.prompt_ids for row in rows]

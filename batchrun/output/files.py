@@ -26,7 +26,7 @@ from batchrun.host import HOST, disk_free_bytes, faults, package_version, pid_al
 from batchrun.output.answers import OutputRow, job_answers, output_rows
 from batchrun.output.pairs import PAIR_COLUMNS, PairVerdict
 from batchrun.plan import format_bytes
-from batchrun.store import RowResult, Store
+from batchrun.store import Rationale, RowResult, Store
 
 CHOICE_PROBS_TYPE = pa.map_(pa.string(), pa.float64())
 
@@ -241,6 +241,8 @@ def results_table(rows: Sequence[RowResult | OutputRow]) -> pa.Table:
     }
     if any(row.pair is not None for row in ordered):
         columns.update(pair_columns([row.pair for row in ordered]))
+    if any(result.rationale is not None for result in results):
+        columns.update(rationale_columns([result.rationale for result in results]))
     for name, values in carried_columns(results).items():
         columns["input_" + name if name in columns else name] = values
     return pa.table(columns)
@@ -264,6 +266,16 @@ def pair_columns(verdicts: list[PairVerdict | None]) -> dict[str, pa.Array]:
     types = {"consistent": pa.bool_(), "a_chars": pa.int64(), "b_chars": pa.int64()}
     return {name: pa.array([None if verdict is None else getattr(verdict, name) for verdict in verdicts],
                            types.get(name, pa.float64())) for name in PAIR_COLUMNS}
+
+
+def rationale_columns(rationales: list[Rationale | None]) -> dict[str, pa.Array]:
+    """The reasons a verdict row wrote before its choices were scored, their tokens and why they ended (stop, or
+    length where the token limit cut them); empty for the job's other rows."""
+    present = [(r.text, len(r.token_ids), r.finish_reason) if r is not None else (None, None, None)
+               for r in rationales]
+    texts, tokens, ends = zip(*present)
+    return {"rationale": pa.array(texts, pa.string()), "rationale_tokens": pa.array(tokens, pa.int64()),
+            "rationale_finish_reason": pa.array(ends, pa.string())}
 
 
 def _id_column(ids: list) -> pa.Array:
@@ -372,10 +384,16 @@ def openai_batch_line(row: RowResult | OutputRow, *, model: str, created: int) -
         },
     }
     extras = {"choice_probs": result.choice_probs, "calibrated_probs": row.calibrated_probs, "score": row.score,
-              "logprob": row.logprob, **(row.pair.columns() if row.pair is not None else {})}
+              "logprob": row.logprob, **(row.pair.columns() if row.pair is not None else {}),
+              **(_rationale_extras(result.rationale) if result.rationale is not None else {})}
     body.update({key: value for key, value in extras.items() if value is not None})
     line["response"] = {"status_code": 200, "request_id": f"req_{result.idx}", "body": body}
     return line
+
+
+def _rationale_extras(rationale: Rationale) -> dict:
+    return {"rationale": rationale.text, "rationale_tokens": len(rationale.token_ids),
+            "rationale_finish_reason": rationale.finish_reason}
 
 
 def _line_metadata(result: RowResult) -> dict | None:

@@ -22,6 +22,9 @@ class RowCost:
     new_tokens: int
     choice_tokens: tuple[int, ...] = ()
     resumed: bool = False  # a generation row with tokens from an earlier run (prompt_tokens counts them)
+    # a choice row the run scores once its generation is done (a verdict after the rationale a row writes first):
+    # packed apart, after the others, as the run makes its passes
+    later: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:
@@ -103,7 +106,8 @@ def pack_batches(rows: Sequence[RowCost], max_sequences: int, max_tokens: int) -
 
 
 def _kind_key(row: RowCost, by_passes: bool = False) -> tuple:
-    return (not row.is_choice, not row.resumed) + ((row.passes(),) if by_passes else ()) + (row.prompt_tokens,)
+    return (row.later, not row.is_choice, not row.resumed) + ((row.passes(),) if by_passes else ()) + \
+        (row.prompt_tokens,)
 
 
 def pack_in_order(rows: Sequence[RowCost], order: Sequence[int], max_sequences: int,
@@ -116,8 +120,9 @@ def pack_in_order(rows: Sequence[RowCost], order: Sequence[int], max_sequences: 
         row = rows[index]
         grown_sequences = sequences + row.sequences()
         grown_longest = max(longest, row.sequence_length())
-        fits = (current and rows[current[0]].is_choice == row.is_choice and grown_sequences <= max_sequences
-                and grown_sequences * grown_longest <= max_tokens)
+        first = rows[current[0]] if current else None
+        fits = (first and (first.is_choice, first.later) == (row.is_choice, row.later)
+                and grown_sequences <= max_sequences and grown_sequences * grown_longest <= max_tokens)
         if current and not fits:
             batches.append(current)
             current = []

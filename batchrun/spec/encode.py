@@ -52,6 +52,11 @@ def uses_chat_template(tokenizer, raw: bool) -> bool:
 
 
 def render_text(tokenizer, request: Request, raw: bool) -> str:
+    """The text the model reads: the rendered messages, then where the answer begins (Request.answer_start)."""
+    return _rendered_messages(tokenizer, request, raw) + request.answer_start
+
+
+def _rendered_messages(tokenizer, request: Request, raw: bool) -> str:
     if uses_chat_template(tokenizer, raw):
         messages = [{"role": role, "content": content} for role, content in request.messages]
         if request.continue_final:  # the final assistant turn left open: the answer goes on from its text

@@ -32,7 +32,7 @@ __all__ = ["Field", "InvalidRow", "JobSpec", "Request", "SpecError", "SpecSettin
 
 CSV_DELIMITERS = {"csv": ",", "tsv": "\t"}  # the spec formats read as text with a header row (files.SPEC_FORMATS)
 # A corpus row's own settings, read as a request row's are, unless the template or id column reads them as data.
-CORPUS_SETTING_KEYS = ("system", "choices", "max_new_tokens", "stop")
+CORPUS_SETTING_KEYS = ("system", "choices", "max_new_tokens", "stop", "then")
 DEFAULT_MAX_NEW_TOKENS = 16
 
 
@@ -82,6 +82,7 @@ class SpecSettings:
     label_column: str | None = None
     keep_columns: Sequence[str] | None = None
     pair_columns: Sequence[str] | str | None = None  # corpus mode: two columns each row's pair judges ("a,b")
+    then: str | None = None  # the cue before each choice row's verdict, after a rationale it writes first
 
 
 def read_spec(path: str | Path, settings: SpecSettings | None = None, **fields) -> JobSpec:
@@ -140,6 +141,7 @@ def _job_settings(settings: SpecSettings) -> JobSettings:
             system=checked_text(system, "system", allow_empty=True) if system is not None else None,
             max_new_tokens=positive_int(max_new_tokens, "max_new_tokens"),
             stop=checked_stop(_as_list(stop)) if stop is not None else (),
+            then=checked_text(settings.then, "then", allow_empty=False) if settings.then is not None else None,
             template=parts,
             id_column=id_column,
             row_settings=tuple(key for key in CORPUS_SETTING_KEYS

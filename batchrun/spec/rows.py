@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import NamedTuple
 from dataclasses import dataclass, replace
 
 from batchrun.spec.files import kind, show
@@ -13,9 +14,10 @@ from batchrun.spec.pairs import (ORDERS, PairOrder, checked_pair_choices, corpus
 from batchrun.spec.template import Field, RowProblem, render_template, template_columns
 from batchrun.spec.values import (checked_choices, checked_label, checked_stop, checked_text, positive_int,
                                   refuse_unknown_keys)
+from batchrun.spec.verdicts import Verdict, rationale_stops
 
 NATIVE_KEYS = ("id", "custom_id", "prompt", "messages", "system", "choices", "max_new_tokens", "stop", "label",
-               "metadata", "continue_final_message", "a", "b")
+               "metadata", "continue_final_message", "a", "b", "then")
 # label and metadata are batchrun's own, beside an OpenAI line's keys: the expected answer and the user's data.
 OPENAI_KEYS = ("custom_id", "method", "url", "body", "label", "metadata")
 OPENAI_CHAT_URL = "/v1/chat/completions"
@@ -51,6 +53,15 @@ class Request:
     # continue_final_message), not followed by a new turn.
     continue_final: bool = False
     pair: PairOrder | None = None  # set on the two requests of a pair row (spec/pairs.py)
+    # A row that writes its reasons before its verdict (spec/verdicts.py): its first stage generates the rationale
+    # (max_new_tokens, stop), then `verdict` says what is scored after it.
+    verdict: Verdict | None = None
+    answer_start: str = ""  # text written after the rendered prompt, where the answer begins (a verdict's rationale)
+
+    @property
+    def scored_choices(self) -> tuple[str, ...] | None:
+        """The choices the row's answer is one of: its own, or those its verdict scores after a rationale."""
+        return self.verdict.choices if self.verdict is not None else self.choices
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,7 @@ class JobSettings:
     label_column: str | None = None  # corpus mode: the column holding each row's expected answer
     keep_columns: tuple[str, ...] | None = None  # corpus mode: input columns copied to the output; ("*",): all
     pair_columns: tuple[str, str] | None = None  # corpus mode: the two answers each row's pair judges
+    then: str | None = None  # the cue before a choice row's verdict, after a rationale it writes first
 
 
 def row_requests(row: dict, index: int, row_id: str | int, location: str, job: JobSettings) -> list[Request]:
@@ -84,6 +96,9 @@ def row_requests(row: dict, index: int, row_id: str | int, location: str, job: J
     made = []
     for offset, (order, order_row) in enumerate(zip(ORDERS, orders)):
         request = row_request(order_row, index + offset, row_id, location, job)
+        if request.verdict is not None:
+            raise RowProblem("a pair row scores its two orders' verdicts directly; then (reasons before the verdict) "
+                             "applies to other choice rows")
         choices = checked_pair_choices(request.choices, request.max_new_tokens)
         made.append(replace(request, label=order_label(label, order, choices),
                             pair=PairOrder(order, len(answers[0]), len(answers[1]), label)))
@@ -100,7 +115,7 @@ def row_request(row: dict, index: int, row_id: str | int, location: str, job: Jo
         label, carried = row.get("label"), _metadata(row.get("metadata"))
     if label is None and carried is None:
         return request
-    return replace(request, label=checked_label(label, request.choices, job.label_column), carried=carried)
+    return replace(request, label=checked_label(label, request.scored_choices, job.label_column), carried=carried)
 
 
 def _metadata(value: object) -> dict | None:
@@ -143,7 +158,7 @@ def _request_shape(row: dict, index: int, row_id: str | int, location: str, job:
         prompt = checked_text(render_template(job.template, _as_template_values(row, job.template)),
                               "the filled-in template", allow_empty=False)
         own = {key: row.get(key) for key in job.row_settings}
-        answer = _answer(own.get("choices"), own.get("max_new_tokens"), own.get("stop"), job)
+        answer = _answer(own.get("choices"), own.get("max_new_tokens"), own.get("stop"), job, own.get("then"))
         return _prompt_request(index, row_id, location, prompt, _row_system(own.get("system"), job), answer)
     if any(row.get(key) is not None for key in ("body", "url", "method")):
         return _openai_request(row, index, row_id, location, job)
@@ -153,7 +168,7 @@ def _request_shape(row: dict, index: int, row_id: str | int, location: str, job:
         raise RowProblem("a row has either prompt or messages, not both")
     if prompt is None and messages is None:
         raise RowProblem("missing prompt (or messages)")
-    answer = _answer(row.get("choices"), row.get("max_new_tokens"), row.get("stop"), job)
+    answer = _answer(row.get("choices"), row.get("max_new_tokens"), row.get("stop"), job, row.get("then"))
     system = row.get("system")
     if prompt is not None:
         prompt = checked_text(prompt, "prompt", allow_empty=False)
@@ -162,7 +177,7 @@ def _request_shape(row: dict, index: int, row_id: str | int, location: str, job:
     if system is not None:
         raise RowProblem("system applies to prompt rows; put a system message first in messages instead")
     pairs = _messages(messages, "messages", job.system)
-    return _continued(Request(index, row_id, location, pairs, None, *answer), row.get("continue_final_message"),
+    return _continued(_request(index, row_id, location, pairs, None, answer), row.get("continue_final_message"),
                       "continue_final_message")
 
 
@@ -193,7 +208,12 @@ def _as_template_values(row: dict, template: list[str | Field]) -> dict:
 
 def _prompt_request(index, row_id, location, prompt: str, system: str | None, answer) -> Request:
     pairs = ((("system", system),) if system else ()) + (("user", prompt),)
-    return Request(index, row_id, location, pairs, prompt, *answer)
+    return _request(index, row_id, location, pairs, prompt, answer)
+
+
+def _request(index, row_id, location, messages, prompt: str | None, answer: _Answer) -> Request:
+    return Request(index, row_id, location, messages, prompt, answer.choices, answer.max_new_tokens, answer.stop,
+                   verdict=answer.verdict)
 
 
 def _openai_request(row: dict, index: int, row_id: str | int, location: str, job: JobSettings) -> Request:
@@ -221,7 +241,7 @@ def _openai_request(row: dict, index: int, row_id: str | int, location: str, job
     limit = completion_limit if limit is None else limit
     messages = _messages(body["messages"], "body.messages", job.system, developer_is_system=True)
     answer = _answer(None, limit, body.get("stop"), job, limit_name=limit_name, stop_name="body.stop")
-    return _continued(Request(index, row_id, location, messages, None, *answer), body.get("continue_final_message"),
+    return _continued(_request(index, row_id, location, messages, None, answer), body.get("continue_final_message"),
                       "body.continue_final_message")
 
 
@@ -246,19 +266,37 @@ def _forces_a_tool(choice: object) -> bool:
     return True  # "required", a named tool, or a value OpenAI would refuse
 
 
-def _answer(choices, max_new_tokens, stop, job: JobSettings, limit_name="max_new_tokens", stop_name="stop") -> tuple:
-    """(choices, max_new_tokens, stop). A row's own settings win over the job's; a row giving both
-    choices and generation settings is contradictory."""
+class _Answer(NamedTuple):
+    choices: tuple[str, ...] | None
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    verdict: Verdict | None = None
+
+
+def _answer(choices, max_new_tokens, stop, job: JobSettings, then=None, limit_name="max_new_tokens",
+            stop_name="stop") -> _Answer:
+    """What the row answers with. A row's own settings win over the job's; a row giving both choices and
+    generation settings is contradictory, unless it writes a rationale before its verdict (`then`: the cue before
+    the choices), where max_new_tokens and stop are the rationale's."""
     generation = max_new_tokens is not None or stop is not None
+    cue = job.then if then is None else checked_text(then, "then", allow_empty=False)
+    if cue is not None and (choices is not None or job.choices is not None):
+        scored = checked_choices(choices, "choices") if choices is not None else job.choices
+        limit = job.max_new_tokens if max_new_tokens is None else positive_int(max_new_tokens, limit_name)
+        stops = job.stop if stop is None else checked_stop(stop, stop_name)
+        return _Answer(None, limit, rationale_stops(stops, cue), Verdict(cue, scored))
+    if then is not None:
+        raise RowProblem("then is the cue before a verdict among the row's choices, and this row has no choices")
     if choices is not None:
         if generation:
             raise RowProblem("a row is either a choice row (choices) or a generation row "
-                             "(max_new_tokens/stop), not both")
-        return checked_choices(choices, "choices"), 0, ()
+                             "(max_new_tokens/stop), not both; a row that writes its reasons before choosing "
+                             "gives the cue before its verdict as then")
+        return _Answer(checked_choices(choices, "choices"), 0, ())
     if job.choices is not None and not generation:
-        return job.choices, 0, ()
+        return _Answer(job.choices, 0, ())
     limit = job.max_new_tokens if max_new_tokens is None else positive_int(max_new_tokens, limit_name)
-    return None, limit, job.stop if stop is None else checked_stop(stop, stop_name)
+    return _Answer(None, limit, job.stop if stop is None else checked_stop(stop, stop_name))
 
 
 def _messages(value: object, what: str, default_system: str | None, developer_is_system: bool = False):

@@ -14,7 +14,7 @@ from typing import Iterator, Mapping, Sequence
 from batchrun.store.errors import DatabaseDamaged, JobNotFound, StoreError
 from batchrun.store.locks import eta_seconds, job_summary, log, mark_alive, run_seconds, timestamp, utc_now
 from batchrun.store.reuse import Reused, fill_duplicates, reuse_answers
-from batchrun.store.rows import ROW_UPDATE_SQL, JobRow, RowResult, row_result_from_db, row_update_params
+from batchrun.store.rows import ROW_UPDATE_SQL, JobRow, Rationale, RowResult, row_result_from_db, row_update_params
 from batchrun.store.runs import Runs
 
 __all__ = ["Store"]
@@ -101,9 +101,11 @@ class Store(Runs):
         self.commit_batch(job_id, results, passes=0)
 
     def commit_pass(self, job_id: str, finished: Sequence[RowResult],
-                    partial: Mapping[int, tuple[Sequence[int], float]], passes: int = 1) -> None:
+                    partial: Mapping[int, tuple[Sequence[int], float]], passes: int = 1,
+                    rationales: Mapping[int, Rationale] | None = None) -> None:
         """After one pass: rows that finished in it (their tokens so far dropped), the tokens generated so far (and
-        their summed logprob) of the rows still going, the pass count.
+        their summed logprob) of the rows still going, the rationales that ended in it (kept for their verdict's
+        pass), the pass count.
 
         One transaction, so a crash leaves either the state before the pass or the state after it.
         """
@@ -111,7 +113,7 @@ class Store(Runs):
             raise ValueError(f"passes must be >= 0, got {passes}")
         now = timestamp()
         updates = [row_update_params(job_id, result) for result in finished]
-        tokens = list(_tokens_so_far(job_id, partial, now))
+        tokens = list(_tokens_so_far(job_id, partial, now)) + list(_rationales(job_id, rationales or {}, now))
         with self._write("save generated tokens" if partial else f"save {len(updates)} answers") as conn:
             # One statement for the batch (sqlite-utils updates row by row); its row count tells a row the job lacks.
             if conn.executemany(ROW_UPDATE_SQL, updates).rowcount != len(updates):
@@ -124,7 +126,13 @@ class Store(Runs):
         """idx -> (tokens generated so far, their summed logprob) for rows interrupted mid-generation."""
         with self._translate_errors("read generated tokens"):
             return {row["idx"]: (json.loads(row["token_ids_json"]), row["logprob"] or 0.0)
-                    for row in self.db["partial"].rows_where("job_id = ?", [job_id])}
+                    for row in self.db["partial"].rows_where("job_id = ? and rationale_json is null", [job_id])}
+
+    def finished_rationales(self, job_id: str) -> dict[int, Rationale]:
+        """idx -> the rationale of each row whose reasons are written and whose verdict is still to be scored."""
+        with self._translate_errors("read written rationales"):
+            return {row["idx"]: Rationale.from_json(json.loads(row["rationale_json"]))
+                    for row in self.db["partial"].rows_where("job_id = ? and rationale_json is not null", [job_id])}
 
     # ---- reading state -------------------------------------------------------------------------
 
@@ -265,7 +273,15 @@ def _tokens_so_far(job_id: str, partial: Mapping[int, tuple[Sequence[int], float
     for idx, (token_ids, logprob) in partial.items():
         as_ints = [int(token) for token in token_ids]  # numpy / tensor scalars are not JSON
         yield {"job_id": job_id, "idx": idx, "token_ids_json": json.dumps(as_ints), "token_count": len(as_ints),
-               "logprob": float(logprob), "updated_at": now}
+               "logprob": float(logprob), "updated_at": now, "rationale_json": None}
+
+
+def _rationales(job_id: str, rationales: Mapping[int, Rationale], now: str) -> Iterator[dict]:
+    for idx, rationale in rationales.items():
+        written = rationale.to_json()
+        yield {"job_id": job_id, "idx": idx, "token_ids_json": json.dumps(written["token_ids"]),
+               "token_count": len(rationale.token_ids), "logprob": rationale.logprob, "updated_at": now,
+               "rationale_json": json.dumps(written)}
 
 
 def _rows_by_state(conn: sqlite3.Connection, job_id: str) -> dict[str, int]:

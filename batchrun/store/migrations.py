@@ -224,6 +224,14 @@ def m013_pair_orders(db: sqlite_utils.Database) -> None:
     db["rows"].add_column("pair_json", str)
 
 
+@migration
+def m014_rationales(db: sqlite_utils.Database) -> None:
+    # A row that writes its reasons before its verdict: the finished rationale waits in `partial` for the verdict's
+    # pass (a run stopped between the two resumes at the verdict), then rides with the answer in `rows`.
+    db["partial"].add_column("rationale_json", str)
+    db["rows"].add_column("rationale_json", str)
+
+
 def applied_migrations(db: sqlite_utils.Database) -> set[str]:
     return {row["name"] for row in db[MIGRATIONS_TABLE].rows_where(select="name")}  # none before the table exists
 

@@ -11,7 +11,7 @@ FINISH_REASONS = ("stop", "length", "choice", "error")
 ROW_UPDATE_SQL = (
     "update rows set state = ?, answer = ?, choice_probs_json = ?, score = ?, logprob = ?, "
     "prompt_tokens = ?, output_tokens = ?, finish_reason = ?, error = ?, output_token_ids_json = ?, "
-    "choice_tokens_json = ? where job_id = ? and idx = ?"
+    "choice_tokens_json = ?, rationale_json = ? where job_id = ? and idx = ?"
 )
 
 
@@ -43,10 +43,29 @@ class RowResult:
     label: str | None = None  # the row's expected answer, where the spec gives one (read back, never written here)
     carried: dict | None = None  # output column -> value the row carries (read back, never written here)
     pair: dict | None = None  # the pair row order it answers (read back, never written here)
+    rationale: Rationale | None = None  # the reasons a verdict row wrote before its choices were scored
 
     @property
     def failed(self) -> bool:
         return self.finish_reason == "error" or self.error is not None
+
+
+@dataclass(frozen=True)
+class Rationale:
+    """The reasons a row wrote before its verdict: their text (stop strings cut, as an answer's), tokens, summed
+    log-probability and why they ended (stop or length)."""
+    text: str
+    token_ids: tuple[int, ...]
+    logprob: float
+    finish_reason: str
+
+    def to_json(self) -> dict:
+        return {"text": self.text, "token_ids": [int(token) for token in self.token_ids], "logprob": self.logprob,
+                "finish_reason": self.finish_reason}
+
+    @classmethod
+    def from_json(cls, value: dict) -> Rationale:
+        return cls(value["text"], tuple(value["token_ids"]), value["logprob"], value["finish_reason"])
 
 
 def row_update_params(job_id: str, result: RowResult) -> tuple:
@@ -70,6 +89,7 @@ def row_update_params(job_id: str, result: RowResult) -> tuple:
         result.error,
         None if result.token_ids is None else json.dumps([int(token) for token in result.token_ids]),
         None if result.choice_tokens is None else json.dumps(result.choice_tokens),
+        None if result.rationale is None else json.dumps(result.rationale.to_json()),
         job_id,
         result.idx,
     )
@@ -92,6 +112,7 @@ def row_result_from_db(row: dict) -> RowResult:
         label=row.get("label"),
         carried=_loaded(row.get("carried_json")),
         pair=_loaded(row.get("pair_json")),
+        rationale=None if row.get("rationale_json") is None else Rationale.from_json(json.loads(row["rationale_json"])),
     )
 
 
