@@ -22,7 +22,7 @@ from batchrun.job.identity import fingerprint, model_digest, model_identity_part
 from batchrun.job.models import kept_model_bytes
 from batchrun.job.options import JobOptions
 from batchrun.plan import (Bandwidth, Candidate, PlanRequest, Rates, RowCost, make_plan, parse_streaming,
-                           shared_prefix_tokens, windows_allow_sharing)
+                           shared_prefix_tokens, windows_allow_sharing, with_group_heads)
 from batchrun.spec import (EncodedRow, JobSpec, SpecSettings, encode_requests, kept_positions, read_spec,
                            shortest_first_pass_sequence, uses_chat_template)
 
@@ -150,7 +150,8 @@ def row_costs(rows: Sequence[EncodedRow], prefixes: dict[int, int] | None = None
     costs = []
     for row in rows:
         if row.is_choice:
-            costs.append(RowCost(len(row.prompt_ids), 0, tuple(len(c) for c in row.choice_ids)))
+            costs.append(RowCost(len(row.prompt_ids), 0, tuple(len(c) for c in row.choice_ids),
+                                 group=row.request.pair_group))
         else:
             done = prefixes.get(row.request.index, 0)
             costs.append(RowCost(len(row.prompt_ids) + done, max(1, row.request.max_new_tokens - done),
@@ -189,6 +190,8 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
     windows_allow = windows_allow_sharing(sizes.sliding_windows, sizes.unplaced_window, costs)
     shared = shared_prefix_tokens(prompts, own_tokens=kept_positions(rows), sharing_allowed=windows_allow,
                                   shortest_sequence=shortest)
+    if windows_allow:  # a pair row's two orders compute their question once (runtime/group_prefix.py)
+        costs = with_group_heads(costs[:len(rows)], prompts, shared, kept_positions(rows)) + costs[len(rows):]
     common = 0 if windows_allow else shared_prefix_tokens(prompts, own_tokens=kept_positions(rows),
                                                           shortest_sequence=shortest)
     compute_dtype = compute_dtype_for(options, device, sizes.storage_dtype)

@@ -1,8 +1,9 @@
 """The plan: pure arithmetic over the checkpoint's sizes and the rows' token counts (memory, batching, passes,
 time, formatting). No torch.
 """
-from batchrun.plan.batching import (MIN_SHARED_PREFIX, RowCost, pack_batches, passes_for, prefill_groups,
-                                    shared_prefix_tokens, windows_allow_sharing, without_prefix)
+from batchrun.plan.batching import (GROUP_PREFIX_MIN, MIN_SHARED_PREFIX, RowCost, pack_batches, passes_for,
+                                    prefill_groups, shared_prefix_tokens, windows_allow_sharing, with_group_heads,
+                                    without_prefix)
 from batchrun.plan.formatting import format_bytes, format_comparison, format_duration, format_plan_table
 from batchrun.plan.memory import ATTENTION_CHUNK_BYTES
 from batchrun.plan.candidate import Candidate
@@ -12,8 +13,9 @@ from batchrun.plan.records import Bandwidth, PlanRequest, Rates
 from batchrun.plan.refill import admit, refill_schedule, shares_prefix
 from batchrun.plan.weights import HEAD_CHUNK_BYTES, TOKEN_MATRIX_CHOICES
 
-__all__ = ["ATTENTION_CHUNK_BYTES", "Bandwidth", "Candidate", "HEAD_CHUNK_BYTES", "MIN_SHARED_PREFIX", "PlanRequest",
+__all__ = ["ATTENTION_CHUNK_BYTES", "Bandwidth", "Candidate", "GROUP_PREFIX_MIN", "HEAD_CHUNK_BYTES", "MIN_SHARED_PREFIX", "PlanRequest",
            "Rates", "RowCost", "TOKEN_MATRIX_CHOICES", "admit", "format_bytes", "format_comparison", "format_duration",
            "format_plan_table", "make_plan", "pack_batches", "parse_streaming",
            "passes_for", "prefill_groups", "refill_schedule",
-           "shared_prefix_tokens", "shares_prefix", "windows_allow_sharing", "without_prefix"]
+           "shared_prefix_tokens", "shares_prefix", "windows_allow_sharing", "with_group_heads",
+           "without_prefix"]

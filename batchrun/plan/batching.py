@@ -25,6 +25,9 @@ class RowCost:
     # a choice row the run scores once its generation is done (a verdict after the rationale a row writes first):
     # packed apart, after the others, as the run makes its passes
     later: bool = False
+    # rows that share a prompt head no other row has (a pair row's two orders: their question) share a batch, where
+    # a pass computes that head once (runtime/group_prefix.py); None: a row of its own
+    group: int | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1:
@@ -96,48 +99,86 @@ def pack_batches(rows: Sequence[RowCost], max_sequences: int, max_tokens: int) -
     (every batch waits for a 64-token answer) and 340 grouped by answer length, the lower bound."""
     if max_sequences < 1 or max_tokens < 1:
         raise ValueError(f"batch limits must be positive, got {max_sequences} sequences / {max_tokens} tokens")
-    by_length = pack_in_order(rows, sorted(range(len(rows)), key=lambda i: _kind_key(rows[i]) + (i,)),
+    grouped = _group_lengths(rows)
+    by_length = pack_in_order(rows, sorted(range(len(rows)), key=lambda i: _kind_key(rows[i], grouped) + (i,)),
                               max_sequences, max_tokens)
     if len({row.passes() for row in rows if not row.is_choice}) < 2:
         return by_length
-    by_passes = pack_in_order(rows, sorted(range(len(rows)), key=lambda i: _kind_key(rows[i], by_passes=True) + (i,)),
+    by_passes = pack_in_order(rows, sorted(range(len(rows)),
+                                           key=lambda i: _kind_key(rows[i], grouped, by_passes=True) + (i,)),
                               max_sequences, max_tokens)
     return by_passes if passes_for(rows, by_passes) < passes_for(rows, by_length) else by_length
 
 
-def _kind_key(row: RowCost, by_passes: bool = False) -> tuple:
-    return (row.later, not row.is_choice, not row.resumed) + ((row.passes(),) if by_passes else ()) + \
-        (row.prompt_tokens,)
+def _group_lengths(rows: Sequence[RowCost]) -> dict[int, int]:
+    """Each group's longest prompt: its rows sort as one, next to each other."""
+    lengths: dict[int, int] = {}
+    for row in rows:
+        if row.group is not None:
+            lengths[row.group] = max(lengths.get(row.group, 0), row.prompt_tokens)
+    return lengths
+
+
+def _kind_key(row: RowCost, grouped: dict[int, int], by_passes: bool = False) -> tuple:
+    length = (grouped[row.group], row.group) if row.group is not None else (row.prompt_tokens, -1)
+    return (row.later, not row.is_choice, not row.resumed) + ((row.passes(),) if by_passes else ()) + length
 
 
 def pack_in_order(rows: Sequence[RowCost], order: Sequence[int], max_sequences: int,
                   max_tokens: int) -> list[list[int]]:
-    """Batches filled greedily with the rows in `order` (pack_batches' rule, for one ordering)."""
+    """Batches filled greedily with the rows in `order` (pack_batches' rule, for one ordering); a group's rows
+    (adjacent in `order`) go into a batch together where they fit in one."""
     batches: list[list[int]] = []
     current: list[int] = []
     sequences = longest = 0
-    for index in order:
-        row = rows[index]
-        grown_sequences = sequences + row.sequences()
-        grown_longest = max(longest, row.sequence_length())
-        first = rows[current[0]] if current else None
+    for unit in _units(rows, order):
+        grown_sequences = sequences + sum(rows[i].sequences() for i in unit)
+        grown_longest = max(longest, *(rows[i].sequence_length() for i in unit))
+        first, row = (rows[current[0]] if current else None), rows[unit[0]]
         fits = (first and (first.is_choice, first.later) == (row.is_choice, row.later)
                 and grown_sequences <= max_sequences and grown_sequences * grown_longest <= max_tokens)
         if current and not fits:
             batches.append(current)
             current = []
-            grown_sequences, grown_longest = row.sequences(), row.sequence_length()
-        current.append(index)
+            grown_sequences = sum(rows[i].sequences() for i in unit)
+            grown_longest = max(rows[i].sequence_length() for i in unit)
+        current.extend(unit)
         sequences, longest = grown_sequences, grown_longest
     if current:
         batches.append(current)
-    return batches
+    return [part for batch in batches for part in _split_over_limits(rows, batch, max_sequences, max_tokens)]
+
+
+def _units(rows: Sequence[RowCost], order: Sequence[int]) -> list[list[int]]:
+    """`order` as the units a batch takes whole: a group's adjacent rows, else one row."""
+    units: list[list[int]] = []
+    for index in order:
+        group = rows[index].group
+        if units and group is not None and rows[units[-1][0]].group == group:
+            units[-1].append(index)
+        else:
+            units.append([index])
+    return units
+
+
+def _split_over_limits(rows: Sequence[RowCost], batch: list[int], max_sequences: int,
+                       max_tokens: int) -> list[list[int]]:
+    """A batch that one group alone made exceed a limit, cut row by row as rows of their own would be."""
+    count = sum(rows[i].sequences() for i in batch)
+    if len(batch) < 2 or (count <= max_sequences and count * max(rows[i].sequence_length() for i in batch)
+                          <= max_tokens):
+        return [batch]
+    alone = [replace(rows[i], group=None) for i in batch]
+    return [[batch[j] for j in part] for part in pack_in_order(alone, range(len(batch)), max_sequences, max_tokens)]
 
 
 # A micro-batch computes every padding position like a real token; each further micro-batch costs one more turn at
 # every layer (a hand-off and a heap trim) and a smaller matmul. Charged as this many padded tokens per layer, about
 # what a turn costs on a CPU (docs/performance.md#micro-batches).
 MICRO_BATCH_COST_TOKENS = 32
+# A group's own prompt head (a pair row's question: runtime/group_prefix.py) must save more than the two extra calls
+# a layer it costs (its prefix's and its micro-batch's).
+GROUP_PREFIX_MIN = 2 * MICRO_BATCH_COST_TOKENS
 
 
 def micro_batches(lengths: Sequence[int], size: int | None) -> list[list[int]]:
@@ -274,6 +315,25 @@ def shared_prefix_tokens(prompts: Sequence[Sequence[int]], sharing_allowed: bool
         common += 1
     shared = min(common, (shortest if shortest_sequence is None else shortest_sequence) - own_tokens)
     return shared if shared >= MIN_SHARED_PREFIX else 0
+
+
+def with_group_heads(rows: Sequence[RowCost], prompts: Sequence[Sequence[int]], everyone: int,
+                     own_tokens: int) -> list[RowCost]:
+    """`rows` as a pass computes them where a group shares a head of its own (a pair row's two orders: their
+    question): the group's first row computes the head, the others only what follows it. A head counts where it is
+    at least GROUP_PREFIX_MIN tokens longer than `everyone` (the prefix all rows share), as the run decides."""
+    members: dict[int, list[int]] = {}
+    for index, row in enumerate(rows):
+        if row.group is not None:
+            members.setdefault(row.group, []).append(index)
+    costs = list(rows)
+    for group in members.values():
+        head = shared_prefix_tokens([prompts[i] for i in group], own_tokens=own_tokens) if len(group) > 1 else 0
+        if head - everyone < GROUP_PREFIX_MIN:
+            continue
+        for index in group[1:]:
+            costs[index] = replace(rows[index], prompt_tokens=rows[index].prompt_tokens - head)
+    return costs
 
 
 def windows_allow_sharing(sliding_windows: Sequence[int | None], unplaced_window: int | None,

@@ -121,6 +121,8 @@ class PrefixSharedLayer(RoomyLayer):
         keys, values = prefix_attention.concatenate(self.prefix_keys, self.prefix_values, own_keys, own_values)
         if self.marks_attention:  # a prefill: attends to the concatenation without copying it per query head
             prefix_attention.mark_next_call(self.prefix_keys, self.prefix_values, keys)
+        if not self.keeps_own:  # the layer's only step in the pass: a prefix held for this pass alone can go with it
+            self.prefix_keys = self.prefix_values = None
         return keys, values
 
     def get_seq_length(self) -> int:

@@ -16,6 +16,7 @@ from batchrun.plan import RowCost, admit, shares_prefix
 from batchrun.runtime.decode import collect_decoded, decode_calls, drop_finished, merge_for_decode
 from batchrun.runtime.handle import ModelHandle
 from batchrun.runtime.prefill import PrefillCalls, SharedPrefix, prefill
+from batchrun.runtime.group_prefix import prefill_grouped
 from batchrun.quality import numeric_score
 from batchrun.spec import EncodedRow, choice_sequences, kept_positions
 
@@ -42,13 +43,21 @@ def score_choices(handle: ModelHandle, rows: Sequence[EncodedRow], pad_id: int, 
     seqs: list[list[int]] = []
     picks: list[torch.Tensor] = []
     firsts: list[int] = []  # first sequence of each row
+    groups: dict[int, list[int]] = {}  # a pair row's sequences, both orders: they share the prompt's head
     keep = kept_positions(rows)
     for row in rows:
         firsts.append(len(seqs))
-        seqs.extend(choice_sequences(row))
+        own = choice_sequences(row)
+        if row.request.pair_group is not None:
+            groups.setdefault(row.request.pair_group, []).extend(range(len(seqs), len(seqs) + len(own)))
+        seqs.extend(own)
         picks.extend(choice_picks(row, keep))
-    logprobs, _ = prefill(handle, seqs, pad_id, keep=keep, micro_batch=micro_batch, use_cache=False,
-                          share_prefix=share_prefix, picks=picks)  # per sequence [keep, T]
+    if share_prefix and any(len(members) > 1 for members in groups.values()):
+        logprobs = prefill_grouped(handle, seqs, list(groups.values()), pad_id, keep=keep, micro_batch=micro_batch,
+                                   picks=picks)
+    else:
+        logprobs, _ = prefill(handle, seqs, pad_id, keep=keep, micro_batch=micro_batch, use_cache=False,
+                              share_prefix=share_prefix, picks=picks)  # per sequence [keep, T]
     return [_choice_answer(row, logprobs, first) for first, row in zip(firsts, rows)]
 
 

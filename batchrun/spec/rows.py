@@ -59,6 +59,14 @@ class Request:
     answer_start: str = ""  # text written after the rendered prompt, where the answer begins (a verdict's rationale)
 
     @property
+    def pair_group(self) -> int | None:
+        """The index of its pair row's first order, shared by both orders (None for other rows): the two orders'
+        prompts start alike up to the first answer, which a pass computes once for both."""
+        if self.pair is None:
+            return None
+        return self.index if self.pair.order == "ab" else self.index - 1
+
+    @property
     def scored_choices(self) -> tuple[str, ...] | None:
         """The choices the row's answer is one of: its own, or those its verdict scores after a rationale."""
         return self.verdict.choices if self.verdict is not None else self.choices

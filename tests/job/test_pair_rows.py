@@ -13,6 +13,7 @@ from tests.job.test_resume import job_status, run_to_end, submit_args
 from tests.support import invoke, run_job, write_jsonl
 
 SWAP_TOLERANCE = 1e-6
+BATCHING_TOLERANCE = 1e-5
 JUDGE = "Question: {q}\nAnswer A: {a}\nAnswer B: {b}\nWhich answer is better, A or B?"
 PAIRS = [("What is 2+2?", "4", "It is five, I think.", "a"), ("Capital of France?", "Lyon", "Paris", "b"),
          ("Colour of the sky on a clear day?", "blue", "blue", "tie"),
@@ -131,3 +132,38 @@ def test_swapping_a_and_b_gives_one_minus_p_a_on_the_default_model(tmp_path, def
     _, swapped_rows = run_job(swapped, tmp_path, default_checkpoint, "swapped", calibrate="none")
     assert_swap_symmetric(rows, swapped_rows)
     assert rows[2]["p_a"] == 0.5
+
+
+DOCUMENTS = [
+    "The committee met on Tuesday to review the proposal for a new library in the town centre. Members heard from "
+    "residents, the architect and the finance officer, who set out the costs of construction, staffing and upkeep "
+    "over twenty years, and the grants the town could apply for. After a long debate the committee asked for a "
+    "revised plan with a smaller building and more reading rooms.",
+    "Heavy rain over the weekend flooded roads in three valleys and cut power to about two thousand homes. Crews "
+    "worked through Sunday night to clear fallen trees, and the river authority opened its overflow channels for "
+    "the first time in a decade. Schools in the lower valley stay closed until the water has gone down and the "
+    "buildings have been checked."]
+SUMMARIES = [("A library plan was sent back for a smaller design.", "The town opened a library."),
+             ("Residents objected to the flooding costs.", "Floods closed roads, cut power and shut schools.")]
+
+
+def test_a_pair_with_a_long_question_scores_as_its_two_orders_written_out(tmp_path, default_checkpoint):
+    """The two orders share their prompt up to the first answer (here a whole document), computed once for both
+    (runtime/group_prefix.py): the probabilities are those of the two orders written as plain choice rows."""
+    template = "Document: {d}\n\nSummary A: {a}\n\nSummary B: {b}\n\nWhich summary is better, A or B?"
+    prompts = [template.replace("{d}", document) for document in DOCUMENTS]
+    spec = write_jsonl(tmp_path / "pairs.jsonl", [{"id": f"p{n}", "prompt": prompt, "a": a, "b": b,
+                                                  "choices": [" A", " B"]}
+                                                 for n, (prompt, (a, b)) in enumerate(zip(prompts, SUMMARIES))])
+    _, rows = run_job(spec, tmp_path, default_checkpoint, "pairs", calibrate="none")
+    written = write_jsonl(tmp_path / "written.jsonl", [
+        {"id": f"p{n}-{order}", "prompt": prompt.replace("{a}", first).replace("{b}", second),
+         "choices": [" A", " B"]}
+        for n, (prompt, (a, b)) in enumerate(zip(prompts, SUMMARIES))
+        for order, (first, second) in (("ab", (a, b)), ("ba", (b, a)))])
+    _, plain = run_job(written, tmp_path, default_checkpoint, "written", calibrate="none")
+    for number, row in enumerate(rows):
+        ab, ba = dict(plain[2 * number]["choice_probs"]), dict(plain[2 * number + 1]["choice_probs"])
+        # float32 sums in another order: how rows share a pass moves probabilities by about 1e-5 (docs/cli.md)
+        assert abs(row["p_a_first"] - ab[" A"]) <= BATCHING_TOLERANCE
+        assert abs(row["p_a_second"] - ba[" B"]) <= BATCHING_TOLERANCE

@@ -292,3 +292,20 @@ def test_sliding_windows_allow_a_shared_prefix_only_where_every_row_fits_the_sma
     # a window the config does not place on layers (Mistral-7B-v0.1, gemma-2): the same rule
     assert windows_allow_sharing([None, None], 140, rows) and not windows_allow_sharing([None, None], 139, rows)
     assert windows_allow_sharing([8], None, [])
+
+
+def test_a_groups_rows_share_a_batch_and_count_their_head_once():
+    from batchrun.plan import GROUP_PREFIX_MIN, with_group_heads
+
+    head = GROUP_PREFIX_MIN + 30
+    prompts = [[1] * 10 + [2] * head + [3, 4], [1] * 10 + [2] * head + [4, 3],  # a pair's orders: a long question
+               [1] * 10 + [5] * 40 + [3], [1] * 10 + [5] * 40 + [4],  # a short one: not worth its own calls
+               [1] * 10 + [6] * (head + 40)]
+    rows = [RowCost(len(p), 0, (1, 1), group=g) for p, g in zip(prompts, (0, 0, 2, 2, None))]
+    costs = with_group_heads(rows, prompts, everyone=10, own_tokens=2)
+    assert [c.prompt_tokens for c in costs] == [len(prompts[0]), len(prompts[1]) - 10 - head, *map(len, prompts[2:])]
+    # a batch takes a group whole: two sequences a batch never split the pair, whatever the lengths
+    batches = pack_batches(costs, max_sequences=2, max_tokens=10**6)
+    assert [0, 1] in batches and [2, 3] in batches
+    # a group alone over a limit is cut as rows of their own would be
+    assert sorted(pack_batches(costs[:2], max_sequences=1, max_tokens=10**6)) == [[0], [1]]
