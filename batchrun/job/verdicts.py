@@ -7,8 +7,7 @@ from typing import Mapping, Sequence
 
 from batchrun.job.prepare import PreparedJob
 from batchrun.plan import RowCost
-from batchrun.spec import EncodedRow, encode_requests
-from batchrun.spec.verdicts import cued_answer, verdict_request
+from batchrun.spec import EncodedRow, cued_answer, encode_requests, verdict_request
 from batchrun.store import Rationale, RowResult
 
 

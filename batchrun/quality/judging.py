@@ -71,7 +71,9 @@ def agreement_figures(rows: Sequence[JudgedRow], resamples: int = RESAMPLES, see
                "spearman": on_numbers(spearman), "kendall": on_numbers(kendall_tau),
                "mae": on_numbers(mean_absolute_error)}
     found = {"rows": len(labelled), "resamples": resamples, "seed": seed, "scale": scale,
-             **{name: _json(estimate) for name, estimate in figures.items()}}
+             **{name: _json(estimate) for name, estimate in figures.items()},
+             # a judge that gives one answer to every row agrees by chance alone: kappa 0 in every resample
+             "single_answer": answers[0] if len(labelled) > 1 and len(set(answers)) == 1 else None}
     found.update(_disagreements(labelled))
     found["shares"] = _shares(rows, labelled, resamples, seed)
     return found
@@ -112,6 +114,9 @@ def describe_agreement(found: dict) -> list[str]:
              ("mae", "MAE"))
     shown = [f"{name} {_figure(found[key])}" for key, name in names if found.get(key)]
     lines = ["agreement (95% CI): " + ", ".join(shown)] if shown else []
+    if lines and found.get("single_answer") is not None:
+        lines[0] += (f"; every labelled row was answered {found['single_answer']!r}, so kappa is 0 whatever the "
+                     "labels and its interval says nothing of the judge")
     shares = [share for share in found.get("shares") or [] if share["corrected"] is not None]
     if shares:
         lines.append("share corrected for the answers' errors (Rogan-Gladen, 95% CI): " + "; ".join(

@@ -9,8 +9,9 @@ from batchrun.spec.pairs import PAIR_LABELS, PairOrder
 from batchrun.spec.read import JobSpec, SpecSettings, read_spec
 from batchrun.spec.rows import Request
 from batchrun.spec.template import SpecError
+from batchrun.spec.verdicts import Verdict, cued_answer, verdict_request
 
 __all__ = ["CONTENT_FREE_VALUES", "TRUNCATE_SIDES", "EncodedRow", "JobSpec", "PAIR_LABELS", "PairOrder",
-           "Request", "SpecError", "SpecSettings",
-           "choice_sequences", "content_free_rows", "encode_requests", "kept_positions", "kind", "read_spec",
-           "shortest_first_pass_sequence", "uses_chat_template"]
+           "Request", "SpecError", "SpecSettings", "Verdict",
+           "choice_sequences", "content_free_rows", "cued_answer", "encode_requests", "kept_positions", "kind", "read_spec",
+           "shortest_first_pass_sequence", "uses_chat_template", "verdict_request"]

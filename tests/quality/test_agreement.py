@@ -147,3 +147,12 @@ def test_without_unlabelled_rows_or_numeric_labels_those_figures_are_left_out():
     assert found["kappa"] is not None and found["scale"] is None
     assert found["weighted_kappa"] is found["spearman"] is found["kendall"] is found["mae"] is None
     assert agreement_figures([row(0, "yes", None, {"yes": 0.6, "no": 0.4})]) is None
+
+
+def test_a_judge_that_gives_one_answer_everywhere_is_named_beside_its_kappa():
+    constant = [row(i, "yes", "yes" if i % 2 else "no", {"yes": 0.6, "no": 0.4}) for i in range(20)]
+    found = agreement_figures(constant)
+    assert found["kappa"]["value"] == 0.0 and found["single_answer"] == "yes"
+    assert "every labelled row was answered 'yes'" in describe_agreement(found)[0]
+    varied = agreement_figures([row(i, "yes" if i % 2 else "no", "yes", {"yes": 0.6, "no": 0.4}) for i in range(20)])
+    assert varied["single_answer"] is None and "every labelled row" not in describe_agreement(varied)[0]
