@@ -29,6 +29,9 @@ def _figures(found: dict) -> str:
     if found.get("scale"):
         how += " Weighted kappa weighs a disagreement by the squared distance of the two places on the scale " + \
                ", ".join(found["scale"]) + "."
+    if found.get("single_answer") is not None:
+        how += (f" Every labelled row was answered {found['single_answer']!r}: kappa is 0 whatever the labels, and its "
+                "interval says nothing of the judge.")
     return table(["figure", "value", "95% interval", "rows"], lines, numeric=(1, 3), name="agreement") + note(how)
 
 
