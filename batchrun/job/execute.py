@@ -31,7 +31,7 @@ from batchrun.job.models import ModelKey, kept_models
 from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_choice_caveat, one_row_per_key, plan_rows,
                                   prepare_job, row_costs)
 from batchrun.job.progress import BAR_FORMAT
-from batchrun.job.verdicts import verdict_costs, verdict_rows, with_rationale
+from batchrun.job.verdicts import verdict_rows, with_rationale
 from batchrun.job.running import (AnswersFile, Computation, JobRun, RunSetup, RunSummary, release_run,
                                   reused_note)
 from batchrun.output import (JobAnswers, OutputError, OutputExists, describe_calibration, job_answers, job_provenance,
@@ -262,9 +262,7 @@ def _plan_run(run: JobRun, rows: list[EncodedRow], partial: dict) -> Candidate:
     prepared, store, job_id, summary = run.prepared, run.store, run.job_id, run.summary
     prefixes = {i: len(partial[i][0]) for i in partial}
     options = _after_previous_run(prepared.options, store.previous_runs(job_id), summary.notes)
-    to_write = [row for row in rows if row.request.verdict is not None]
-    plan = plan_rows(prepared.model, rows, options, prepared.device, prefixes, held=prepared.rows,
-                     later=verdict_costs(prepared, to_write))
+    plan = plan_rows(prepared.model, rows, options, prepared.device, prefixes, held=prepared.rows)
     summary.notes += one_choice_caveat(rows)  # the plan's caveat too: said where no plan table is shown
     cgroup = memory_cgroup_dir()
     store.record_run_plan(job_id, batch_size=plan.batching.batch_size, planned_peak_bytes=plan.memory.peak_memory_bytes,

@@ -23,7 +23,7 @@ from batchrun.job.models import kept_model_bytes
 from batchrun.job.options import JobOptions
 from batchrun.plan import (Bandwidth, Candidate, PlanRequest, Rates, RowCost, make_plan, parse_streaming,
                            shared_prefix_tokens, windows_allow_sharing, with_group_heads)
-from batchrun.spec import (EncodedRow, JobSpec, SpecSettings, encode_requests, kept_positions, read_spec,
+from batchrun.spec import (EncodedRow, JobSpec, SpecSettings, cued_answer, encode_requests, kept_positions, read_spec,
                            shortest_first_pass_sequence, uses_chat_template)
 
 DEFAULT_MODEL_LABEL = "default (SmolLM2-135M-Instruct)"  # shown, stored and written for jobs run without --model
@@ -159,6 +159,27 @@ def row_costs(rows: Sequence[EncodedRow], prefixes: dict[int, int] | None = None
     return costs
 
 
+def verdict_costs(tokenizer, rows: Sequence[EncodedRow]) -> list[RowCost]:
+    """What the verdicts of the rows that write a rationale first will cost (spec/verdicts.py): a choice row whose
+    prompt is the row's, a rationale at its token limit and the cue."""
+    lengths: dict[str, int] = {}
+
+    def tokens(text: str) -> int:
+        if text not in lengths:
+            lengths[text] = max(1, len(tokenizer.encode(text, add_special_tokens=False)))
+        return lengths[text]
+
+    costs = []
+    for row in rows:
+        verdict = row.request.verdict
+        if verdict is None or row.error:
+            continue
+        cue = tokens(cued_answer("x", verdict.cue)) + 1  # the cue on its line, a token spare for merges at the join
+        costs.append(RowCost(len(row.prompt_ids) + row.request.max_new_tokens + cue, 0,
+                             tuple(tokens(choice) for choice in verdict.choices), later=True))
+    return costs
+
+
 def compute_dtype_for(options: JobOptions, device: str, storage_dtype: str | None) -> str:
     """--dtype, else what auto computes in on the device for the checkpoint's storage dtype (safetensors code)."""
     if options.dtype and options.dtype != "auto":
@@ -177,12 +198,12 @@ def bandwidth_for(checkpoint: Path, options: JobOptions) -> Bandwidth:
 
 
 def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobOptions, device: str,
-              generated: dict[int, int] | None = None, held: Sequence[EncodedRow] | None = None,
-              later: Sequence[RowCost] = ()) -> Candidate:
+              generated: dict[int, int] | None = None, held: Sequence[EncodedRow] | None = None) -> Candidate:
     """Plan `rows` (runnable ones); `generated`: row index -> tokens a previous run already generated; `held`: every
-    row the run holds as it goes (the whole spec's, repeats and finished rows included; default `rows`); `later`:
-    choice rows the run adds once its generation is done (the verdicts after rationales), packed after `rows`."""
-    costs = row_costs(rows, generated) + list(later)
+    row the run holds as it goes (the whole spec's, repeats and finished rows included; default `rows`). The
+    verdicts of rows that write a rationale first are choice rows the run adds once its generation is done, packed
+    after `rows`."""
+    costs = row_costs(rows, generated) + verdict_costs(prepared.tokenizer, rows)
     # The kept positions and shortest sequence of the first pass (runtime/score.py): plan and run share the prefix.
     shortest = min((shortest_first_pass_sequence(row) for row in rows), default=0)
     prompts = [row.prompt_ids for row in rows]
@@ -340,6 +361,8 @@ def plan_report(spec_path: Path, models: Sequence[str | None], options: JobOptio
                     "device": device, "candidates": []}
     if spec.pair_rows:
         report["pair_rows"] = spec.pair_rows
+    if spec.verdict_rows:
+        report["verdict_rows"] = spec.verdict_rows
     for model in models:
         try:
             prepared = prepare_model(model, options)

@@ -6,8 +6,7 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from batchrun.job.prepare import PreparedJob
-from batchrun.plan import RowCost
-from batchrun.spec import EncodedRow, cued_answer, encode_requests, verdict_request
+from batchrun.spec import EncodedRow, encode_requests, verdict_request
 from batchrun.store import Rationale, RowResult
 
 
@@ -19,26 +18,6 @@ def verdict_rows(prepared: PreparedJob, rows: Sequence[EncodedRow],
                 if row.request.index in rationales]
     return encode_requests(prepared.model.tokenizer, requests, raw=prepared.options.raw,
                            context_length=prepared.model.context_length)
-
-
-def verdict_costs(prepared: PreparedJob, rows: Sequence[EncodedRow]) -> list[RowCost]:
-    """What the verdicts of `rows` (verdict rows still to write their rationale) will cost, for the plan: a choice
-    row whose prompt is the row's, a rationale at its token limit and the cue."""
-    tokenizer = prepared.model.tokenizer
-    lengths: dict[str, int] = {}
-
-    def tokens(text: str) -> int:
-        if text not in lengths:
-            lengths[text] = max(1, len(tokenizer.encode(text, add_special_tokens=False)))
-        return lengths[text]
-
-    costs = []
-    for row in rows:
-        verdict = row.request.verdict
-        cue = tokens(cued_answer("x", verdict.cue)) + 1  # the cue on its line, a token spare for merges at the join
-        costs.append(RowCost(len(row.prompt_ids) + row.request.max_new_tokens + cue, 0,
-                             tuple(tokens(choice) for choice in verdict.choices), later=True))
-    return costs
 
 
 def with_rationale(result: RowResult, rationale: Rationale, prompt_tokens: int) -> RowResult:

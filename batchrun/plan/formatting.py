@@ -197,6 +197,8 @@ def _job_summary(report: Mapping) -> str:
     if report.get("pair_rows"):  # each runs as two requests, counted in the rows above
         pairs = report["pair_rows"]
         parts.append(f"{pairs} pair rows judged in both orders ({2 * pairs} of those rows)")
+    if report.get("verdict_rows"):  # a rationale's decode passes, then a choice pass for the verdicts
+        parts.append(f"{report['verdict_rows']} write their reasons before their verdict")
     if report.get("invalid_rows"):
         parts.append(f"{report['invalid_rows']} invalid")
     if "prompt_tokens_total" in report:

@@ -63,6 +63,11 @@ class JobSpec:
         return len(self.requests) + len(self.invalid)
 
     @property
+    def verdict_rows(self) -> int:
+        """The rows that write their reasons before their verdict (each runs a rationale, then its choices)."""
+        return sum(request.verdict is not None for request in self.requests)
+
+    @property
     def pair_rows(self) -> int:
         """The pair rows that run (each as two requests, one per order)."""
         return sum(request.pair is not None and request.pair.order == "ab" for request in self.requests)
