@@ -30,7 +30,7 @@ def shard_keys(tmp_path, prepared):
     return [on_node.row_keys[position] for position in range(len(prepared.rows))]
 
 
-@pytest.mark.parametrize("shape", ["requests", "corpus", "openai", "raw"])
+@pytest.mark.parametrize("shape", ["requests", "corpus", "openai", "raw", "reasons"])
 def test_a_shard_spec_encodes_as_the_jobs_rows(tiny_checkpoint, tmp_path, shape):
     model = str(tiny_checkpoint("llama"))
     options = JobOptions(model=model, system="Answer briefly.", stop=("\n",), max_new_tokens=5)
@@ -43,6 +43,11 @@ def test_a_shard_spec_encodes_as_the_jobs_rows(tiny_checkpoint, tmp_path, shape)
                  "body": {"model": "m", "max_tokens": 3, "stop": ["."],
                           "messages": [{"role": "developer", "content": "Be terse."},
                                        {"role": "user", "content": [{"type": "text", "text": "Name a fruit"}]}]}}]
+    elif shape == "reasons":  # a rationale before the verdict, and an assistant message continued
+        rows = [{"id": "v", "prompt": "Happy? Say why.", "choices": [" yes", " no"], "max_new_tokens": 4},
+                {"id": "m", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}],
+                 "continue_final_message": True}]
+        options = replace(options, then="Verdict:")
     else:
         rows = [{"id": "c", "prompt": "Happy?", "choices": [" yes", " no"]},
                 {"id": "g", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
@@ -128,7 +133,8 @@ def test_the_published_answers_keep_the_choices_in_order(tmp_path):
 
 def test_a_worker_runs_its_shard_through_the_executor_and_publishes_it_once(tiny_checkpoint, tmp_path):
     rows = [{"id": f"r{i}", "prompt": f"Note {i}", **({"choices": ["a", "b"]} if i % 2 else {"max_new_tokens": 3})}
-            for i in range(6)]
+            for i in range(6)] + [{"id": "why", "prompt": "Note 6", "choices": ["a", "b"], "then": "So:",
+                                   "max_new_tokens": 3}]
     prepared = prepare_job(write_rows(tmp_path / "jobs.jsonl", rows), JobOptions(model=str(tiny_checkpoint("llama"))))
     job_id = prepared.fingerprint[:16]
     layout = SharedLayout.of(tmp_path / "shared", job_id)
@@ -140,8 +146,9 @@ def test_a_worker_runs_its_shard_through_the_executor_and_publishes_it_once(tiny
                      report_every_s=0.05)
     outcome = run_shard(task, "node-a")
     record = json.loads(layout.result(shard.id).read_text())
-    assert [row["idx"] for row in record["rows"]] == list(range(6)) and outcome.rows == 6
-    assert [row["finish_reason"] == "choice" for row in record["rows"]] == [i % 2 == 1 for i in range(6)]
+    assert [row["idx"] for row in record["rows"]] == list(range(7)) and outcome.rows == 7
+    assert [row["finish_reason"] == "choice" for row in record["rows"]] == [i % 2 == 1 for i in range(6)] + [True]
+    assert [row["rationale"] is not None for row in record["rows"]] == [False] * 6 + [True]  # with its verdict
     assert not local_db_path(job_id, shard.id).exists()  # the node's copy goes once the answers are published
     assert run_shard(task, "node-b").already_published
     (start,) = layout.attempt_records(shard.id)
@@ -201,3 +208,17 @@ def test_a_worker_opens_the_model_once_for_all_its_shards(tiny_checkpoint, tmp_p
     fresh_answers = [json.loads(layout.result(shard.id).read_text())["rows"] for shard in shards]
     assert [[(row["idx"], row["answer"], row["choice_probs"]) for row in rows] for rows in kept_answers] == [
         [(row["idx"], row["answer"], row["choice_probs"]) for row in rows] for rows in fresh_answers]
+
+
+def test_a_published_rationale_is_merged_with_its_verdict(tmp_path):
+    from batchrun.distributed.driver import _commit
+    from batchrun.store import Rationale
+
+    rationale = Rationale("It is short.", (5, 6, 7), -1.5, "stop")
+    published = json.loads(json.dumps({"passes": 2, "rows": [
+        {**vars(answer(0, "doc-0")), "rationale": rationale.to_json()}, {**vars(answer(1, "doc-1")), "rationale": None}]}))
+    with Store(tmp_path / "job.db") as store:
+        job_id = make_job(store, n=2)
+        _commit(store, job_id, published)
+        merged = store.results(job_id)
+    assert merged[0].rationale == rationale and merged[1].rationale is None
