@@ -235,8 +235,8 @@ _THIS_MACHINE = _ThisMachine()
 
 
 def _with_written_verdicts(run: JobRun, rows: list[EncodedRow]) -> list[EncodedRow]:
-    """`rows` with each verdict row whose rationale an earlier run wrote as its verdict (a choice row); a verdict
-    that no longer fits the context is answered with its error here, its rationale kept."""
+    """`rows`, each verdict row whose rationale an earlier run wrote replaced by its verdict (a choice row); a
+    verdict that no longer fits the context is answered with its error here, its rationale kept."""
     rationales = run.store.finished_rationales(run.job_id)
     written = [row for row in rows if row.request.index in rationales]
     if not written:
