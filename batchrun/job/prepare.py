@@ -122,15 +122,14 @@ def _decode_attention(checkpoint: Path, options: JobOptions) -> tuple[bool, bool
     """(attends through transformers' sdpa, sdpa groups one-token queries): PreparedModel's two fields. The first is
     False, the safe side for the plan's memory, where the answer would take the repository's own code or a config
     transformers cannot read: planning reads config.json alone and must not fail on this."""
-    from transformers import AutoConfig
-
-    from batchrun.runtime import attends_through_sdpa, sdpa_groups_one_token_queries  # torch, loaded by now
+    from batchrun.runtime import (attends_through_sdpa, model_config,  # torch, loaded by now
+                                  sdpa_groups_one_token_queries)
 
     groups = sdpa_groups_one_token_queries()
     if load_config(checkpoint, options.trust_remote_code).get("auto_map"):
         return False, groups
     try:
-        config = AutoConfig.from_pretrained(checkpoint)
+        config = model_config(checkpoint)
     except (ValueError, KeyError, OSError):  # e.g. a model_type this transformers does not know
         return False, groups
     return attends_through_sdpa(config), groups

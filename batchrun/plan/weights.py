@@ -53,7 +53,10 @@ TOKEN_MATRIX_CHOICES = ("auto", *TOKEN_MATRIX_PLACEMENTS)
 
 def token_matrix_placements(sizes: CheckpointSizes, asked: str = "auto") -> list[TokenMatrices]:
     """The placements a plan weighs, cheapest reads first: `asked` alone, or every one (auto). A tied matrix is held
-    for both uses or streamed for both: gathering embedding rows from a matrix the head holds saves nothing."""
+    for both uses or streamed for both: gathering embedding rows from a matrix the head holds saves nothing. A GGUF
+    model's token matrices are held (the runtime gathers and streams safetensors rows only)."""
+    if sizes.file_format == "gguf":
+        return [HELD]
     if asked != "auto":
         placement = TOKEN_MATRIX_PLACEMENTS[asked]
         return [HELD if sizes.tied_embeddings and placement.word == "gathered" else placement]
@@ -114,8 +117,9 @@ def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool,
     # On the host a tensor is read straight into its slot, a narrower one widened there (bf16 -> float32); a raw read
     # buffer (loads take turns, so one) serves a narrowing cast and experts fused at load time. An accelerator's read
     # buffer is pinned host memory, outside the device budget this plan sizes.
+    # A GGUF layer's blocks are read into that buffer and dequantized from it into the slot, on every device.
     narrowing = COMPUTE_BYTES[compute_dtype] * 8 < DTYPE_BITS.get(sizes.storage_dtype, 0)
-    needs_read_buffer = on_host(device) and (narrowing or bool(sizes.moe))
+    needs_read_buffer = (on_host(device) and (narrowing or bool(sizes.moe))) or sizes.file_format == "gguf"
     read_buffers = sizes.largest_layer_bytes if needs_read_buffer else 0
     # Where long prefills pack (measure.packs_weights), they multiply a packed copy of the computing layer's linear
     # weights (linear_kernels.pack_weights), made when the layer starts and freed when it ends: one layer more,

@@ -10,12 +10,13 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
-from batchrun.checkpoint import CheckpointError, TensorInfo
+from batchrun.checkpoint import CheckpointError, GGUFTensorInfo, TensorInfo
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -41,10 +42,12 @@ class Recipe:
     sources: list[TensorInfo] = field(default_factory=list)
     source_patterns: list[str] = field(default_factory=list)
     converter: WeightConverter | None = None  # None: a plain (possibly renamed) copy
+    # A GGUF tensor's: its blocks as read -> its float32 values (gguf_weights.GGUFDecode)
+    decode: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def is_plain(self) -> bool:
-        return self.converter is None and len(self.sources) == 1
+        return self.converter is None and self.decode is None and len(self.sources) == 1
 
 
 def build_recipes(model: torch.nn.Module, infos: dict[str, TensorInfo]) -> dict[str, Recipe]:
@@ -74,6 +77,8 @@ def build_recipes(model: torch.nn.Module, infos: dict[str, TensorInfo]) -> dict[
 
 def realize(recipe: Recipe, tensors: list[torch.Tensor], model, config) -> dict[str, torch.Tensor]:
     """Run a recipe over already-read source tensors; returns target name -> tensor."""
+    if recipe.decode is not None:
+        return {recipe.target: recipe.decode(tensors[0])}
     if recipe.converter is None:
         return {recipe.target: tensors[0]}
     converter = copy.deepcopy(recipe.converter)
@@ -84,7 +89,10 @@ def realize(recipe: Recipe, tensors: list[torch.Tensor], model, config) -> dict[
 
 
 def tensor_from_bytes(raw: torch.Tensor, info: TensorInfo) -> torch.Tensor:
-    """View a uint8 buffer holding one tensor's bytes as that tensor (copying only if misaligned)."""
+    """View a uint8 buffer holding one tensor's bytes as that tensor (copying only if misaligned); a GGUF tensor's
+    blocks stay bytes, for its recipe's decode."""
+    if isinstance(info, GGUFTensorInfo):
+        return raw
     dtype = SAFETENSORS_DTYPES.get(info.dtype)
     if dtype is None:
         raise CheckpointError(f"{info.file}: tensor {info.name} has dtype {info.dtype}, which batchrun cannot read")
