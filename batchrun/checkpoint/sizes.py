@@ -105,7 +105,7 @@ def checkpoint_sizes(checkpoint: str | os.PathLike, trust_remote_code: bool = Fa
         index = read_gguf_index(directory)
         return _sizes(directory, sizing_config(gguf_config(index)), index.tensors, str(directory), gguf=True)
     return _sizes(directory, load_config(directory, trust_remote_code), read_tensor_infos(directory),
-                  str(directory / CONFIG_NAME))
+                  str(directory / CONFIG_NAME), gguf=False)
 
 
 def _sizes(directory: Path, config: dict, infos: dict[str, TensorInfo], where: str, gguf: bool) -> CheckpointSizes:
