@@ -16,8 +16,8 @@ from batchrun import measure
 from batchrun.checkpoint import (DEFAULT_REGISTRY_MODEL, CheckpointError, CheckpointSizes, checkpoint_sizes,
                                  default_model, load_config, load_tokenizer, registry_label, resolve_checkpoint)
 from batchrun.host import (anonymous_resident_bytes, auto_compute_dtype, available_memory_bytes, cpu_auto_reason,
-                           disk_free_bytes, peak_resident_bytes, reset_peak_resident, resident_bytes,
-                           return_freed_memory)
+                           cpu_bfloat16_feature, disk_free_bytes, peak_resident_bytes, reset_peak_resident,
+                           resident_bytes, return_freed_memory)
 from batchrun.job.identity import fingerprint, model_digest, model_identity_parts, one_row_per_key, row_keys
 from batchrun.job.models import kept_model_bytes
 from batchrun.job.options import JobOptions
@@ -208,10 +208,20 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
         caveats.append(f"the rows share a {common}-token prompt head, but the longest reaches past the model's "
                        f"{window}-token sliding window, so each row computes it (no shared prefix: the window would "
                        f"count the padding between the head and a row's own tokens)")
-    reason = (cpu_auto_reason(sizes.storage_dtype)
+    reason = (_auto_dtype_reason(sizes)
               if device.split(":")[0] == "cpu" and options.dtype in (None, "auto") else None)
     return replace(plan, linear_kernel=measure.linear_kernel(compute_dtype, device), caveats=caveats,
                    compute_dtype_reason=reason)
+
+
+def _auto_dtype_reason(sizes: CheckpointSizes) -> str | None:
+    """Why --dtype auto computes a CPU run in what it does (None where there is nothing to choose)."""
+    if sizes.file_format != "gguf":
+        return cpu_auto_reason(sizes.storage_dtype)
+    native = cpu_bfloat16_feature()
+    return ("auto: float32, in which the GGUF's dequantized weights are exact (bfloat16 rounds them); "
+            + (f"--dtype bfloat16 multiplies natively on this CPU ({native}) in half the memory" if native
+               else "this CPU has no bfloat16 units (AVX512-BF16 or AMX) for --dtype bfloat16"))
 
 
 def memory_budget(options: JobOptions, device: str, runtime_bytes: int) -> int:

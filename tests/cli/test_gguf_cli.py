@@ -36,6 +36,8 @@ def test_plan_reads_a_gguf_models_quantized_sizes(reviews, default_gguf, default
     assert sizes.checkpoint_bytes < checkpoint_sizes(default_checkpoint).checkpoint_bytes / 5
     assert candidate["largest_layer_bytes"] == sizes.largest_layer_bytes
     assert candidate["token_matrices"] == "held"
+    assert candidate["compute_dtype_reason"].startswith("auto: float32, in which the GGUF's dequantized weights are "
+                                                        "exact")
     # the embedding and head of a GGUF model are held; asking otherwise is refused, not ignored
     asked = json.loads(invoke("plan", reviews, "--model", file, "--streaming", "always", "--token-matrices",
                               "streamed", "--json").stdout)["candidates"][0]
