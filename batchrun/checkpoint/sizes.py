@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,9 @@ class CheckpointSizes:
     # whose own speed at a few rows prices decode passes (measure.decode_rates). Empty for an estimate.
     layer_matrices: tuple[tuple[int, int], ...] = ()
     file_format: str = "safetensors"  # or "gguf": one file whose tensors are dequantized as they are read
+    # A GGUF's weights by ggml type, in the decoder stack and outside it: what dequantizing them costs (plan.passes)
+    layer_params_by_type: dict[str, int] = field(default_factory=dict)
+    non_decoder_params_by_type: dict[str, int] = field(default_factory=dict)
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -120,13 +124,16 @@ def _sizes(directory: Path, config: dict, infos: dict[str, TensorInfo], where: s
 
     layer_bytes, layer_params = [0] * num_layers, [0] * num_layers
     outside: list[TensorInfo] = []
+    by_type: tuple[Counter[str], Counter[str]] = (Counter(), Counter())  # decoder stack, outside it
     for name, info in infos.items():
         if name.startswith(prefix + "."):
             layer = int(name[len(prefix) + 1:].split(".", 1)[0])
             layer_bytes[layer] += info.nbytes
             layer_params[layer] += info.numel
+            by_type[0][info.dtype] += info.numel
         else:
             outside.append(info)
+            by_type[1][info.dtype] += info.numel
     # The token embedding is the largest matrix outside the decoder stack in every decoder-only LM.
     matrices = [info for info in outside if len(info.shape) == 2]
     embedding = max(matrices, key=lambda info: info.numel, default=None)
@@ -149,6 +156,8 @@ def _sizes(directory: Path, config: dict, infos: dict[str, TensorInfo], where: s
         tied_embeddings=bool(tied), estimated=False, source="headers", decoder_prefix=prefix, **arch.size_fields(),
         quantization=_quant_method(config), layer_matrices=_layer_matrices(infos, prefix),
         file_format="gguf" if gguf else "safetensors",
+        layer_params_by_type=dict(by_type[0]) if gguf else {},
+        non_decoder_params_by_type=dict(by_type[1]) if gguf else {},
     )
 
 

@@ -258,7 +258,10 @@ def machine_rates(prepared: PreparedModel, options: JobOptions, compute_dtype: s
         tokenizer_bytes=prepared.tokenizer_bytes, rows_bytes=rows_bytes,
         decode_rates=_decode_rates(prepared.sizes, compute_dtype, device, costs),
         packs_weights=measure.packs_weights(compute_dtype, device),
-        layer_call_seconds=measure.layer_call_seconds(device), compute_threads=measure.compute_threads())
+        layer_call_seconds=measure.layer_call_seconds(device), compute_threads=measure.compute_threads(),
+        dequantize_weights_per_s=measure.dequantize_rates(
+            {**prepared.sizes.layer_params_by_type, **prepared.sizes.non_decoder_params_by_type}, compute_dtype,
+            device))
 
 
 def _decode_rates(sizes: CheckpointSizes, compute_dtype: str, device: str, costs) -> dict[int, float] | None:
