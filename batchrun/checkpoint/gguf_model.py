@@ -45,6 +45,9 @@ def gguf_config(index: GGUFIndex) -> dict:
 
     arch, model_type = index.architecture, transformers_architecture(index)
     where = index.files[0]
+    if arch in _newer_reader_architectures():
+        raise CheckpointError(f"{where}: GGUF architecture {arch!r}, which transformers reads through its newer GGUF "
+                              "loader (array metadata, fused tensors); batchrun does not read it")
     if arch not in GGUF_CONFIG_MAPPING and model_type not in GGUF_CONFIG_MAPPING:
         known = ", ".join(sorted(name for name in GGUF_CONFIG_MAPPING if name not in ("general", "tokenizer")))
         raise CheckpointError(f"{where}: GGUF architecture {arch!r}, which transformers cannot read from GGUF (it "
@@ -78,6 +81,16 @@ def gguf_config(index: GGUFIndex) -> dict:
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in index.array_lengths:
         config["vocab_size"] = index.array_lengths["tokenizer.ggml.tokens"]
     return config
+
+
+def _newer_reader_architectures() -> frozenset[str]:
+    """The architectures transformers builds from GGUF through its newer reader (integrations.gguf), not the tables
+    gguf_config follows; none in a transformers without it."""
+    try:
+        from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+    except ImportError:
+        return frozenset()
+    return frozenset(GGUF_CONFIG_ARCHS)
 
 
 def transformers_architecture(index: GGUFIndex) -> str:

@@ -108,3 +108,11 @@ def test_an_unsupported_type_or_a_big_endian_file_is_refused_by_the_sizes(tmp_pa
                         big_endian=True)
     with pytest.raises(CheckpointError, match="big.gguf: a big-endian GGUF file"):
         checkpoint_sizes(big)
+
+
+def test_an_architecture_of_transformers_newer_gguf_reader_is_refused_naming_it(tmp_path):
+    tensors = {"blk.0.attn_q.weight": ("F32", np.zeros((2, 8), dtype=np.uint8))}
+    (file,) = write_gguf(tmp_path / "qwen35.gguf", tensors, arch="qwen35", metadata={"qwen35.block_count": 1})
+    with pytest.raises(CheckpointError, match="qwen35.gguf: GGUF architecture 'qwen35', which transformers reads "
+                                              "through its newer GGUF loader"):
+        checkpoint_sizes(file)
