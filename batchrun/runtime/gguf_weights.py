@@ -7,6 +7,7 @@ The blocks are read as they lie in the file and decoded where a weight is needed
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,11 @@ from batchrun.runtime.skeleton import materialise_buffers, set_tensor
 from batchrun.runtime.weights import Recipe
 
 
+# Weights a tensor is decoded by at a time into its destination: the float32 values and the decoders' intermediates
+# of one chunk are all a load holds beside the weights, however large the tensor (a vocabulary's embedding).
+DECODE_CHUNK_WEIGHTS = 1 << 22
+
+
 @dataclass(frozen=True)
 class GGUFDecode:
     """One GGUF tensor's blocks -> its float32 values in the model's layout."""
@@ -29,7 +35,25 @@ class GGUFDecode:
     norm_offset: bool = False  # a norm weight stored plus one
 
     def __call__(self, raw: torch.Tensor) -> torch.Tensor:
-        weight = dequantize(raw, self.ggml_type, self.shape)
+        return self._rows(raw, self.shape)
+
+    def into(self, raw: torch.Tensor, out: torch.Tensor) -> None:
+        """Decode the blocks into `out` (the tensor's shape, any dtype and device), a chunk of whole rows (whole
+        heads) at a time: each value rounded once from float32 into out's dtype, as a whole-tensor copy rounds."""
+        if len(self.shape) < 2:
+            out.copy_(self(raw))
+            return
+        rows, width = self.shape[0], math.prod(self.shape[1:])
+        step = self.head_rows or 1
+        chunk = max(step, DECODE_CHUNK_WEIGHTS // width // step * step)
+        row_bytes = raw.numel() // rows
+        for start in range(0, rows, chunk):
+            stop = min(rows, start + chunk)
+            values = self._rows(raw[start * row_bytes:stop * row_bytes], (stop - start, *self.shape[1:]))
+            out[start:stop].copy_(values)
+
+    def _rows(self, raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        weight = dequantize(raw, self.ggml_type, shape)
         if self.head_rows is not None:
             weight = undo_qk_permutation(weight, self.head_rows)
         if self.norm_offset:
@@ -72,6 +96,16 @@ def gguf_recipes(model: torch.nn.Module, index: GGUFIndex) -> dict[str, Recipe]:
     return recipes
 
 
+def read_gguf_tensor(recipe: Recipe, model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """A GGUF recipe's tensor read from its file and decoded into a new tensor at the dtype the model built its
+    target with."""
+    module_path, _, name = recipe.target.rpartition(".")
+    meta = getattr(model.get_submodule(module_path) if module_path else model, name)
+    weight = torch.empty(recipe.decode.shape, dtype=meta.dtype, device=device)
+    recipe.decode.into(read_gguf_blocks(recipe.sources[0]), weight)
+    return weight
+
+
 def load_gguf_model(checkpoint: Path, config, *, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """The whole model from a GGUF file, every tensor read once and dequantized into `dtype` on `device`: built on
     meta, then each parameter assigned, so no weight is allocated twice."""
@@ -79,7 +113,7 @@ def load_gguf_model(checkpoint: Path, config, *, dtype: torch.dtype, device: tor
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     for target, recipe in gguf_recipes(model, index).items():
-        set_tensor(model, target, recipe.decode(read_gguf_blocks(recipe.sources[0])), device, checkpoint)
+        set_tensor(model, target, read_gguf_tensor(recipe, model, device), device, checkpoint)
     model.tie_weights()
     materialise_buffers(model, device)
     missing = [name for name, param in model.named_parameters() if param.is_meta]

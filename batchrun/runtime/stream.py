@@ -21,7 +21,7 @@ from batchrun.checkpoint import (CheckpointError, TokenizerOnDemand, is_gguf_fil
 from batchrun.host import keep_heap_flat
 from batchrun.plan import HEAD_CHUNK_BYTES
 from batchrun.runtime.devices import default_device, resolve_dtype
-from batchrun.runtime.gguf_weights import gguf_recipes, model_config
+from batchrun.runtime.gguf_weights import gguf_recipes, model_config, read_gguf_tensor
 from batchrun.runtime.linear_kernels import PACK_MIN_ROWS, packing_available, route_linears, routed_weight_names
 from batchrun.runtime.loader import LayerLoader, SlotPool
 from batchrun.runtime.read_ahead import ReadAhead
@@ -193,6 +193,9 @@ class StreamedModel(TokenizerOnDemand):
     def _load_resident(self, recipes: list[Recipe]) -> None:
         """Embeddings, final norm, head: read once, cast, keep. Then buffers and tied weights."""
         for recipe in recipes:
+            if recipe.decode is not None:  # a GGUF tensor, decoded chunk by chunk into its place
+                self._set_tensor(recipe.target, read_gguf_tensor(recipe, self.model, self.device))
+                continue
             tensors = []
             for info in recipe.sources:
                 raw = torch.empty(info.nbytes, dtype=torch.uint8)

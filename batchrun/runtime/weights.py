@@ -10,13 +10,16 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
 from batchrun.checkpoint import CheckpointError, GGUFTensorInfo, TensorInfo
+
+if TYPE_CHECKING:  # gguf_weights builds recipes, so it imports this module
+    from batchrun.runtime.gguf_weights import GGUFDecode
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -42,8 +45,8 @@ class Recipe:
     sources: list[TensorInfo] = field(default_factory=list)
     source_patterns: list[str] = field(default_factory=list)
     converter: WeightConverter | None = None  # None: a plain (possibly renamed) copy
-    # A GGUF tensor's: its blocks as read -> its float32 values (gguf_weights.GGUFDecode)
-    decode: Callable[[torch.Tensor], torch.Tensor] | None = None
+    decode: GGUFDecode | None = None  # a GGUF tensor's: its blocks as read -> its values
+
 
     @property
     def is_plain(self) -> bool:
@@ -77,8 +80,6 @@ def build_recipes(model: torch.nn.Module, infos: dict[str, TensorInfo]) -> dict[
 
 def realize(recipe: Recipe, tensors: list[torch.Tensor], model, config) -> dict[str, torch.Tensor]:
     """Run a recipe over already-read source tensors; returns target name -> tensor."""
-    if recipe.decode is not None:
-        return {recipe.target: recipe.decode(tensors[0])}
     if recipe.converter is None:
         return {recipe.target: tensors[0]}
     converter = copy.deepcopy(recipe.converter)

@@ -29,7 +29,9 @@ def streamed_logits_and_pass_bytes(file, ids: torch.Tensor, prefetch: bool) -> t
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_ARCH_METADATA))
-def test_tiny_gguf_models_give_transformers_own_gguf_logits(tmp_path, arch):
+def test_tiny_gguf_models_give_transformers_own_gguf_logits(tmp_path, monkeypatch, arch):
+    # tensors decoded a few rows (a q or k head) at a time, as a large model's are
+    monkeypatch.setattr("batchrun.runtime.gguf_weights.DECODE_CHUNK_WEIGHTS", 2048)
     file = write_tiny_gguf_model(tmp_path / f"{arch}.gguf", arch)
     expected = transformers_gguf_logits(file, PROMPT)
     resident = ResidentModel(file, device="cpu", dtype="float32")
@@ -52,6 +54,30 @@ def test_tiny_gguf_models_compute_in_bfloat16_as_transformers_does(tmp_path, arc
     assert torch.equal(ResidentModel(file, device="cpu", dtype="bfloat16")(PROMPT).logits, expected)
     with StreamedModel(file, device="cpu", dtype="bfloat16") as streamed:
         assert torch.equal(streamed(PROMPT).logits, expected)
+
+
+@pytest.mark.parametrize("ggml_type, head_rows, norm_offset", [("Q4_K", 64, False), ("Q8_0", None, True),
+                                                               ("Q6_K", None, False)])
+def test_a_tensor_decoded_chunk_by_chunk_equals_it_decoded_whole(monkeypatch, ggml_type, head_rows, norm_offset):
+    import numpy as np
+
+    from batchrun.runtime import GGUFDecode
+    from tests.gguf_files import pack_k_quant
+
+    rng = np.random.default_rng(2)
+    if ggml_type.endswith("_K"):
+        blocks = pack_k_quant(ggml_type, 256, 512, rng)
+    else:
+        from gguf import GGMLQuantizationType, quants
+        blocks = quants.quantize(rng.normal(size=(256, 512)).astype(np.float32), GGMLQuantizationType[ggml_type])
+    raw = torch.from_numpy(np.ascontiguousarray(blocks)).view(-1)
+    decode = GGUFDecode(ggml_type, (256, 512), head_rows, norm_offset)
+    whole = decode(raw)
+    monkeypatch.setattr("batchrun.runtime.gguf_weights.DECODE_CHUNK_WEIGHTS", 3 * 512)  # 3 rows, or one head
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.empty(256, 512, dtype=dtype)
+        decode.into(raw, out)
+        assert torch.equal(out, whole.to(dtype)), dtype
 
 
 def test_a_streamed_gguf_model_generates_as_the_resident_one(tmp_path):
