@@ -5,7 +5,7 @@ from batchrun.checkpoint.files import (DTYPE_BITS, CheckpointError, TensorInfo, 
                                        read_tensor_infos, storage_dtype, tensor_index, weight_sample_digest)
 from batchrun.checkpoint.gguf_index import (GGUF_BLOCKS, PERMUTED_QK_ARCHITECTURES, GGUFIndex, GGUFTensorInfo,
                                             read_gguf_index)
-from batchrun.checkpoint.gguf_model import NORM_OFFSET_ARCHITECTURES, gguf_config, gguf_in_directory
+from batchrun.checkpoint.gguf_model import NORM_OFFSET_ARCHITECTURES, gguf_config
 from batchrun.checkpoint.progress import bars_shown, progress_bars
 from batchrun.checkpoint.provision import default_model, is_provisioned, registry_directory, registry_model
 from batchrun.checkpoint.registry import (DEFAULT_REGISTRY_MODEL, REGISTRY, DefaultModelError, RegistryModel,
@@ -20,7 +20,7 @@ __all__ = ["CheckpointError", "CheckpointSizes", "DEFAULT_REGISTRY_MODEL", "DTYP
            "DefaultModelError", "GGUFIndex", "GGUFTensorInfo", "GGUF_BLOCKS", "NORM_OFFSET_ARCHITECTURES",
            "PERMUTED_QK_ARCHITECTURES", "REGISTRY", "RegistryModel", "TensorInfo", "TokenizerOnDemand", "assemble_gguf",
            "attended_positions", "bars_shown", "checkpoint_location", "checkpoint_sizes", "default_model",
-           "download_wheels", "gguf_config", "gguf_in_directory", "is_gguf_file", "is_provisioned",
+           "download_wheels", "gguf_config", "is_gguf_file", "is_provisioned",
            "kv_bytes_for_sequence", "kv_bytes_per_token_per_layer", "load_config", "load_tokenizer", "progress_bars",
            "read_gguf_index", "read_tensor_infos", "registry_directory", "registry_label", "registry_model",
            "resolve_checkpoint", "sizes_from_config", "storage_dtype", "tensor_index", "weight_sample_digest"]
