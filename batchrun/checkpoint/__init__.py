@@ -1,6 +1,7 @@
 """Checkpoints: resolving a directory, registry name or hub id, safetensors headers and GGUF indexes, sizes read from
 the files themselves, the models provisioned by name (the default among them) and the tokenizer. No torch at import.
 """
+from batchrun.checkpoint.conversion import gguf_parsed_once
 from batchrun.checkpoint.files import (DTYPE_BITS, CheckpointError, TensorInfo, is_gguf_file, load_config,
                                        read_tensor_infos, storage_dtype, tensor_index, weight_sample_digest)
 from batchrun.checkpoint.gguf_index import (GGUF_BLOCKS, PERMUTED_QK_ARCHITECTURES, GGUFIndex, GGUFTensorInfo,
@@ -20,7 +21,7 @@ __all__ = ["CheckpointError", "CheckpointSizes", "DEFAULT_REGISTRY_MODEL", "DTYP
            "DefaultModelError", "GGUFIndex", "GGUFTensorInfo", "GGUF_BLOCKS", "NORM_OFFSET_ARCHITECTURES",
            "PERMUTED_QK_ARCHITECTURES", "REGISTRY", "RegistryModel", "TensorInfo", "TokenizerOnDemand", "assemble_gguf",
            "attended_positions", "bars_shown", "checkpoint_location", "checkpoint_sizes", "default_model",
-           "download_wheels", "gguf_config", "is_gguf_file", "is_provisioned",
+           "download_wheels", "gguf_config", "gguf_parsed_once", "is_gguf_file", "is_provisioned",
            "kv_bytes_for_sequence", "kv_bytes_per_token_per_layer", "load_config", "load_tokenizer", "progress_bars",
            "read_gguf_index", "read_tensor_infos", "registry_directory", "registry_label", "registry_model",
            "resolve_checkpoint", "sizes_from_config", "storage_dtype", "tensor_index", "weight_sample_digest"]

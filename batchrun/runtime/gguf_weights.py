@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from batchrun.checkpoint import (NORM_OFFSET_ARCHITECTURES, CheckpointError, GGUFIndex, is_gguf_file,
-                                 load_config, read_gguf_index)
+from batchrun.checkpoint import (NORM_OFFSET_ARCHITECTURES, CheckpointError, GGUFIndex, gguf_parsed_once,
+                                 is_gguf_file, load_config, read_gguf_index)
 from batchrun.runtime.gguf_blocks import dequantize, read_gguf_blocks, undo_qk_permutation
 from batchrun.runtime.skeleton import materialise_buffers, set_tensor
 from batchrun.runtime.weights import Recipe
@@ -84,7 +84,8 @@ def gguf_recipes(model: torch.nn.Module, index: GGUFIndex) -> dict[str, Recipe]:
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
     try:
-        names = get_gguf_hf_weights_map(model, TensorProcessor(model.config.to_dict()))
+        with gguf_parsed_once():  # one tensor-name map, not one per module
+            names = get_gguf_hf_weights_map(model, TensorProcessor(model.config.to_dict()))
     except NotImplementedError as error:  # gguf-py has no tensor names for this model type
         raise CheckpointError(f"{index.files[0]}: {error}") from None
     recipes: dict[str, Recipe] = {}
