@@ -104,3 +104,13 @@ def test_the_default_model_from_its_gguf_gives_its_float32_conversions_logits(de
         logits, pass_bytes = streamed_logits_and_pass_bytes(file, ids, prefetch)
         assert torch.equal(logits, expected), prefetch
     assert pass_bytes == sizes.decoder_bytes < checkpoint_sizes(converted).decoder_bytes / 5
+
+
+def test_gemma3s_q4_k_m_gguf_gives_transformers_own_gguf_logits(gemma3_gguf):
+    """A trained Q4_K_M file: Q4_K, Q6_K, Q5_0 and Q8_0 tensors mixed, norms stored plus one, a sliding window."""
+    ids = torch.tensor([[2, 818, 5279, 529, 7001, 563, 1144, 236761, 669, 1651, 529, 8760, 563]])
+    expected = transformers_gguf_logits(gemma3_gguf, ids)
+    assert torch.equal(ResidentModel(gemma3_gguf, device="cpu", dtype="float32")(ids).logits, expected)
+    logits, pass_bytes = streamed_logits_and_pass_bytes(gemma3_gguf, ids, prefetch=False)
+    assert torch.equal(logits, expected)
+    assert pass_bytes == checkpoint_sizes(gemma3_gguf).decoder_bytes
