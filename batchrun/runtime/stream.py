@@ -1,6 +1,7 @@
 """The layer-streaming runtime: a transformers model whose decoder layers live on disk.
 
-StreamedModel builds the model on meta, loads what stays resident (embeddings, final norm, head, unless the token
+StreamedModel builds the model on meta (from safetensors, or from a GGUF file whose blocks are dequantized as they
+load: gguf_weights.py), loads what stays resident (embeddings, final norm, head, unless the token
 matrices stream: token_matrices.py) and hooks one StreamedLayer into each decoder layer (streamed_layer.py: load
 before its forward, release after, accelerate's hook shape); a ReadAhead reads the layers into buffer slots on a
 worker thread one or more layers ahead (read_ahead.py). transformers owns the architecture; we only discover the
@@ -64,7 +65,7 @@ class LayerReads:
 
 
 class StreamedModel(TokenizerOnDemand):
-    """A causal LM whose decoder layers are read from the checkpoint's safetensors as they run.
+    """A causal LM whose decoder layers are read from the checkpoint's safetensors (or GGUF file) as they run.
 
     Embeddings, final norm and head stay resident; each decoder layer is read just before it runs (the next one
     read ahead on a thread), so a model larger than memory runs with a layer or two in memory. Called like the
