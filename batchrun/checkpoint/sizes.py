@@ -64,6 +64,10 @@ class CheckpointSizes:
     # A GGUF's weights by ggml type, in the decoder stack and outside it: what dequantizing them costs (plan.passes)
     layer_params_by_type: dict[str, int] = field(default_factory=dict)
     non_decoder_params_by_type: dict[str, int] = field(default_factory=dict)
+    # A GGUF's token matrices as stored (quantized, each in its own type): what gathering or streaming them reads.
+    # None where every matrix is stored at storage_dtype.
+    embedding_bytes: int | None = None
+    head_bytes: int | None = None
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -158,7 +162,16 @@ def _sizes(directory: Path, config: dict, infos: dict[str, TensorInfo], where: s
         file_format="gguf" if gguf else "safetensors",
         layer_params_by_type=dict(by_type[0]) if gguf else {},
         non_decoder_params_by_type=dict(by_type[1]) if gguf else {},
+        **(_token_matrices_stored(embedding, matrices) if gguf else {}),
     )
+
+
+def _token_matrices_stored(embedding: TensorInfo | None, matrices: list[TensorInfo]) -> dict:
+    """embedding_bytes and head_bytes: the head is the other matrix of the embedding's shape, or the embedding."""
+    if embedding is None:
+        return {}
+    head = next((m for m in matrices if m.shape == embedding.shape and m is not embedding), embedding)
+    return {"embedding_bytes": embedding.nbytes, "head_bytes": head.nbytes}
 
 
 def _layer_matrices(infos: dict[str, TensorInfo], prefix: str) -> tuple[tuple[int, int], ...]:

@@ -124,8 +124,6 @@ def _placed_weights(job: PlanInputs, sizing_rows: Sequence[RowCost],
     fitting = [w for w in weighed if w.sequences]
     # min keeps the first of equals; where nothing fits, the leanest (the blocker shows the smallest floor)
     chosen = min(fitting, key=lambda w: w.read_per_sequence) if fitting else weighed[-1]
-    if sizes.file_format == "gguf":
-        return chosen, "held: a GGUF model's embedding and head are held"
     if len(weighed) == 1:
         return chosen, f"{chosen.word} (asked)"
     others = "; ".join(f"{w.word}: {w.sequences} a pass reading {format_bytes(w.read)}" for w in weighed
@@ -139,10 +137,6 @@ def _fit_blockers(job: PlanInputs, fixed: Fixed, resident_need: int, resident_su
     """What stops the mode before any batch: a quantized checkpoint streamed, or memory short of one sequence."""
     budget, overhead = job.request.memory_budget_bytes, job.rates.runtime_overhead_bytes
     blockers = []
-    asked = job.request.token_matrices
-    if fixed.mode == "streamed" and job.sizes.file_format == "gguf" and asked not in ("auto", "held"):
-        blockers.append(f"--token-matrices {asked}: a GGUF model's embedding and head are held (batchrun gathers "
-                        "and streams the rows of safetensors matrices only); leave it auto or held")
     if fixed.mode == "streamed" and job.sizes.quantization:
         blockers.append(f"the checkpoint is quantized ({job.sizes.quantization}): streaming reads unquantized "
                         "safetensors only (packed weights need their scales); run it resident (--streaming "

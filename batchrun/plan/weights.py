@@ -53,24 +53,24 @@ TOKEN_MATRIX_CHOICES = ("auto", *TOKEN_MATRIX_PLACEMENTS)
 
 def token_matrix_placements(sizes: CheckpointSizes, asked: str = "auto") -> list[TokenMatrices]:
     """The placements a plan weighs, cheapest reads first: `asked` alone, or every one (auto). A tied matrix is held
-    for both uses or streamed for both: gathering embedding rows from a matrix the head holds saves nothing. A GGUF
-    model's token matrices are held (the runtime gathers and streams safetensors rows only)."""
-    if sizes.file_format == "gguf":
-        return [HELD]
+    for both uses or streamed for both: gathering embedding rows from a matrix the head holds saves nothing."""
     if asked != "auto":
         placement = TOKEN_MATRIX_PLACEMENTS[asked]
         return [HELD if sizes.tied_embeddings and placement.word == "gathered" else placement]
     return [p for word, p in TOKEN_MATRIX_PLACEMENTS.items() if not (sizes.tied_embeddings and word == "gathered")]
 
 
-def token_matrix_bytes(sizes: CheckpointSizes) -> int:
-    """One [vocab, hidden] matrix as stored."""
+def token_matrix_bytes(sizes: CheckpointSizes, head: bool = False) -> int:
+    """One [vocab, hidden] matrix as stored: the embedding, or the head (a GGUF stores each in its own type)."""
+    stored = sizes.head_bytes if head else sizes.embedding_bytes
+    if stored is not None:
+        return stored
     return sizes.vocab_size * sizes.hidden_size * DTYPE_BITS.get(sizes.storage_dtype, 16) // 8
 
 
 def head_read_bytes(sizes: CheckpointSizes, placement: TokenMatrices) -> int:
     """What a pass reads beyond its layers: the head, where it streams (embedding rows are a pass's tokens' alone)."""
-    return token_matrix_bytes(sizes) if placement.stream_head else 0
+    return token_matrix_bytes(sizes, head=True) if placement.stream_head else 0
 
 
 def _token_matrix_parts(sizes: CheckpointSizes, compute_dtype: str, placement: TokenMatrices,
@@ -97,6 +97,8 @@ def _token_matrix_parts(sizes: CheckpointSizes, compute_dtype: str, placement: T
         chunk_rows = min(sizes.vocab_size, max(1, chunk_bytes // (sizes.hidden_size * compute_bytes)))
         stored_bytes = DTYPE_BITS.get(sizes.storage_dtype, 16) // 8
         read_buffer = stored_bytes if stored_bytes != compute_bytes or not on_host(device) else 0
+        if sizes.file_format == "gguf":  # blocks read into a buffer (no more than 2 bytes a weight), decoded in float32
+            read_buffer = 2 + 4
         parts.append(("head chunk", chunk_rows * sizes.hidden_size * (compute_bytes + read_buffer)))
     if other:
         parts.append(("other non-decoder", other))

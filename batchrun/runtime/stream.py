@@ -29,7 +29,7 @@ from batchrun.runtime.read_ahead import ReadAhead
 from batchrun.runtime.skeleton import materialise_buffers, set_tensor
 from batchrun.runtime.streamed_layer import PassState, StreamedLayer
 from batchrun.runtime.token_matrices import (GatheredEmbedding, MatrixRows, StreamedHead, StreamedMatrices,
-                                             transforms_logits)
+                                             matrix_rows, transforms_logits)
 from batchrun.runtime.turns import LayerTurns, PassGroup, PassProgress, TurnCallback, run_interleaved
 from batchrun.runtime.weights import Recipe, build_recipes, read_into, realize, tensor_from_bytes
 
@@ -163,20 +163,20 @@ class StreamedModel(TokenizerOnDemand):
         # checkpoint is left for the missing-tensor error below)
         tied = head_target not in by_target and bool(getattr(text_config(self.config), "tie_word_embeddings", False))
         head_recipe = embed_recipe if tied else by_target.get(head_target)
-        stream_head = reads.stream_head and head_recipe is not None and head_recipe.is_plain
+        stream_head = reads.stream_head and head_recipe is not None and head_recipe.reads_by_rows
         # a tied matrix is gathered exactly when the head streams it: held for the head, it serves both uses
         gather = ((stream_head if tied else reads.gather_embeddings) and embed_recipe is not None
-                  and embed_recipe.is_plain)
+                  and embed_recipe.reads_by_rows)
         if not (gather or stream_head):
             return matrices, recipes
         drop = reads.drop_page_cache
-        matrix_rows = {}  # one reader per tensor: a tied matrix serves both uses
+        readers = {}  # one per tensor: a tied matrix serves both uses
 
         def rows_of(recipe: Recipe) -> MatrixRows:
             info = recipe.sources[0]
-            if info.name not in matrix_rows:
-                matrix_rows[info.name] = MatrixRows(info, device=self.device, dtype=self.dtype, drop_page_cache=drop)
-            return matrix_rows[info.name]
+            if info.name not in readers:
+                readers[info.name] = matrix_rows(info, device=self.device, dtype=self.dtype, drop_page_cache=drop)
+            return readers[info.name]
 
         if gather:
             matrices.gathered = GatheredEmbedding(embedding, rows_of(embed_recipe))
@@ -187,7 +187,7 @@ class StreamedModel(TokenizerOnDemand):
             matrices.head = StreamedHead(rows_of(head_recipe), self.num_layers, lambda: self._current.group,
                                          chunk_bytes=min(HEAD_CHUNK_BYTES, layer_bytes),
                                          reduces=not transforms_logits(text_config(self.config)))
-        matrices.rows = list(matrix_rows.values())
+        matrices.rows = list(readers.values())
         streamed = {embed_target if gather else None, head_target if stream_head else None}
         return matrices, [recipe for recipe in recipes if recipe.target not in streamed]
 

@@ -52,6 +52,14 @@ class Recipe:
     def is_plain(self) -> bool:
         return self.converter is None and self.decode is None and len(self.sources) == 1
 
+    @property
+    def reads_by_rows(self) -> bool:
+        """Whether the target is its one source's rows as they lie (any range of rows read and converted alone):
+        a plain copy, or a GGUF tensor with no row reordering or offset."""
+        if self.decode is not None:
+            return self.decode.head_rows is None and not self.decode.norm_offset
+        return self.is_plain
+
 
 def build_recipes(model: torch.nn.Module, infos: dict[str, TensorInfo]) -> dict[str, Recipe]:
     """Map every checkpoint tensor onto the meta model's parameters, as from_pretrained would."""

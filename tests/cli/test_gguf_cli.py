@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from batchrun.checkpoint import checkpoint_sizes
+from batchrun.checkpoint import checkpoint_sizes, read_gguf_index
 from tests.gguf_files import write_gguf
 from tests.support import invoke
 
@@ -35,14 +35,13 @@ def test_plan_reads_a_gguf_models_quantized_sizes(reviews, default_gguf, default
     assert candidate["checkpoint_bytes"] == sizes.checkpoint_bytes
     assert sizes.checkpoint_bytes < checkpoint_sizes(default_checkpoint).checkpoint_bytes / 5
     assert candidate["largest_layer_bytes"] == sizes.largest_layer_bytes
-    assert candidate["token_matrices"] == "held"
     assert candidate["compute_dtype_reason"].startswith("auto: float32, in which the GGUF's dequantized weights are "
                                                         "exact")
-    # the embedding and head of a GGUF model are held; asking otherwise is refused, not ignored
+    # a streamed head reads the tied matrix's quantized bytes each pass besides the layers
     asked = json.loads(invoke("plan", reviews, "--model", file, "--streaming", "always", "--token-matrices",
                               "streamed", "--json").stdout)["candidates"][0]
-    assert asked["fits"] is False and any("--token-matrices streamed: a GGUF model's embedding and head are held"
-                                          in blocker for blocker in asked["blockers"])
+    assert asked["fits"] is True and asked["token_matrices"] == "streamed"
+    assert sizes.head_bytes == sizes.embedding_bytes == read_gguf_index(file).tensors["token_embd.weight"].nbytes
 
 
 def test_plan_refuses_an_unsupported_type_naming_the_tensor(tmp_path, reviews):

@@ -1,10 +1,11 @@
 """A GGUF model's plan: its quantized bytes are what a pass reads, dequantizing them is part of the reads at the
-machine's measured rates, and its read buffer holds a layer's blocks."""
+machine's measured rates, its read buffer holds a layer's blocks, and a streamed head or gathered embedding reads
+its own quantized bytes."""
 from __future__ import annotations
 
 import pytest
 
-from batchrun.checkpoint import checkpoint_sizes
+from batchrun.checkpoint import checkpoint_sizes, read_gguf_index
 from batchrun.plan import RowCost
 from batchrun.plan.weights import streamed_weights
 from tests.gguf_files import write_tiny_gguf_model
@@ -43,5 +44,17 @@ def test_a_gguf_layer_slot_is_at_the_compute_dtype_beside_a_buffer_of_its_blocks
     attention, mlp, norms = 2 * (2 * 256 * 256 + 2 * 128 * 256), 2 * 3 * 256 * 512, 2 * 2 * 256
     assert sizes.layer_params_by_type == {"Q4_0": attention, "Q8_0": mlp, "F32": norms}
     assert sizes.non_decoder_params_by_type == {"Q8_0": 320 * 256, "Q4_0": 320 * 256, "F32": 256}
-    candidate = plan(sizes, rows=ROWS, streaming="always", memory_budget_bytes=8 * GiB).to_json()
-    assert candidate["token_matrices"] == "held"
+
+
+
+def test_a_streamed_gguf_head_reads_its_own_quantized_bytes(sizes):
+    index = read_gguf_index(sizes.path)
+    assert sizes.embedding_bytes == index.tensors["token_embd.weight"].nbytes  # Q8_0
+    assert sizes.head_bytes == index.tensors["output.weight"].nbytes < sizes.embedding_bytes  # Q4_0
+    options = dict(rows=ROWS, streaming="always", compute_dtype="float32", compute_flops_per_s=1e30,
+                   memory_budget_bytes=8 * GiB)
+    streamed = plan(sizes, **options, token_matrices="streamed")
+    assert streamed.to_json()["token_matrices"] == "streamed"
+    assert streamed.time.io_seconds_per_pass == pytest.approx((sizes.decoder_bytes + sizes.head_bytes) / 1e9)
+    gathered = plan(sizes, **options, token_matrices="gathered")
+    assert gathered.time.load_seconds == pytest.approx((sizes.non_decoder_bytes - sizes.embedding_bytes) / 1e9)

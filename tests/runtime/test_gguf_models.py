@@ -43,6 +43,20 @@ def test_tiny_gguf_models_give_transformers_own_gguf_logits(tmp_path, monkeypatc
         assert prefetch or pass_bytes == checkpoint_sizes(file).decoder_bytes
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied (embedding Q8_0, head Q4_0) and tied
+def test_tiny_gguf_models_gather_and_stream_their_token_matrices_exactly(tmp_path, arch):
+    file = write_tiny_gguf_model(tmp_path / f"{arch}.gguf", arch)
+    expected = transformers_gguf_logits(file, PROMPT)
+    sizes = checkpoint_sizes(file)
+    for gather, stream in ((True, False), (False, True), (True, True)):
+        reads = LayerReads(prefetch=False, gather_embeddings=gather, stream_head=stream)
+        with StreamedModel(file, device="cpu", dtype="float32", reads=reads) as streamed:
+            assert torch.equal(streamed(PROMPT).logits, expected), (gather, stream)
+            assert (streamed.matrices.head is not None) == stream
+            if stream:  # the head's quantized rows, read once in the pass
+                assert streamed.matrices.bytes_read >= sizes.head_bytes
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_tiny_gguf_models_compute_in_bfloat16_as_transformers_does(tmp_path, arch):
     from transformers import AutoModelForCausalLM
@@ -104,6 +118,10 @@ def test_the_default_model_from_its_gguf_gives_its_float32_conversions_logits(de
         logits, pass_bytes = streamed_logits_and_pass_bytes(file, ids, prefetch)
         assert torch.equal(logits, expected), prefetch
     assert pass_bytes == sizes.decoder_bytes < checkpoint_sizes(converted).decoder_bytes / 5
+    # the tied matrix streamed for both uses: embedding rows gathered, the head dequantized chunk by chunk
+    reads = LayerReads(gather_embeddings=True, stream_head=True)
+    with StreamedModel(file, device="cpu", dtype="float32", reads=reads) as streamed:
+        assert streamed.matrices.head is not None and torch.equal(streamed(ids).logits, expected)
 
 
 def test_gemma3s_q4_k_m_gguf_gives_transformers_own_gguf_logits(gemma3_gguf):
