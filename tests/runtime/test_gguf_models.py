@@ -132,3 +132,6 @@ def test_gemma3s_q4_k_m_gguf_gives_transformers_own_gguf_logits(gemma3_gguf):
     logits, pass_bytes = streamed_logits_and_pass_bytes(gemma3_gguf, ids, prefetch=False)
     assert torch.equal(logits, expected)
     assert pass_bytes == checkpoint_sizes(gemma3_gguf).decoder_bytes
+    reads = LayerReads(gather_embeddings=True, stream_head=True)  # its 262,144-row tied matrix, never held
+    with StreamedModel(gemma3_gguf, device="cpu", dtype="float32", reads=reads) as streamed:
+        assert streamed.matrices.head is not None and torch.equal(streamed(ids).logits, expected)
