@@ -28,7 +28,7 @@ def convert(model: RegistryModel, gguf_path: Path, out_dir: Path) -> float:
     except ImportError as exc:
         raise DefaultModelError(f"converting {model.name} needs torch and transformers ({exc})") from exc
     try:
-        with _gguf_parsed_once():
+        with gguf_parsed_once():
             loaded = AutoModelForCausalLM.from_pretrained(
                 gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
             )
@@ -53,7 +53,7 @@ def convert(model: RegistryModel, gguf_path: Path, out_dir: Path) -> float:
 
 
 @contextmanager
-def _gguf_parsed_once() -> Iterator[None]:
+def gguf_parsed_once() -> Iterator[None]:
     """Make transformers reuse one GGUFReader per file and one tensor-name map per architecture.
 
     transformers 5.24 parses the GGUF metadata (49k-token vocabulary, field by field) four times to load model

@@ -21,6 +21,7 @@ from batchrun.errors import BatchrunError
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_SHARD_NAME = "model.safetensors"
+GGUF_SUFFIX = ".gguf"
 # Files that hold weights only as pickle: no tensor index, so one layer cannot be read without the whole file.
 PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
 
@@ -75,7 +76,11 @@ def storage_dtype(infos: Mapping[str, TensorInfo]) -> str:
 
 
 def read_tensor_infos(checkpoint: str | os.PathLike) -> dict[str, TensorInfo]:
-    """Every tensor's dtype, shape and absolute byte range, read from the shard headers and validated."""
+    """Every tensor's dtype, shape and absolute byte range, read from the shard headers and validated; a GGUF
+    file's tensors by their GGUF names, their dtype the ggml type."""
+    if is_gguf_file(checkpoint):
+        from batchrun.checkpoint.gguf_index import read_gguf_index
+        return dict(read_gguf_index(checkpoint).tensors)
     directory = _checkpoint_dir(checkpoint)
     if not (directory / CONFIG_NAME).is_file():
         raise _missing_config(directory)
@@ -170,6 +175,12 @@ def _tensor_info(file: Path, name: str, entry, data_start: int, file_size: int) 
     return info
 
 
+def is_gguf_file(checkpoint: str | os.PathLike) -> bool:
+    """Whether `checkpoint` is a GGUF file (the model is then the file, not a directory)."""
+    path = Path(checkpoint)
+    return path.suffix.lower() == GGUF_SUFFIX and path.is_file()
+
+
 def _checkpoint_dir(checkpoint: str | os.PathLike) -> Path:
     directory = Path(checkpoint).expanduser()
     if not directory.is_dir():
@@ -224,8 +235,12 @@ def refuse_without_safetensors(where: Path | str, file_names: list[str]) -> None
 
 
 def load_config(checkpoint: str | os.PathLike, trust_remote_code: bool = False) -> dict:
-    """config.json as a dict. A config that needs the repository's own Python code (`auto_map` for an
-    architecture transformers does not ship) is refused unless trust_remote_code=True."""
+    """config.json as a dict (a GGUF file's: the config transformers builds from its metadata). A config that needs
+    the repository's own Python code (`auto_map` for an architecture transformers does not ship) is refused unless
+    trust_remote_code=True."""
+    if is_gguf_file(checkpoint):
+        from batchrun.checkpoint.gguf_model import load_gguf_config
+        return load_gguf_config(checkpoint)
     directory = _checkpoint_dir(checkpoint)
     file = directory / CONFIG_NAME
     if not file.is_file():

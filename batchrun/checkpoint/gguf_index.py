@@ -14,7 +14,7 @@ import mmap
 import os
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -89,6 +89,8 @@ class GGUFIndex:
     files: tuple[Path, ...]  # the parts in order; one file unless split
     metadata: Mapping[str, str | int | float | bool]  # the first part's scalar key/values ("llama.block_count": 30)
     tensors: dict[str, GGUFTensorInfo]  # by GGUF name ("blk.0.attn_q.weight"), in file order
+    # the first part's arrays, skipped unread, by key with their item counts (a vocabulary's size is its count)
+    array_lengths: Mapping[str, int] = field(default_factory=dict, compare=False)
 
     @property
     def architecture(self) -> str:
@@ -133,10 +135,11 @@ def read_gguf_index(path: str | os.PathLike) -> GGUFIndex:
     parts = split_parts(path)
     tensors: dict[str, GGUFTensorInfo] = {}
     metadata: dict[str, str | int | float | bool] = {}
+    array_lengths: dict[str, int] = {}
     for number, part in enumerate(parts):
-        part_metadata, part_tensors = _read_part(part)
+        part_metadata, part_arrays, part_tensors = _read_part(part)
         if number == 0:
-            metadata = part_metadata
+            metadata, array_lengths = part_metadata, part_arrays
         for info in part_tensors:
             if info.name in tensors:
                 raise CheckpointError(f"{part}: tensor {info.name!r} is also in {tensors[info.name].file.name}")
@@ -145,15 +148,15 @@ def read_gguf_index(path: str | os.PathLike) -> GGUFIndex:
     if isinstance(expected, int) and expected != len(tensors):
         raise CheckpointError(f"{parts[0]}: the split declares {expected} tensors, its {len(parts)} parts hold "
                               f"{len(tensors)}")
-    return GGUFIndex(parts, metadata, tensors)
+    return GGUFIndex(parts, metadata, tensors, array_lengths)
 
 
-def _read_part(file: Path) -> tuple[dict[str, str | int | float | bool], list[GGUFTensorInfo]]:
+def _read_part(file: Path) -> tuple[dict[str, str | int | float | bool], dict[str, int], list[GGUFTensorInfo]]:
     try:
         with open(file, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
             cursor = _Cursor(data)
             metadata = _read_preamble(file, cursor)
-            _read_metadata(cursor, metadata)
+            arrays = _read_metadata(cursor, metadata)
             entries = [_read_tensor_entry(cursor) for _ in range(int(metadata["GGUF.tensor_count"]))]
             data_start = _aligned(cursor.pos, metadata.get("general.alignment"))
             size = len(data)
@@ -171,7 +174,7 @@ def _read_part(file: Path) -> tuple[dict[str, str | int | float | bool], list[GG
             raise CheckpointError(f"{file}: not a readable GGUF file, or truncated (incomplete download?): tensor "
                                   f"{name!r} ends at byte {info.offset + info.nbytes}, past the file's {size}")
         infos[name] = info
-    return metadata, list(infos.values())
+    return metadata, arrays, list(infos.values())
 
 
 class _Unreadable(Exception):
@@ -215,25 +218,28 @@ def _read_preamble(file: Path, cursor: _Cursor) -> dict[str, str | int | float |
     return {"GGUF.version": version, "GGUF.tensor_count": tensor_count, "GGUF.kv_count": kv_count}
 
 
-def _read_metadata(cursor: _Cursor, metadata: dict[str, str | int | float | bool]) -> None:
+def _read_metadata(cursor: _Cursor, metadata: dict[str, str | int | float | bool]) -> dict[str, int]:
     """Every key/value into `metadata` but arrays, which are skipped unread: a tokenizer's vocabulary is most of
-    a small model's header, and nothing the index serves needs it."""
+    a small model's header, and nothing the index serves needs it. Returns each array's item count by key."""
+    arrays: dict[str, int] = {}
     for _ in range(int(metadata["GGUF.kv_count"])):
         key = cursor.string()
         (value_type,) = cursor.unpack(_U32)
-        if key in metadata:
+        if key in metadata or key in arrays:
             raise _Unreadable(f"metadata key {key!r} appears twice")
         if value_type == _ARRAY:
-            _skip_array(cursor)
+            arrays[key] = _skip_array(cursor)
         elif value_type == _STRING:
             metadata[key] = cursor.string()
         elif value_type in _SCALARS:
             (metadata[key],) = cursor.unpack(_SCALARS[value_type])
         else:
             raise _Unreadable(f"metadata key {key!r} has value type number {value_type}, which GGUF does not define")
+    return arrays
 
 
-def _skip_array(cursor: _Cursor) -> None:
+def _skip_array(cursor: _Cursor) -> int:
+    """Move past an array; returns its item count."""
     item_type, count = cursor.unpack(_ARRAY_HEAD)
     if item_type in _SCALARS:
         cursor.skip(_SCALARS[item_type].size * count)
@@ -252,6 +258,7 @@ def _skip_array(cursor: _Cursor) -> None:
             _skip_array(cursor)
     else:
         raise _Unreadable(f"an array of value type number {item_type}, which GGUF does not define")
+    return count
 
 
 def _read_tensor_entry(cursor: _Cursor) -> tuple[str, int, tuple[int, ...], int]:

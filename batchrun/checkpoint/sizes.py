@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from batchrun.checkpoint.files import (CONFIG_NAME, DTYPE_BITS, CheckpointError, TensorInfo, decoder_layer_prefix,
-                                       load_config, read_tensor_infos, storage_dtype)
+                                       is_gguf_file, load_config, read_tensor_infos, storage_dtype)
+from batchrun.checkpoint.gguf_index import read_gguf_index
+from batchrun.checkpoint.gguf_model import gguf_config, sizing_config
 
 # Alternative spellings of the same config field across architectures (generic names, not a per-family table).
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
@@ -30,9 +33,9 @@ DTYPE_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 class CheckpointSizes:
     path: Path | None
     model_type: str
-    storage_dtype: str  # most common dtype by bytes (safetensors code)
+    storage_dtype: str  # most common dtype by bytes (safetensors code; a GGUF's ggml type, "Q4_K")
     num_layers: int
-    layer_bytes: list[int]  # per decoder layer, as stored
+    layer_bytes: list[int]  # per decoder layer, as stored (a GGUF's quantized bytes, scales included)
     non_decoder_bytes: int
     layer_params: list[int]
     non_decoder_params: int
@@ -57,6 +60,14 @@ class CheckpointSizes:
     # [out, in] of decoder layer 0's 2-D weights, as stored: the matrices a decode step multiplies in every layer,
     # whose own speed at a few rows prices decode passes (measure.decode_rates). Empty for an estimate.
     layer_matrices: tuple[tuple[int, int], ...] = ()
+    file_format: str = "safetensors"  # or "gguf": one file whose tensors are dequantized as they are read
+    # A GGUF's weights by ggml type, in the decoder stack and outside it: what dequantizing them costs (plan.passes)
+    layer_params_by_type: dict[str, int] = field(default_factory=dict)
+    non_decoder_params_by_type: dict[str, int] = field(default_factory=dict)
+    # A GGUF's token matrices as stored (quantized, each in its own type): what gathering or streaming them reads.
+    # None where every matrix is stored at storage_dtype.
+    embedding_bytes: int | None = None
+    head_bytes: int | None = None
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -95,12 +106,20 @@ class CheckpointSizes:
 
 
 def checkpoint_sizes(checkpoint: str | os.PathLike, trust_remote_code: bool = False) -> CheckpointSizes:
-    """Sizes from config.json and the safetensors headers; a tensor whose shape contradicts the config is an error."""
+    """Sizes from config.json and the safetensors headers (a GGUF file's metadata and tensor infos); a tensor whose
+    shape contradicts the config is an error."""
     directory = Path(checkpoint)
-    config = load_config(directory, trust_remote_code)
-    infos = read_tensor_infos(directory)
+    if is_gguf_file(directory):
+        index = read_gguf_index(directory)
+        return _sizes(directory, sizing_config(gguf_config(index)), index.tensors, str(directory), gguf=True)
+    return _sizes(directory, load_config(directory, trust_remote_code), read_tensor_infos(directory),
+                  str(directory / CONFIG_NAME), gguf=False)
+
+
+def _sizes(directory: Path, config: dict, infos: dict[str, TensorInfo], where: str, gguf: bool) -> CheckpointSizes:
+    """A GGUF's tensors carry llama.cpp's names, which the per-name shape checks do not know, and no packing the
+    config declares."""
     text = _text_config(config)
-    where = str(directory / CONFIG_NAME)
     num_layers = _num_layers(text, where)
     try:
         prefix = decoder_layer_prefix(infos, num_layers)
@@ -109,23 +128,27 @@ def checkpoint_sizes(checkpoint: str | os.PathLike, trust_remote_code: bool = Fa
 
     layer_bytes, layer_params = [0] * num_layers, [0] * num_layers
     outside: list[TensorInfo] = []
+    by_type: tuple[Counter[str], Counter[str]] = (Counter(), Counter())  # decoder stack, outside it
     for name, info in infos.items():
         if name.startswith(prefix + "."):
             layer = int(name[len(prefix) + 1:].split(".", 1)[0])
             layer_bytes[layer] += info.nbytes
             layer_params[layer] += info.numel
+            by_type[0][info.dtype] += info.numel
         else:
             outside.append(info)
+            by_type[1][info.dtype] += info.numel
     # The token embedding is the largest matrix outside the decoder stack in every decoder-only LM.
     matrices = [info for info in outside if len(info.shape) == 2]
     embedding = max(matrices, key=lambda info: info.numel, default=None)
     arch = _Architecture.read(text, where, num_layers, embedding.shape if embedding else None)
     if embedding is not None and embedding.shape != (arch.vocab_size, arch.hidden_size):
         raise CheckpointError(
-            f"{embedding.file}: tensor {embedding.name!r} has shape {list(embedding.shape)} but {CONFIG_NAME} says "
-            f"vocab_size={arch.vocab_size}, hidden_size={arch.hidden_size} (config and weights disagree)"
+            f"{embedding.file}: tensor {embedding.name!r} has shape {list(embedding.shape)} but "
+            f"{'its metadata' if gguf else CONFIG_NAME} says vocab_size={arch.vocab_size}, "
+            f"hidden_size={arch.hidden_size} (config and weights disagree)"
         )
-    if not config.get("auto_map") and not config.get("quantization_config"):
+    if not gguf and not config.get("auto_map") and not config.get("quantization_config"):
         _check_layer_shapes(infos, prefix, num_layers, arch, text)
     # Tied weights are saved once; an untied head is a second matrix of the embedding's shape.
     tied = arch.tied if embedding is None else sum(m.shape == embedding.shape for m in matrices) == 1
@@ -136,7 +159,19 @@ def checkpoint_sizes(checkpoint: str | os.PathLike, trust_remote_code: bool = Fa
         layer_params=layer_params, non_decoder_params=sum(i.numel for i in outside),
         tied_embeddings=bool(tied), estimated=False, source="headers", decoder_prefix=prefix, **arch.size_fields(),
         quantization=_quant_method(config), layer_matrices=_layer_matrices(infos, prefix),
+        file_format="gguf" if gguf else "safetensors",
+        layer_params_by_type=dict(by_type[0]) if gguf else {},
+        non_decoder_params_by_type=dict(by_type[1]) if gguf else {},
+        **(_token_matrices_stored(embedding, matrices) if gguf else {}),
     )
+
+
+def _token_matrices_stored(embedding: TensorInfo | None, matrices: list[TensorInfo]) -> dict:
+    """embedding_bytes and head_bytes: the head is the other matrix of the embedding's shape, or the embedding."""
+    if embedding is None:
+        return {}
+    head = next((m for m in matrices if m.shape == embedding.shape and m is not embedding), embedding)
+    return {"embedding_bytes": embedding.nbytes, "head_bytes": head.nbytes}
 
 
 def _layer_matrices(infos: dict[str, TensorInfo], prefix: str) -> tuple[tuple[int, int], ...]:

@@ -4,16 +4,45 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from batchrun.checkpoint.conversion import gguf_parsed_once
+from batchrun.checkpoint.files import CheckpointError, is_gguf_file
+from batchrun.checkpoint.gguf_index import read_gguf_index
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(checkpoint: Path, trust_remote_code: bool = False):
-    """The checkpoint's tokenizer, or None when it ships none."""
+    """The checkpoint's tokenizer, or None when it ships none; a GGUF file's is built from its metadata, as
+    transformers builds it."""
+    if is_gguf_file(checkpoint):
+        return _gguf_tokenizer(Path(checkpoint))
     if not any((Path(checkpoint) / name).exists() for name in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+    _drop_build_copies(tokenizer)
+    return tokenizer
+
+
+def _gguf_tokenizer(file: Path):
+    """The tokenizer transformers builds from a GGUF file's metadata (the first part's, for a split file), or None
+    when the file carries no vocabulary."""
+    index = read_gguf_index(file)
+    if "tokenizer.ggml.tokens" not in index.array_lengths:
+        return None
+    from transformers import AutoTokenizer
+
+    first = index.files[0]
+    try:
+        with gguf_parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(first.parent, gguf_file=first.name)
+    except ImportError as error:
+        raise CheckpointError(f"{first}: reading a GGUF tokenizer needs the gguf package: pip install gguf "
+                              f"({error})") from None
+    except (ValueError, KeyError, NotImplementedError) as error:
+        raise CheckpointError(f"{first}: transformers cannot build a tokenizer from this GGUF file's metadata "
+                              f"({type(error).__name__}: {error})") from None
     _drop_build_copies(tokenizer)
     return tokenizer
 

@@ -9,17 +9,21 @@ from array import array
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from batchrun.checkpoint import read_tensor_infos, weight_sample_digest
+from batchrun.checkpoint import is_gguf_file, load_config, read_tensor_infos, weight_sample_digest
 from batchrun.spec import EncodedRow, JobSpec
 
 
 def model_identity_parts(checkpoint: Path) -> list[bytes]:
     """The model as a job's identity sees it: config, generation config (end-of-sequence ids), tensor headers and
-    the first bytes of every tensor's data."""
-    parts = [(checkpoint / "config.json").read_bytes()]
-    generation_config = checkpoint / "generation_config.json"
-    if generation_config.is_file():
-        parts.append(generation_config.read_bytes())
+    the first bytes of every tensor's data. A GGUF file's config is the one built from its metadata, its headers
+    its quantized tensors': a job on a GGUF is another job than one on its float32 conversion."""
+    if is_gguf_file(checkpoint):
+        parts = [json.dumps(load_config(checkpoint), sort_keys=True).encode()]
+    else:
+        parts = [(checkpoint / "config.json").read_bytes()]
+        generation_config = checkpoint / "generation_config.json"
+        if generation_config.is_file():
+            parts.append(generation_config.read_bytes())
     infos = read_tensor_infos(checkpoint)
     parts += [f"{name}:{info.dtype}:{info.shape}:{info.nbytes}".encode() for name, info in sorted(infos.items())]
     parts.append(weight_sample_digest(infos).encode())

@@ -16,8 +16,8 @@ from batchrun import measure
 from batchrun.checkpoint import (DEFAULT_REGISTRY_MODEL, CheckpointError, CheckpointSizes, checkpoint_sizes,
                                  default_model, load_config, load_tokenizer, registry_label, resolve_checkpoint)
 from batchrun.host import (anonymous_resident_bytes, auto_compute_dtype, available_memory_bytes, cpu_auto_reason,
-                           disk_free_bytes, peak_resident_bytes, reset_peak_resident, resident_bytes,
-                           return_freed_memory)
+                           cpu_bfloat16_feature, disk_free_bytes, peak_resident_bytes, reset_peak_resident,
+                           resident_bytes, return_freed_memory)
 from batchrun.job.identity import fingerprint, model_digest, model_identity_parts, one_row_per_key, row_keys
 from batchrun.job.models import kept_model_bytes
 from batchrun.job.options import JobOptions
@@ -122,15 +122,14 @@ def _decode_attention(checkpoint: Path, options: JobOptions) -> tuple[bool, bool
     """(attends through transformers' sdpa, sdpa groups one-token queries): PreparedModel's two fields. The first is
     False, the safe side for the plan's memory, where the answer would take the repository's own code or a config
     transformers cannot read: planning reads config.json alone and must not fail on this."""
-    from transformers import AutoConfig
-
-    from batchrun.runtime import attends_through_sdpa, sdpa_groups_one_token_queries  # torch, loaded by now
+    from batchrun.runtime import (attends_through_sdpa, model_config,  # torch, loaded by now
+                                  sdpa_groups_one_token_queries)
 
     groups = sdpa_groups_one_token_queries()
     if load_config(checkpoint, options.trust_remote_code).get("auto_map"):
         return False, groups
     try:
-        config = AutoConfig.from_pretrained(checkpoint)
+        config = model_config(checkpoint)
     except (ValueError, KeyError, OSError):  # e.g. a model_type this transformers does not know
         return False, groups
     return attends_through_sdpa(config), groups
@@ -236,10 +235,20 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
         caveats.append(f"the rows share a {common}-token prompt head, but the longest reaches past the model's "
                        f"{window}-token sliding window, so each row computes it (no shared prefix: the window would "
                        f"count the padding between the head and a row's own tokens)")
-    reason = (cpu_auto_reason(sizes.storage_dtype)
+    reason = (_auto_dtype_reason(sizes)
               if device.split(":")[0] == "cpu" and options.dtype in (None, "auto") else None)
     return replace(plan, linear_kernel=measure.linear_kernel(compute_dtype, device), caveats=caveats,
                    compute_dtype_reason=reason)
+
+
+def _auto_dtype_reason(sizes: CheckpointSizes) -> str | None:
+    """Why --dtype auto computes a CPU run in what it does (None where there is nothing to choose)."""
+    if sizes.file_format != "gguf":
+        return cpu_auto_reason(sizes.storage_dtype)
+    native = cpu_bfloat16_feature()
+    return ("auto: float32, in which the GGUF's dequantized weights are exact (bfloat16 rounds them); "
+            + (f"--dtype bfloat16 multiplies natively on this CPU ({native}) in half the memory" if native
+               else "this CPU has no bfloat16 units (AVX512-BF16 or AMX) for --dtype bfloat16"))
 
 
 def memory_budget(options: JobOptions, device: str, runtime_bytes: int) -> int:
@@ -276,7 +285,10 @@ def machine_rates(prepared: PreparedModel, options: JobOptions, compute_dtype: s
         tokenizer_bytes=prepared.tokenizer_bytes, rows_bytes=rows_bytes,
         decode_rates=_decode_rates(prepared.sizes, compute_dtype, device, costs),
         packs_weights=measure.packs_weights(compute_dtype, device),
-        layer_call_seconds=measure.layer_call_seconds(device), compute_threads=measure.compute_threads())
+        layer_call_seconds=measure.layer_call_seconds(device), compute_threads=measure.compute_threads(),
+        dequantize_weights_per_s=measure.dequantize_rates(
+            {**prepared.sizes.layer_params_by_type, **prepared.sizes.non_decoder_params_by_type}, compute_dtype,
+            device))
 
 
 def _decode_rates(sizes: CheckpointSizes, compute_dtype: str, device: str, costs) -> dict[int, float] | None:

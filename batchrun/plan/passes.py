@@ -110,17 +110,27 @@ def time_passes(job: PlanInputs, mode: str, scheduled: Schedule, calls: Calls,
 
 
 def read_times(job: PlanInputs, mode: str, placement: TokenMatrices = HELD) -> tuple[float | None, float | None]:
-    """(seconds to load what stays resident, seconds a pass reads): its layers, and the head where it streams."""
+    """(seconds to load what stays resident, seconds a pass reads): its layers, and the head where it streams. A
+    GGUF model's weights are dequantized on the reader's thread as they load, so that time is the reads' too."""
     bytes_per_s = job.rates.bandwidth.bytes_per_s
     sizes = job.sizes
     not_loaded = head_read_bytes(sizes, placement) + (
         token_matrix_bytes(sizes) if placement.gather_embeddings and not sizes.tied_embeddings else 0)
     load_bytes = sizes.checkpoint_bytes if mode == "resident" else sizes.non_decoder_bytes - not_loaded
-    load_seconds = load_bytes / bytes_per_s if bytes_per_s else None
+    layers_decode = dequantize_seconds(job, sizes.layer_params_by_type)
+    load_decode = dequantize_seconds(job, sizes.non_decoder_params_by_type) + (layers_decode if mode == "resident"
+                                                                                 else 0.0)
+    load_seconds = load_bytes / bytes_per_s + load_decode if bytes_per_s else None
     pass_bytes = sizes.decoder_bytes + head_read_bytes(sizes, placement)
     io_seconds = 0.0 if mode == "resident" else (
-        pass_bytes / bytes_per_s / IO_EFFICIENCY[job.request.prefetch] if bytes_per_s else None)
+        pass_bytes / bytes_per_s / IO_EFFICIENCY[job.request.prefetch] + layers_decode if bytes_per_s else None)
     return load_seconds, io_seconds
+
+
+def dequantize_seconds(job: PlanInputs, params_by_type: dict[str, int]) -> float:
+    """Seconds to dequantize a GGUF's weights (`params_by_type`: weights by ggml type) at the measured rates."""
+    rates = job.rates.dequantize_weights_per_s
+    return sum(count / rates[ggml_type] for ggml_type, count in params_by_type.items() if rates.get(ggml_type))
 
 
 def _pricing(job: PlanInputs, mode: str, calls: Calls) -> PassPricing:

@@ -19,7 +19,8 @@ from batchrun.plan.formatting import format_bytes, format_rate
 from batchrun.plan.inputs import Notes, PlanInputs
 from batchrun.plan.memory import Calls, batch_bytes, decode_pass_bytes, largest_turn_bytes
 from batchrun.plan.mode import Fixed, fixed_memory, parse_streaming
-from batchrun.plan.passes import Packing, Schedule, decode_calls, pack, read_times, schedule_passes, time_passes
+from batchrun.plan.passes import (Packing, Schedule, decode_calls, dequantize_seconds, pack, read_times, schedule_passes,
+                                  time_passes)
 from batchrun.plan.records import PlanRequest, Rates
 from batchrun.plan.timing import Timeline
 from batchrun.plan.weights import COMPUTE_BYTES, TokenMatrices, layer_slot_bytes
@@ -222,6 +223,10 @@ def _read_seconds(job: PlanInputs, mode: str,
         blockers = ("read bandwidth unknown: measure it (`batchrun disk`) or declare it (--bandwidth)",)
     if bandwidth.basis == "assumed" and bytes_per_s is not None:
         caveats = (f"ETA uses an assumed read bandwidth of {format_rate(bytes_per_s)} ({bandwidth.how})",)
+    decoding = dequantize_seconds(job, job.sizes.layer_params_by_type)
+    if mode == "streamed" and decoding:
+        caveats += (f"a pass's reads include dequantizing the GGUF's layers into {job.request.compute_dtype}: "
+                    f"{decoding:.2g} s at this machine's rates",)
     return read_times(job, mode, placement), Notes(caveats, blockers)
 
 

@@ -2,7 +2,7 @@
 the machine (Rates). No torch."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 
@@ -64,3 +64,5 @@ class Rates:
     disk_free_bytes: int | None = None
     tokenizer_bytes: int = 0  # the tokenizer's part of runtime_overhead_bytes
     rows_bytes: int = 0  # the job's read and encoded rows' part of runtime_overhead_bytes
+    # A GGUF model's weights decoded per second into the compute dtype, by ggml type (measure.dequantize_rates)
+    dequantize_weights_per_s: Mapping[str, float] = field(default_factory=dict)

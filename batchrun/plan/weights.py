@@ -60,14 +60,17 @@ def token_matrix_placements(sizes: CheckpointSizes, asked: str = "auto") -> list
     return [p for word, p in TOKEN_MATRIX_PLACEMENTS.items() if not (sizes.tied_embeddings and word == "gathered")]
 
 
-def token_matrix_bytes(sizes: CheckpointSizes) -> int:
-    """One [vocab, hidden] matrix as stored."""
+def token_matrix_bytes(sizes: CheckpointSizes, head: bool = False) -> int:
+    """One [vocab, hidden] matrix as stored: the embedding, or the head (a GGUF stores each in its own type)."""
+    stored = sizes.head_bytes if head else sizes.embedding_bytes
+    if stored is not None:
+        return stored
     return sizes.vocab_size * sizes.hidden_size * DTYPE_BITS.get(sizes.storage_dtype, 16) // 8
 
 
 def head_read_bytes(sizes: CheckpointSizes, placement: TokenMatrices) -> int:
     """What a pass reads beyond its layers: the head, where it streams (embedding rows are a pass's tokens' alone)."""
-    return token_matrix_bytes(sizes) if placement.stream_head else 0
+    return token_matrix_bytes(sizes, head=True) if placement.stream_head else 0
 
 
 def _token_matrix_parts(sizes: CheckpointSizes, compute_dtype: str, placement: TokenMatrices,
@@ -94,6 +97,8 @@ def _token_matrix_parts(sizes: CheckpointSizes, compute_dtype: str, placement: T
         chunk_rows = min(sizes.vocab_size, max(1, chunk_bytes // (sizes.hidden_size * compute_bytes)))
         stored_bytes = DTYPE_BITS.get(sizes.storage_dtype, 16) // 8
         read_buffer = stored_bytes if stored_bytes != compute_bytes or not on_host(device) else 0
+        if sizes.file_format == "gguf":  # blocks read into a buffer (no more than 2 bytes a weight), decoded in float32
+            read_buffer = 2 + 4
         parts.append(("head chunk", chunk_rows * sizes.hidden_size * (compute_bytes + read_buffer)))
     if other:
         parts.append(("other non-decoder", other))
@@ -114,8 +119,9 @@ def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool,
     # On the host a tensor is read straight into its slot, a narrower one widened there (bf16 -> float32); a raw read
     # buffer (loads take turns, so one) serves a narrowing cast and experts fused at load time. An accelerator's read
     # buffer is pinned host memory, outside the device budget this plan sizes.
+    # A GGUF layer's blocks are read into that buffer and dequantized from it into the slot, on every device.
     narrowing = COMPUTE_BYTES[compute_dtype] * 8 < DTYPE_BITS.get(sizes.storage_dtype, 0)
-    needs_read_buffer = on_host(device) and (narrowing or bool(sizes.moe))
+    needs_read_buffer = (on_host(device) and (narrowing or bool(sizes.moe))) or sizes.file_format == "gguf"
     read_buffers = sizes.largest_layer_bytes if needs_read_buffer else 0
     # Where long prefills pack (measure.packs_weights), they multiply a packed copy of the computing layer's linear
     # weights (linear_kernels.pack_weights), made when the layer starts and freed when it ends: one layer more,

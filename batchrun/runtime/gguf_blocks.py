@@ -172,10 +172,8 @@ def undo_qk_permutation(weight: torch.Tensor, head_rows: int) -> torch.Tensor:
     return halves.transpose(1, 2).reshape(weight.shape)
 
 
-def read_gguf_rows(info: GGUFTensorInfo, start: int = 0, stop: int | None = None,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rows start..stop-1 of a GGUF tensor read from its file and dequantized: the tensor's own shape when that is
-    all its rows, else [stop - start, row width]. A 1-D tensor (a norm, a bias) is one row."""
+def read_gguf_blocks(info: GGUFTensorInfo, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """The quantized bytes of rows start..stop-1 of a GGUF tensor, read from its file: a uint8 tensor."""
     stop = info.rows if stop is None else stop
     offset, length = info.row_span(start, stop)
     raw = torch.empty(length, dtype=torch.uint8)
@@ -184,5 +182,13 @@ def read_gguf_rows(info: GGUFTensorInfo, start: int = 0, stop: int | None = None
         read_into(fd, memoryview(raw.numpy()), offset, info.file)
     finally:
         os.close(fd)
+    return raw
+
+
+def read_gguf_rows(info: GGUFTensorInfo, start: int = 0, stop: int | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows start..stop-1 of a GGUF tensor read from its file and dequantized: the tensor's own shape when that is
+    all its rows, else [stop - start, row width]. A 1-D tensor (a norm, a bias) is one row."""
+    stop = info.rows if stop is None else stop
     shape = info.shape if (start, stop) == (0, info.rows) else (stop - start, info.row_width)
-    return dequantize(raw, info.dtype, shape, dtype)
+    return dequantize(read_gguf_blocks(info, start, stop), info.dtype, shape, dtype)

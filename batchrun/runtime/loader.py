@@ -233,6 +233,11 @@ class LayerLoader:
             if busy is not None:  # released by the forward thread while its kernels may still be reading
                 self._copy_stream.wait_event(busy)
             for recipe in recipes:
+                if recipe.decode is not None:  # a GGUF tensor, decoded chunk by chunk straight into its slot
+                    name = recipe.target[len(prefix):]
+                    tensors[name] = self._decode_into_slot(recipe, raw[recipe.sources[0].name],
+                                                           self._buffer(slot, name, metas[name]))
+                    continue
                 produced = realize(recipe, [raw[i.name] for i in recipe.sources], self.model, self.config)
                 for target, value in produced.items():
                     name = target[len(prefix):]
@@ -251,6 +256,14 @@ class LayerLoader:
         # main stream never waits on a copy that has not been issued.
         event.synchronize()
         return event
+
+    @staticmethod
+    def _decode_into_slot(recipe: Recipe, blocks: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        if tuple(recipe.decode.shape) != tuple(buf.shape):
+            raise CheckpointError(f"{recipe.sources[0].file}: {recipe.target} has shape {recipe.decode.shape} in the "
+                                  f"GGUF file, but the model expects {tuple(buf.shape)}")
+        recipe.decode.into(blocks, buf)
+        return buf
 
     def _advise_dropped(self, path, offset: int, length: int) -> None:
         if self.drop_page_cache:

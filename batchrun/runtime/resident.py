@@ -8,9 +8,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from batchrun.checkpoint import TokenizerOnDemand, load_config, read_tensor_infos, storage_dtype
+from batchrun.checkpoint import TokenizerOnDemand, is_gguf_file, load_config, read_tensor_infos, storage_dtype
 from batchrun.host import glibc, keep_heap_flat, return_freed_memory
 from batchrun.runtime.devices import resolve_dtype
+from batchrun.runtime.gguf_weights import load_gguf_model, model_config
 from batchrun.runtime.stream import find_decoder_stack, text_config
 from batchrun.runtime.turns import PassProgress, TurnCallback
 
@@ -25,12 +26,12 @@ class ResidentModel(TokenizerOnDemand):
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, self.device, storage_dtype(infos))
         keep_heap_flat()  # before the first weight is allocated, so no heap grows under the model
-        files = {info.file for info in infos.values()}
-        _read_sequentially(files)
-        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=self.dtype,
-                                                          trust_remote_code=trust_remote_code).to(self.device)
-        if self.device.type == "cpu":
-            copy_out_of_file_mappings(self.model, files)
+        if is_gguf_file(checkpoint):  # dequantized as read into process memory: nothing stays mapped
+            self.model = load_gguf_model(self.checkpoint, model_config(self.checkpoint), dtype=self.dtype,
+                                         device=self.device)
+        else:
+            self.model = _load_safetensors(self.checkpoint, self.dtype, self.device, trust_remote_code,
+                                           {info.file for info in infos.values()})
         self.model.eval()
         self.config = self.model.config
         self._trust_remote_code = trust_remote_code
@@ -105,6 +106,16 @@ class ResidentModel(TokenizerOnDemand):
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def _load_safetensors(checkpoint: Path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool,
+                      files) -> torch.nn.Module:
+    _read_sequentially(files)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype,
+                                                 trust_remote_code=trust_remote_code).to(device)
+    if device.type == "cpu":
+        copy_out_of_file_mappings(model, files)
+    return model
 
 
 def _return_freed_memory(module, args, output) -> None:

@@ -1,6 +1,7 @@
 """The layer-streaming runtime: a transformers model whose decoder layers live on disk.
 
-StreamedModel builds the model on meta, loads what stays resident (embeddings, final norm, head, unless the token
+StreamedModel builds the model on meta (from safetensors, or from a GGUF file whose blocks are dequantized as they
+load: gguf_weights.py), loads what stays resident (embeddings, final norm, head, unless the token
 matrices stream: token_matrices.py) and hooks one StreamedLayer into each decoder layer (streamed_layer.py: load
 before its forward, release after, accelerate's hook shape); a ReadAhead reads the layers into buffer slots on a
 worker thread one or more layers ahead (read_ahead.py). transformers owns the architecture; we only discover the
@@ -14,19 +15,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig
 
-from batchrun.checkpoint import (CheckpointError, TokenizerOnDemand, load_config, read_tensor_infos, resolve_checkpoint,
-                                 storage_dtype)
+from batchrun.checkpoint import (CheckpointError, TokenizerOnDemand, is_gguf_file, load_config, read_gguf_index,
+                                 read_tensor_infos, resolve_checkpoint, storage_dtype)
 from batchrun.host import keep_heap_flat
 from batchrun.plan import HEAD_CHUNK_BYTES
 from batchrun.runtime.devices import default_device, resolve_dtype
+from batchrun.runtime.gguf_weights import gguf_recipes, model_config, read_gguf_tensor
 from batchrun.runtime.linear_kernels import PACK_MIN_ROWS, packing_available, route_linears, routed_weight_names
 from batchrun.runtime.loader import LayerLoader, SlotPool
 from batchrun.runtime.read_ahead import ReadAhead
+from batchrun.runtime.skeleton import materialise_buffers, set_tensor
 from batchrun.runtime.streamed_layer import PassState, StreamedLayer
 from batchrun.runtime.token_matrices import (GatheredEmbedding, MatrixRows, StreamedHead, StreamedMatrices,
-                                             transforms_logits)
+                                             matrix_rows, transforms_logits)
 from batchrun.runtime.turns import LayerTurns, PassGroup, PassProgress, TurnCallback, run_interleaved
 from batchrun.runtime.weights import Recipe, build_recipes, read_into, realize, tensor_from_bytes
 
@@ -62,7 +65,7 @@ class LayerReads:
 
 
 class StreamedModel(TokenizerOnDemand):
-    """A causal LM whose decoder layers are read from the checkpoint's safetensors as they run.
+    """A causal LM whose decoder layers are read from the checkpoint's safetensors (or GGUF file) as they run.
 
     Embeddings, final norm and head stay resident; each decoder layer is read just before it runs (the next one
     read ahead on a thread), so a model larger than memory runs with a layer or two in memory. Called like the
@@ -85,7 +88,7 @@ class StreamedModel(TokenizerOnDemand):
         infos = read_tensor_infos(self.checkpoint)
         self.dtype = resolve_dtype(dtype, self.device, storage_dtype(infos))
         keep_heap_flat()  # before the first weight is allocated, so no heap grows under the model
-        self.config = AutoConfig.from_pretrained(self.checkpoint, trust_remote_code=trust_remote_code)
+        self.config = model_config(self.checkpoint, trust_remote_code)
         _refuse_quantized(self.checkpoint, self.config)
         self.num_layers = text_config(self.config).num_hidden_layers
         self.max_seq_len = max_seq_len or getattr(text_config(self.config), "max_position_embeddings", None)
@@ -98,7 +101,9 @@ class StreamedModel(TokenizerOnDemand):
         self._read_generation_config()
         self.layers_path, self.layers = find_decoder_stack(self.model, self.num_layers)
         route_linears(self.model, "aten")  # routed linears take a weight a decode pass leaves narrow (run_pass)
-        layer_recipes, resident = self._split_recipes(build_recipes(self.model, infos))
+        recipes = (gguf_recipes(self.model, read_gguf_index(self.checkpoint)) if is_gguf_file(self.checkpoint)
+                   else build_recipes(self.model, infos))
+        layer_recipes, resident = self._split_recipes(recipes)
         self.matrices, resident = self._place_token_matrices(resident, reads)
         self._load_resident(resident)
         meta = [dict(layer.named_parameters()) for layer in self.layers]  # every decoder parameter is on meta still
@@ -158,20 +163,20 @@ class StreamedModel(TokenizerOnDemand):
         # checkpoint is left for the missing-tensor error below)
         tied = head_target not in by_target and bool(getattr(text_config(self.config), "tie_word_embeddings", False))
         head_recipe = embed_recipe if tied else by_target.get(head_target)
-        stream_head = reads.stream_head and head_recipe is not None and head_recipe.is_plain
+        stream_head = reads.stream_head and head_recipe is not None and head_recipe.reads_by_rows
         # a tied matrix is gathered exactly when the head streams it: held for the head, it serves both uses
         gather = ((stream_head if tied else reads.gather_embeddings) and embed_recipe is not None
-                  and embed_recipe.is_plain)
+                  and embed_recipe.reads_by_rows)
         if not (gather or stream_head):
             return matrices, recipes
         drop = reads.drop_page_cache
-        matrix_rows = {}  # one reader per tensor: a tied matrix serves both uses
+        readers = {}  # one per tensor: a tied matrix serves both uses
 
         def rows_of(recipe: Recipe) -> MatrixRows:
             info = recipe.sources[0]
-            if info.name not in matrix_rows:
-                matrix_rows[info.name] = MatrixRows(info, device=self.device, dtype=self.dtype, drop_page_cache=drop)
-            return matrix_rows[info.name]
+            if info.name not in readers:
+                readers[info.name] = matrix_rows(info, device=self.device, dtype=self.dtype, drop_page_cache=drop)
+            return readers[info.name]
 
         if gather:
             matrices.gathered = GatheredEmbedding(embedding, rows_of(embed_recipe))
@@ -182,13 +187,16 @@ class StreamedModel(TokenizerOnDemand):
             matrices.head = StreamedHead(rows_of(head_recipe), self.num_layers, lambda: self._current.group,
                                          chunk_bytes=min(HEAD_CHUNK_BYTES, layer_bytes),
                                          reduces=not transforms_logits(text_config(self.config)))
-        matrices.rows = list(matrix_rows.values())
+        matrices.rows = list(readers.values())
         streamed = {embed_target if gather else None, head_target if stream_head else None}
         return matrices, [recipe for recipe in recipes if recipe.target not in streamed]
 
     def _load_resident(self, recipes: list[Recipe]) -> None:
         """Embeddings, final norm, head: read once, cast, keep. Then buffers and tied weights."""
         for recipe in recipes:
+            if recipe.decode is not None:  # a GGUF tensor, decoded chunk by chunk into its place
+                self._set_tensor(recipe.target, read_gguf_tensor(recipe, self.model, self.device))
+                continue
             tensors = []
             for info in recipe.sources:
                 raw = torch.empty(info.nbytes, dtype=torch.uint8)
@@ -208,41 +216,14 @@ class StreamedModel(TokenizerOnDemand):
             head.bias = None if bias is None or bias.is_meta else bias
             parent, _, attr = self.matrices.head_path.rpartition(".")
             setattr(self.model.get_submodule(parent) if parent else self.model, attr, head)
-        self._materialise_buffers()
+        materialise_buffers(self.model, self.device)
         missing = [name for name, p in self.model.named_parameters()
                    if p.is_meta and not name.startswith(self.layers_path + ".")]
         if missing:
             raise CheckpointError(f"{self.checkpoint}: no tensor in the checkpoint for {', '.join(missing[:5])}")
 
     def _set_tensor(self, target: str, value: torch.Tensor) -> None:
-        module_path, _, name = target.rpartition(".")
-        module = self.model.get_submodule(module_path) if module_path else self.model
-        current = getattr(module, name)
-        value = value.to(device=self.device, dtype=current.dtype if current.is_floating_point() else value.dtype)
-        if tuple(value.shape) != tuple(current.shape):
-            raise CheckpointError(f"{self.checkpoint}: tensor for {target} has shape {tuple(value.shape)}, "
-                                  f"the model expects {tuple(current.shape)}")
-        if name in module._buffers:
-            module._buffers[name] = value
-        else:
-            param = torch.nn.Parameter(value, requires_grad=False)
-            param._is_hf_initialized = True
-            module._parameters[name] = param
-
-    def _materialise_buffers(self) -> None:
-        """Give non-persistent buffers (rotary inv_freq, embedding scales) their real values.
-
-        They are computed, not saved, so they are still on meta: allocate them, then let the model's
-        own `initialize_weights` fill them. Parameters already loaded are flagged initialised and are
-        skipped; decoder-layer parameters are meta and init functions leave them alone.
-        """
-        for name, buffer in list(self.model.named_non_persistent_buffers()):
-            module_path, _, attr = name.rpartition(".")
-            module = self.model.get_submodule(module_path) if module_path else self.model
-            module._buffers[attr] = torch.empty_like(buffer, device=self.device)
-        for _, param in self.model.named_parameters():
-            param._is_hf_initialized = True
-        self.model.initialize_weights()
+        set_tensor(self.model, target, value, self.device, self.checkpoint)
 
     def _check_layers_covered(self, layer_recipes: list[list[Recipe]], meta: list[dict]) -> None:
         for index, recipes in enumerate(layer_recipes):

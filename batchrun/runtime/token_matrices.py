@@ -16,8 +16,9 @@ from typing import Callable
 
 import torch
 
-from batchrun.checkpoint import CheckpointError, TensorInfo
+from batchrun.checkpoint import CheckpointError, GGUFTensorInfo, TensorInfo
 from batchrun.plan import HEAD_CHUNK_BYTES
+from batchrun.runtime.gguf_blocks import dequantize
 from batchrun.runtime.turns import PassGroup
 from batchrun.runtime.weights import SAFETENSORS_DTYPES, read_into
 
@@ -99,14 +100,55 @@ class MatrixRows:
             if i == len(listed) or listed[i] != listed[i - 1] + 1:
                 self._read(raw[run_start * self.row_bytes:i * self.row_bytes], listed[run_start])
                 run_start = i
-        table = raw.view(self.source).view(len(listed), self.width).to(self.dtype, copy=True)
-        return table.to(self.device)
+        return self._table(raw, len(listed)).to(self.device)
+
+    def _table(self, raw: torch.Tensor, rows: int) -> torch.Tensor:
+        """The gathered rows' bytes as a [rows, width] table at the compute dtype, in memory of its own."""
+        return raw.view(self.source).view(rows, self.width).to(self.dtype, copy=True)
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
         self._staging = None
+
+
+class GGUFMatrixRows(MatrixRows):
+    """Rows of a GGUF matrix: each row is whole blocks, so a run of rows is one byte range, read as it is stored and
+    dequantized into the compute dtype (the embedding's rows gathered from the quantized rows, the head dequantized
+    chunk by chunk)."""
+
+    def __init__(self, info: GGUFTensorInfo, *, device: torch.device, dtype: torch.dtype, drop_page_cache: bool):
+        if len(info.shape) != 2:
+            raise CheckpointError(f"{info.file}: tensor {info.name} is not a matrix batchrun can read by rows")
+        self.info = info
+        self.rows, self.width = info.shape
+        self.row_bytes = info.row_bytes
+        self.device, self.dtype = device, dtype
+        self.drop_page_cache = drop_page_cache and hasattr(os, "posix_fadvise")
+        self.fd = os.open(info.file, os.O_RDONLY)
+        self.bytes_read = 0
+        self._staging = None
+
+    def _decoded(self, raw: torch.Tensor, rows: int) -> torch.Tensor:
+        return dequantize(raw, self.info.dtype, (rows, self.width))
+
+    def read_rows(self, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        raw = self._raw(stop - start)
+        self._read(raw, start)
+        out.copy_(self._decoded(raw, stop - start))
+        if self.drop_page_cache:
+            os.posix_fadvise(self.fd, self.info.offset + start * self.row_bytes, raw.numel(), os.POSIX_FADV_DONTNEED)
+        return out
+
+    def _table(self, raw: torch.Tensor, rows: int) -> torch.Tensor:
+        return self._decoded(raw, rows).to(self.dtype)
+
+
+def matrix_rows(info: TensorInfo, *, device: torch.device, dtype: torch.dtype, drop_page_cache: bool) -> MatrixRows:
+    """The row reader for a safetensors or GGUF matrix."""
+    kind = GGUFMatrixRows if isinstance(info, GGUFTensorInfo) else MatrixRows
+    return kind(info, device=device, dtype=dtype, drop_page_cache=drop_page_cache)
 
 
 def placeholder(rows: int, width: int, *, device: torch.device, dtype: torch.dtype) -> torch.nn.Parameter:

@@ -10,12 +10,16 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
-from batchrun.checkpoint import CheckpointError, TensorInfo
+from batchrun.checkpoint import CheckpointError, GGUFTensorInfo, TensorInfo
+
+if TYPE_CHECKING:  # gguf_weights builds recipes, so it imports this module
+    from batchrun.runtime.gguf_weights import GGUFDecode
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -41,10 +45,20 @@ class Recipe:
     sources: list[TensorInfo] = field(default_factory=list)
     source_patterns: list[str] = field(default_factory=list)
     converter: WeightConverter | None = None  # None: a plain (possibly renamed) copy
+    decode: GGUFDecode | None = None  # a GGUF tensor's: its blocks as read -> its values
+
 
     @property
     def is_plain(self) -> bool:
-        return self.converter is None and len(self.sources) == 1
+        return self.converter is None and self.decode is None and len(self.sources) == 1
+
+    @property
+    def reads_by_rows(self) -> bool:
+        """Whether the target is its one source's rows as they lie (any range of rows read and converted alone):
+        a plain copy, or a GGUF tensor with no row reordering or offset."""
+        if self.decode is not None:
+            return self.decode.head_rows is None and not self.decode.norm_offset
+        return self.is_plain
 
 
 def build_recipes(model: torch.nn.Module, infos: dict[str, TensorInfo]) -> dict[str, Recipe]:
@@ -84,7 +98,10 @@ def realize(recipe: Recipe, tensors: list[torch.Tensor], model, config) -> dict[
 
 
 def tensor_from_bytes(raw: torch.Tensor, info: TensorInfo) -> torch.Tensor:
-    """View a uint8 buffer holding one tensor's bytes as that tensor (copying only if misaligned)."""
+    """View a uint8 buffer holding one tensor's bytes as that tensor (copying only if misaligned); a GGUF tensor's
+    blocks stay bytes, for its recipe's decode."""
+    if isinstance(info, GGUFTensorInfo):
+        return raw
     dtype = SAFETENSORS_DTYPES.get(info.dtype)
     if dtype is None:
         raise CheckpointError(f"{info.file}: tensor {info.name} has dtype {info.dtype}, which batchrun cannot read")
