@@ -10,6 +10,7 @@ pass holds one layer of a group's head, not its whole stack.
 """
 from __future__ import annotations
 
+import bisect
 from typing import Sequence
 
 import torch
@@ -56,33 +57,29 @@ def prefill_grouped(handle: ModelHandle, seqs: Sequence[Sequence[int]], groups: 
         return prefill(handle, seqs, pad_id, keep=keep, micro_batch=micro_batch, use_cache=False, picks=picks)[0]
     grouped = {i for members, _ in heads for i in members}
     parts = [([i for i in range(len(seqs)) if i not in grouped], None)] + [(members, head) for members, head in heads]
-    built: list[tuple[list[int], PrefillCalls]] = []
-    calls: list = []
-    for members, head in parts:
-        if not members:
-            continue
-        part = _part(handle, [seqs[i] for i in members], head, pad_id, keep, micro_batch, [picks[i] for i in members],
-                     len(calls))
-        built.append((members, part))
-        calls += part.calls
-    hooks = [part.before_layer for _, part in built if part.before_layer is not None]
+    built = [(members, _part(handle, [seqs[i] for i in members], head, pad_id, keep, micro_batch,
+                             [picks[i] for i in members])) for members, head in parts if members]
+    starts = [0]  # where each part's calls start among the pass's
+    for _, part in built:
+        starts.append(starts[-1] + len(part.calls))
 
-    def before_layer(layer: int, micro: int) -> None:
-        for hook in hooks:
-            hook(layer, micro)
+    def before_layer(layer: int, micro: int) -> None:  # each part's hook counts its own calls from 0
+        part = bisect.bisect_right(starts, micro) - 1
+        hook = built[part][1].before_layer
+        if hook is not None:
+            hook(layer, micro - starts[part])
 
+    calls = [call for _, part in built for call in part.calls]
     outputs = handle.run_pass(calls, before_layer=before_layer, rows=sum(part.rows for _, part in built))
     logprobs: list[torch.Tensor] = [None] * len(seqs)  # type: ignore[list-item]
-    start = 0
-    for members, part in built:
+    for (members, part), start in zip(built, starts):
         for index, found in zip(members, part.collect(outputs[start:start + len(part.calls)])):
             logprobs[index] = found
-        start += len(part.calls)
     return logprobs
 
 
 def _part(handle: ModelHandle, seqs: list, head: int | None, pad_id: int, keep: int, micro_batch: int | None,
-          picks: list, first_call: int) -> PrefillCalls:
+          picks: list) -> PrefillCalls:
     """One part of a grouped pass: a group behind its head (`head` tokens), or the others behind what they share."""
     model, device = handle.model, handle.device
     if head is None:
@@ -91,7 +88,7 @@ def _part(handle: ModelHandle, seqs: list, head: int | None, pad_id: int, keep: 
     else:
         prefix = GroupPrefix(model, list(seqs[0][:head]), device)
     part = PrefillCalls.build(handle, seqs, pad_id, keep=keep, micro_batch=micro_batch, use_cache=False,
-                              prefix=prefix, picks=picks, first_call=first_call)
+                              prefix=prefix, picks=picks)
     if isinstance(prefix, GroupPrefix):
-        prefix.last_micro = first_call + len(part.calls) - 1
+        prefix.last_micro = len(part.calls) - 1
     return part

@@ -180,12 +180,10 @@ class PrefillCalls:
     @classmethod
     def build(cls, handle: ModelHandle, seqs: Sequence[Sequence[int]], pad_id: int, *, keep: int,
               micro_batch: int | None, use_cache: bool, prefix: SharedPrefix | None = None,
-              windows_as_full: bool = False, picks: Sequence[torch.Tensor] | None = None,
-              first_call: int = 0) -> PrefillCalls:
+              windows_as_full: bool = False, picks: Sequence[torch.Tensor] | None = None) -> PrefillCalls:
         """Calls for `seqs`, every one of which starts with `prefix` (None: no sharing). A prefix not computed yet is
         computed by the first call, before the others at every layer; one computed by an earlier pass is attached
-        to the new caches as it is. `windows_as_full`: see roomy_cache. `picks`: see prefill. `first_call`: where
-        the calls start among the pass's (other calls go before them: group_prefix.py)."""
+        to the new caches as it is. `windows_as_full`: see roomy_cache. `picks`: see prefill."""
         model, device = handle.model, handle.device
         shared = len(prefix.prefix) if prefix is not None else 0
         groups = prefill_groups([len(seq) - shared for seq in seqs], micro_batch, device)
@@ -197,7 +195,7 @@ class PrefillCalls:
             rows += ids.numel()
             cache = roomy_cache(model, windows_as_full) if use_cache and prefix is None else None
             if prefix is not None:
-                cache = prefix.placeholder_cache(first_call + len(calls), len(members), keeps_own=use_cache)
+                cache = prefix.placeholder_cache(len(calls), len(members), keeps_own=use_cache)
                 mask = torch.cat([torch.ones(len(members), shared, dtype=mask.dtype, device=device), mask], dim=1)
                 positions = positions + shared
             states.append(MicroState(members, cache, mask, positions))
