@@ -8,9 +8,10 @@ from batchrun.spec.files import kind
 from batchrun.spec.pairs import PAIR_LABELS, PairOrder
 from batchrun.spec.read import JobSpec, SpecSettings, read_spec
 from batchrun.spec.rows import Request
+from batchrun.spec.structure import Structure, sample_instance, structure_problem
 from batchrun.spec.template import SpecError
 
 __all__ = ["CONTENT_FREE_VALUES", "TRUNCATE_SIDES", "EncodedRow", "JobSpec", "PAIR_LABELS", "PairOrder",
-           "Request", "SpecError", "SpecSettings",
+           "Request", "SpecError", "SpecSettings", "Structure",
            "choice_sequences", "content_free_rows", "encode_requests", "kept_positions", "kind", "read_spec",
-           "shortest_first_pass_sequence", "uses_chat_template"]
+           "sample_instance", "shortest_first_pass_sequence", "structure_problem", "uses_chat_template"]
