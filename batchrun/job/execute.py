@@ -126,9 +126,10 @@ def _side_job(spec_path: Path, options: JobOptions, setup: RunSetup) -> str:
 
 
 def _judge(answers: JobAnswers, summary: RunSummary) -> None:
-    """Accuracy over the labelled rows, the pair statistics and the calibration used, where the job has any."""
+    """Accuracy over the labelled rows, the pair statistics, the structured answers' validity and the calibration
+    used, where the job has any."""
     if answers.calibration.method == "none" and not any(row.result.label is not None or row.pair is not None
-                                                        for row in answers.rows):
+                                                        or row.check is not None for row in answers.rows):
         return
     summary.quality = quality(answers)
     summary.notes += describe_calibration(answers.calibration) + answers.notes
@@ -152,7 +153,8 @@ def _write_output(store: Store, job_id: str, answers: JobAnswers, file: AnswersF
 
 def _all_row_ids(prepared: PreparedJob) -> list[JobRow]:
     ids = [JobRow(r.request.index, r.request.id, prepared.row_keys[r.request.index], r.request.label,
-                  r.request.carried, r.request.pair and r.request.pair.to_json()) for r in prepared.rows]
+                  r.request.carried, r.request.pair and r.request.pair.to_json(),
+                  r.request.structure and r.request.structure.to_json()) for r in prepared.rows]
     # An invalid row whose id could not be read is named by its location ("spec.jsonl:12").
     ids += [JobRow(bad.index, bad.output_id, carried=bad.carried) for bad in prepared.spec.invalid]
     return sorted(ids, key=lambda row: row.idx)
@@ -308,6 +310,7 @@ def _run_batches(prepared: PreparedJob, commits: PassCommits, plan: Candidate, b
                                   prefixes={r.request.index: partial[r.request.index] for r in generation
                                             if r.request.index in partial})
                 summary.empty_answers += _run_generation(pool, commits)
+                _note_grammar_work(pool, summary)
         failed = False
     finally:
         commits.bar.close()
@@ -373,6 +376,18 @@ def _run_generation(pool: GreedyPool, commits: PassCommits) -> int:
         commits.pass_committed(len(finished), started)
         empty += sum(1 for r in results if r.answer == "" and r.finish_reason == "stop")
     return empty
+
+
+def _note_grammar_work(pool: GreedyPool, summary: RunSummary) -> None:
+    """What the grammars did beside the passes, where the run had structured rows."""
+    if pool.grammars is None:
+        return
+    stats, passes = pool.grammars.stats, sum(summary.pass_seconds)
+    summary.grammar = {"forced_tokens": stats.forced, "chosen_tokens": stats.chosen, "masks": stats.masks,
+                       "seconds": stats.mask_seconds,
+                       "share_of_pass_time": stats.mask_seconds / passes if passes else None}
+    log.info("grammar: %d tokens forced, %d chosen (%d through a mask), %.1f%% of the passes' time", stats.forced,
+             stats.chosen, stats.masks, 100 * (summary.grammar["share_of_pass_time"] or 0))
 
 
 def generation_costs(rows: list[EncodedRow], partial: dict, shared_prefix: int) -> list[RowCost]:

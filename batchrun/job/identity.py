@@ -64,9 +64,9 @@ def fingerprint(spec: JobSpec, model_identity: Sequence[bytes], compute_dtype: s
     The model is its config, generation config (end-of-sequence ids), tensor headers and the first bytes of every
     tensor's data: a fine-tune with the same config and shapes is another job, not a resume of the base model's.
     A row is its id, token ids (which stand for the tokenizer, chat template, system message, template and --raw),
-    choices, token limit, stop strings and the structure its answer must take: an option that changes no row (--max-new-tokens on a spec of choice
-    rows, --choices where every row has its own) keeps the job, one that changes any row makes a new one. A
-    row's label and carried values, a pair row's order, and the calibration, are the job's too (they change its
+    choices, token limit, stop strings and the structure its answer must take: an option that changes no row
+    (--max-new-tokens on a spec of choice rows, --choices where every row has its own) keeps the job, one that
+    changes any row makes a new one. A row's label and carried values, a pair row's order, and the calibration, are the job's too (they change its
     output); a job without them keeps the identity it always had."""
     digest = hashlib.sha256()
     digest.update(spec.content_sha256.encode())

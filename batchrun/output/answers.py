@@ -7,13 +7,15 @@ rows finished so far (and says so), and a resumed job ends with the answers an u
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from batchrun.output.pairs import PairVerdict, describe_pairs, fold_pairs, folded_result, pair_statistics
-from batchrun.quality import (Calibration, ChoiceRow, JudgedRow, LabelMetrics, agreement_figures, calibrate,
-                              describe_agreement, label_metrics, mean_probs, numeric_score, same_text)
+from batchrun.quality import (INCOMPLETE, Calibration, ChoiceRow, JudgedRow, LabelMetrics, SchemaCheck,
+                              agreement_figures, calibrate, check_answer, check_regex_answer, describe_agreement,
+                              label_metrics, mean_probs, numeric_score, same_text)
 from batchrun.store import RowResult, Store
 
 
@@ -29,6 +31,7 @@ class OutputRow:
     calibrated_probs: dict[str, float] | None = None
     correct: bool | None = None  # None: no label, or no answer to judge
     pair: PairVerdict | None = None  # a pair row's two orders folded into one (output/pairs.py)
+    check: SchemaCheck | None = None  # a structured row's answer against its schema or pattern
 
 
 @dataclass
@@ -46,8 +49,39 @@ def output_rows(results: Sequence[RowResult], calibration: Calibration | None = 
         calibrated = calibration.probs.get(result.idx) if calibration is not None else None
         row = _calibrated_row(result, calibrated) if calibrated is not None else OutputRow(
             result, result.answer, result.score, result.logprob, result.output_tokens)
-        found.append(replace(row, correct=_judged(row)))
+        found.append(replace(row, correct=_judged(row), check=structure_check(result)))
     return fold_pairs(found, _pair_row)
+
+
+def structure_check(result: RowResult) -> SchemaCheck | None:
+    """A structured row's answer checked against its JSON Schema by the validator, not the grammar that decoded it
+    (or against its pattern); a JSON row cut by its token limit is incomplete, not checked."""
+    if result.structure is None or result.failed or result.answer is None:
+        return None
+    (kind, source), = result.structure.items()
+    if kind == "regex":
+        return check_regex_answer(result.answer, source)
+    if result.finish_reason == "length":
+        return SchemaCheck(None, False, (f"/: {INCOMPLETE}: the token limit cut the answer before its JSON closed",))
+    return check_answer(result.answer, json.dumps(source, separators=(",", ":"), ensure_ascii=False))
+
+
+def output_error(row: OutputRow) -> str | None:
+    """The error the output shows: the row's own, or json_incomplete for a JSON row its token limit cut."""
+    if row.result.error is None and row.check is not None and row.result.finish_reason == "length" \
+            and "json_schema" in (row.result.structure or {}):
+        return INCOMPLETE
+    return row.result.error
+
+
+def structured_counts(rows: Sequence[OutputRow]) -> dict | None:
+    """How many structured rows validate, fail their schema, or were cut by the limit (None: the job has none)."""
+    checked = [row for row in rows if row.check is not None]
+    if not checked:
+        return None
+    cut = sum(output_error(row) == INCOMPLETE for row in checked)
+    valid = sum(row.check.valid for row in checked)
+    return {"rows": len(checked), "valid": valid, "invalid": len(checked) - valid - cut, "cut": cut}
 
 
 def _pair_row(first: OutputRow, second: OutputRow, verdict: PairVerdict) -> OutputRow:
@@ -120,6 +154,9 @@ def quality(answers: JobAnswers) -> dict:
                                              and row.result.choice_probs is not None and not row.result.failed]),
              "labelled_errored": len(labelled) - len(answered),
              "calibration": answers.calibration.to_json(), "notes": answers.notes}
+    structured = structured_counts(answers.rows)
+    if structured is not None:  # the key only where the job has structured rows
+        found["structured"] = structured
     pairs = pair_statistics(answers.rows)
     if pairs is not None:  # the key only where the job has pair rows: other jobs' summaries stay as they are
         found["pairs"] = pairs
@@ -172,6 +209,10 @@ def describe_quality(found: dict) -> list[str]:
         lines.append(f"  {found['labelled_errored']} labelled row(s) errored: not judged")
     if found.get("pairs"):
         lines += describe_pairs(found["pairs"])
+    if found.get("structured"):
+        counts = found["structured"]
+        lines.append(f"structured answers: {counts['valid']} of {counts['rows']} valid against their schema, "
+                     f"{counts['invalid']} invalid, {counts['cut']} cut by the token limit (json_incomplete)")
     return lines
 
 

@@ -23,9 +23,10 @@ import pyarrow.parquet as pq
 
 from batchrun.errors import BatchrunError
 from batchrun.host import HOST, disk_free_bytes, faults, package_version, pid_alive
-from batchrun.output.answers import OutputRow, job_answers, output_rows
+from batchrun.output.answers import OutputRow, job_answers, output_error, output_rows
 from batchrun.output.pairs import PAIR_COLUMNS, PairVerdict
 from batchrun.plan import format_bytes
+from batchrun.quality import SchemaCheck
 from batchrun.store import RowResult, Store
 
 CHOICE_PROBS_TYPE = pa.map_(pa.string(), pa.float64())
@@ -235,12 +236,14 @@ def results_table(rows: Sequence[RowResult | OutputRow]) -> pa.Table:
         "prompt_tokens": pa.array([r.prompt_tokens for r in results], pa.int64()),
         "output_tokens": pa.array([row.output_tokens for row in ordered], pa.int64()),
         "finish_reason": pa.array([r.finish_reason for r in results], pa.string()),
-        "error": pa.array([r.error for r in results], pa.string()),
+        "error": pa.array([output_error(row) for row in ordered], pa.string()),
         "label": pa.array([r.label for r in results], pa.string()),
         "correct": pa.array([row.correct for row in ordered], pa.bool_()),
     }
     if any(row.pair is not None for row in ordered):
         columns.update(pair_columns([row.pair for row in ordered]))
+    if any(row.check is not None for row in ordered):
+        columns.update(structure_columns([row.check for row in ordered]))
     for name, values in carried_columns(results).items():
         columns["input_" + name if name in columns else name] = values
     return pa.table(columns)
@@ -264,6 +267,15 @@ def pair_columns(verdicts: list[PairVerdict | None]) -> dict[str, pa.Array]:
     types = {"consistent": pa.bool_(), "a_chars": pa.int64(), "b_chars": pa.int64()}
     return {name: pa.array([None if verdict is None else getattr(verdict, name) for verdict in verdicts],
                            types.get(name, pa.float64())) for name in PAIR_COLUMNS}
+
+
+def structure_columns(checks: list[SchemaCheck | None]) -> dict[str, pa.Array]:
+    """A structured row's parsed answer as JSON text, whether it validates against its schema, and where it does
+    not (JSON-pointer paths with the validator's reasons); empty for the job's other rows."""
+    return {"json": pa.array([None if check is None else check.json for check in checks], pa.string()),
+            "schema_valid": pa.array([None if check is None else check.valid for check in checks], pa.bool_()),
+            "schema_errors": pa.array([None if check is None else list(check.errors) for check in checks],
+                                      pa.list_(pa.string()))}
 
 
 def _id_column(ids: list) -> pa.Array:

@@ -69,7 +69,8 @@ def json_schema_structure(value: object, what: str, base_dir: Path | None) -> St
 
 def regex_structure(value: object, what: str = "regex") -> Structure:
     if not isinstance(value, str) or not value:
-        raise RowProblem(f"{what} must be a non-empty regular expression, got {show(value) if value == '' else kind(value)}")
+        got = "an empty string" if value == "" else kind(value)
+        raise RowProblem(f"{what} must be a non-empty regular expression, got {got}")
     return checked(Structure("regex", value), what)
 
 
@@ -127,7 +128,8 @@ def structure_problem(structure_kind: str, source: str) -> str | None:
         return (f"the grammar engine cannot enforce the keyword(s) {names}; batchrun refuses a schema rather than "
                 "loosen it (drop or rewrite them)")
     if not failed:  # a warning: something the engine would not enforce exactly
-        return f"the grammar engine would not enforce this exactly ({message}); batchrun refuses it rather than loosen it"
+        return (f"the grammar engine would not enforce this exactly ({message}); batchrun refuses it rather than "
+                "loosen it")
     return f"the grammar engine refuses it: {message.strip().splitlines()[0] if message.strip() else message}"
 
 

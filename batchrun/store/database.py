@@ -258,7 +258,9 @@ def _pending_rows(job_id: str, rows: Sequence[tuple]) -> Iterator[dict]:
     for row in map(lambda fields: JobRow(*fields), rows):
         yield {"job_id": job_id, "idx": row.idx, "id_json": json.dumps(row.id), "row_key": row.key, "label": row.label,
                "carried_json": None if row.carried is None else json.dumps(row.carried, sort_keys=True),
-               "pair_json": None if row.pair is None else json.dumps(row.pair, sort_keys=True), "state": "pending"}
+               "pair_json": None if row.pair is None else json.dumps(row.pair, sort_keys=True), "state": "pending",
+               # in its own key order: a schema's properties are written in theirs
+               "structure_json": None if row.structure is None else json.dumps(row.structure, ensure_ascii=False)}
 
 
 def _tokens_so_far(job_id: str, partial: Mapping[int, tuple[Sequence[int], float]], now: str) -> Iterator[dict]:

@@ -224,6 +224,13 @@ def m013_pair_orders(db: sqlite_utils.Database) -> None:
     db["rows"].add_column("pair_json", str)
 
 
+@migration
+def m015_row_structures(db: sqlite_utils.Database) -> None:
+    # The JSON Schema or regex a structured row's answer must match ({"json_schema": ...} or {"regex": ...}): the
+    # output validates each answer against it with nothing but the store to read.
+    db["rows"].add_column("structure_json", str)
+
+
 def applied_migrations(db: sqlite_utils.Database) -> set[str]:
     return {row["name"] for row in db[MIGRATIONS_TABLE].rows_where(select="name")}  # none before the table exists
 

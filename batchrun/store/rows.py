@@ -24,6 +24,7 @@ class JobRow(NamedTuple):
     label: str | None = None
     carried: dict | None = None
     pair: dict | None = None  # a pair row's order: {"order", "a_chars", "b_chars", "label"} (spec.PairOrder)
+    structure: dict | None = None  # a structured row's {"json_schema": ...} or {"regex": ...} (spec.Structure)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class RowResult:
     label: str | None = None  # the row's expected answer, where the spec gives one (read back, never written here)
     carried: dict | None = None  # output column -> value the row carries (read back, never written here)
     pair: dict | None = None  # the pair row order it answers (read back, never written here)
+    structure: dict | None = None  # the structure its answer must match (read back, never written here)
 
     @property
     def failed(self) -> bool:
@@ -92,6 +94,7 @@ def row_result_from_db(row: dict) -> RowResult:
         label=row.get("label"),
         carried=_loaded(row.get("carried_json")),
         pair=_loaded(row.get("pair_json")),
+        structure=_loaded(row.get("structure_json")),
     )
 
 
