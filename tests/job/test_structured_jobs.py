@@ -139,3 +139,34 @@ def test_the_probe_schemas_on_the_default_model(tmp_path, default_checkpoint):
     cut = [row for row in ran if row["finish_reason"] == "length"]
     assert all(row["error"] == "json_incomplete" and row["schema_valid"] is False for row in cut)
     assert summary.quality["structured"] == {"rows": 22, "valid": len(closed), "invalid": 0, "cut": len(cut)}
+
+
+def test_the_plan_warns_a_schema_row_left_at_the_default_limit(tmp_path, tiny_checkpoint):
+    from batchrun.job import JobOptions, plan_report
+
+    model = str(tiny_checkpoint("llama"))
+    rows = [{"id": "short", "prompt": "x", "json_schema": TICKET}, {"id": "long", "prompt": "x",
+                                                                   "json_schema": TICKET, "max_new_tokens": 80}]
+    caveats = plan_report(write_jsonl(tmp_path / "s.jsonl", rows), [model], JobOptions(model=model))[
+        "candidates"][0]["caveats"]
+    (caveat,) = [c for c in caveats if "structured row(s)" in c]
+    assert caveat.startswith("1 structured row(s) allow fewer tokens than a typical answer of their schema takes "
+                             f"({tmp_path / 's.jsonl'}:1: max_new_tokens 16, estimated ")
+
+
+def test_corpus_mode_json_schema_from_the_command_line(tmp_path, tiny_checkpoint):
+    from tests.support import invoke
+
+    (tmp_path / "person.json").write_text(json.dumps(PERSON))
+    corpus = write_jsonl(tmp_path / "people.jsonl", [{"text": text} for text in PEOPLE])
+    result = invoke("submit", corpus, "--model", tiny_checkpoint("llama"), "--template", "Who is it? {text}",
+                    "--json-schema", tmp_path / "person.json", "--max-new-tokens", "20", "--db", tmp_path / "j.db",
+                    "--output", tmp_path / "out.parquet", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["quality"]["structured"]["rows"] == 2
+    loose = tmp_path / "loose.json"
+    loose.write_text(json.dumps({"type": "array", "uniqueItems": True}))
+    refused = invoke("plan", corpus, "--model", tiny_checkpoint("llama"), "--template", "{text}", "--json-schema",
+                     loose)
+    assert refused.exit_code != 0 and "cannot enforce the keyword(s) uniqueItems" in refused.output
