@@ -15,7 +15,8 @@ from typing import Sequence
 from batchrun.output.pairs import PairVerdict, describe_pairs, fold_pairs, folded_result, pair_statistics
 from batchrun.quality import (INCOMPLETE, Calibration, ChoiceRow, JudgedRow, LabelMetrics, SchemaCheck,
                               agreement_figures, calibrate, check_answer, check_regex_answer, describe_agreement,
-                              label_metrics, mean_probs, numeric_score, same_text)
+                              enum_pointers, field_accuracy, label_metrics, mean_probs, numeric_score, same_text,
+                              wilson_interval)
 from batchrun.store import RowResult, Store
 
 
@@ -49,7 +50,8 @@ def output_rows(results: Sequence[RowResult], calibration: Calibration | None = 
         calibrated = calibration.probs.get(result.idx) if calibration is not None else None
         row = _calibrated_row(result, calibrated) if calibrated is not None else OutputRow(
             result, result.answer, result.score, result.logprob, result.output_tokens)
-        found.append(replace(row, correct=_judged(row), check=structure_check(result)))
+        row = replace(row, check=structure_check(result))
+        found.append(replace(row, correct=_judged(row)))
     return fold_pairs(found, _pair_row)
 
 
@@ -64,6 +66,22 @@ def structure_check(result: RowResult) -> SchemaCheck | None:
     if result.finish_reason == "length":
         return SchemaCheck(None, False, (f"/: {INCOMPLETE}: the token limit cut the answer before its JSON closed",))
     return check_answer(result.answer, json.dumps(source, separators=(",", ":"), ensure_ascii=False))
+
+
+def field_figures(rows: Sequence[OutputRow]) -> dict | None:
+    """JSON-labelled rows judged whole (exact match of the parsed value) and field by field (quality.fields); a row
+    with no JSON (cut, or not parsed) gets every field wrong."""
+    if not rows:
+        return None
+    enums: set[str] = set()
+    for schema in {json.dumps(row.result.structure["json_schema"]) for row in rows}:
+        enums |= enum_pointers(json.loads(schema))
+    pairs = [(json.loads(row.check.json) if row.check.json is not None else None, json.loads(row.result.label))
+             for row in rows]
+    correct = sum(bool(row.correct) for row in rows)
+    whole = LabelMetrics("exact_match", len(rows), correct, correct / len(rows), wilson_interval(correct, len(rows)),
+                         {}, {})
+    return {"whole": whole.to_json(), "per_field": field_accuracy(pairs, enums)}
 
 
 def output_error(row: OutputRow) -> str | None:
@@ -109,7 +127,13 @@ def _judged(row: OutputRow) -> bool | None:
         return None
     if row.result.choice_probs is not None:
         return row.answer == label
+    if _json_labelled(row):  # the whole value; field by field in quality's "fields"
+        return row.check.json is not None and json.loads(row.check.json) == json.loads(label)
     return same_text(row.answer, label)
+
+
+def _json_labelled(row: OutputRow) -> bool:
+    return row.result.label is not None and row.check is not None and "json_schema" in row.result.structure
 
 
 def job_answers(store: Store, job_id: str) -> JobAnswers:
@@ -148,7 +172,7 @@ def quality(answers: JobAnswers) -> dict:
     labelled = [row for row in answers.rows if row.result.label is not None and row.pair is None]
     answered = [row for row in labelled if not row.result.failed]
     choice = [row for row in answered if row.result.choice_probs is not None]
-    generation = [row for row in answered if row.result.choice_probs is None]
+    generation = [row for row in answered if row.result.choice_probs is None and not _json_labelled(row)]
     found = {"choice": _metrics(choice, "accuracy"), "generation": _metrics(generation, "exact_match"),
              "agreement": agreement_figures([_judged_row(row) for row in answers.rows if row.pair is None
                                              and row.result.choice_probs is not None and not row.result.failed]),
@@ -157,6 +181,9 @@ def quality(answers: JobAnswers) -> dict:
     structured = structured_counts(answers.rows)
     if structured is not None:  # the key only where the job has structured rows
         found["structured"] = structured
+    fields = field_figures([row for row in answered if _json_labelled(row)])
+    if fields is not None:
+        found["fields"] = fields
     pairs = pair_statistics(answers.rows)
     if pairs is not None:  # the key only where the job has pair rows: other jobs' summaries stay as they are
         found["pairs"] = pairs
@@ -209,10 +236,25 @@ def describe_quality(found: dict) -> list[str]:
         lines.append(f"  {found['labelled_errored']} labelled row(s) errored: not judged")
     if found.get("pairs"):
         lines += describe_pairs(found["pairs"])
+    if found.get("fields"):
+        lines += describe_fields(found["fields"])
     if found.get("structured"):
         counts = found["structured"]
         lines.append(f"structured answers: {counts['valid']} of {counts['rows']} valid against their schema, "
                      f"{counts['invalid']} invalid, {counts['cut']} cut by the token limit (json_incomplete)")
+    return lines
+
+
+def describe_fields(fields: dict) -> list[str]:
+    """Structured answers against their JSON labels: the whole value, then each field (worst first) with the
+    confusion counts of enum fields."""
+    lines = [_rate_text("structured exact match", fields["whole"]) + " (the whole JSON value)"]
+    for pointer, figures in sorted(fields["per_field"].items(), key=lambda item: (item[1]["rate"], item[0])):
+        lines.append("  field " + _rate_text(pointer, figures))
+        if figures.get("confusion"):
+            lines.append("    confusion (label: answers): " + "; ".join(
+                f"{label}: " + ", ".join(f"{answer} {count}" for answer, count in answers.items())
+                for label, answers in figures["confusion"].items()))
     return lines
 
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from batchrun.spec.files import kind, show
-from batchrun.spec.structure import Structure, json_schema_structure, regex_structure, response_format_structure
+from batchrun.spec.structure import (Structure, json_schema_structure, regex_structure, response_format_structure,
+                                     structured_label)
 from batchrun.spec.pairs import (ORDERS, PairOrder, checked_pair_choices, corpus_orders, corpus_pair, native_orders,
                                  native_pair, order_label, pair_label)
 from batchrun.spec.template import Field, RowProblem, render_template, template_columns
@@ -105,6 +106,8 @@ def row_request(row: dict, index: int, row_id: str | int, location: str, job: Jo
         label, carried = row.get("label"), _metadata(row.get("metadata"))
     if label is None and carried is None:
         return request
+    if request.structure is not None and request.structure.is_json:  # a JSON value, judged field by field
+        return replace(request, label=structured_label(label, job.label_column), carried=carried)
     return replace(request, label=checked_label(label, request.choices, job.label_column), carried=carried)
 
 

@@ -197,3 +197,20 @@ def sample_instance(schema: object, defs: dict | None = None, depth: int = 0) ->
     if kind_ == "null":
         return None
     return "a few words of text"[:schema.get("maxLength", 19)]
+
+
+def structured_label(value: object, column: str | None) -> str | None:
+    """A JSON row's expected answer as JSON text: any JSON value, judged field by field. In corpus mode a label
+    column's text that holds JSON is that JSON (a CSV cell cannot hold an object)."""
+    if value is None:
+        return None
+    if column is not None and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass  # plain text: the expected string
+    what = f"label (column {column!r})" if column else "label"
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise RowProblem(f"{what} cannot be written as JSON: {error}") from None

@@ -61,3 +61,39 @@ def _answers(rows):
     from batchrun.quality import Calibration
 
     return JobAnswers(rows, Calibration("none"), len(rows))
+
+
+def test_fields_are_judged_one_by_one_with_enum_confusion():
+    from batchrun.quality import enum_pointers, field_accuracy
+
+    customer = {"type": "object", "properties": {"age": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"order": {"type": "string"}, "kind": {"enum": ["refund", "delay"]},
+                                               "customer": customer}}
+    label = {"order": "AB1234", "kind": "refund", "customer": {"age": 30}}
+    rows = [({"order": "AB1234", "kind": "refund", "customer": {"age": 30}}, label),
+            ({"order": "AB1235", "kind": "delay", "customer": {"age": 30.0}}, label),
+            ({"order": "AB1234"}, label),
+            (None, label)]  # a row with no JSON: every field wrong
+    found = field_accuracy(rows, enum_pointers(schema))
+    assert {pointer: (f["correct"], f["labelled"]) for pointer, f in found.items()} == {
+        "/order": (2, 4), "/kind": (1, 4), "/customer/age": (2, 4)}
+    assert found["/kind"]["confusion"] == {"refund": {"refund": 1, "delay": 1, "(missing)": 2}}
+    assert "confusion" not in found["/order"]
+    assert found["/order"]["interval"][0] < 0.5 < found["/order"]["interval"][1]
+    assert field_accuracy([(1, True), (True, True)], set())["/"]["correct"] == 1  # true is not 1
+
+
+def test_json_labels_are_judged_whole_and_by_field_in_the_quality_figures():
+    properties = {"kind": {"enum": ["a", "b"]}, "n": {"type": "integer"}}
+    structure = {"json_schema": {"type": "object", "properties": properties}}
+    rows = [replace(answer(0, "r0", '{"kind": "a", "n": 1}'), structure=structure, label='{"n": 1, "kind": "a"}'),
+            replace(answer(1, "r1", '{"kind": "b", "n": 1}'), structure=structure, label='{"kind": "a", "n": 1}')]
+    found = quality(_answers(output_rows(rows)))
+    assert found["generation"] is None  # JSON labels are not compared as text
+    assert (found["fields"]["whole"]["correct"], found["fields"]["whole"]["labelled"]) == (1, 2)
+    assert found["fields"]["per_field"]["/kind"]["confusion"] == {"a": {"a": 1, "b": 1}}
+    assert found["fields"]["per_field"]["/n"]["correct"] == 2
+    from batchrun.output import describe_quality
+
+    lines = describe_quality(found)
+    assert any(line.startswith("  field /kind 1/2") for line in lines), lines

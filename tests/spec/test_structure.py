@@ -96,3 +96,17 @@ def test_corpus_mode_json_schema_applies_to_every_row(tmp_path):
     (tmp_path / "loose.json").write_text(json.dumps({"type": "array", "uniqueItems": True}))
     with pytest.raises(SpecError, match="job setting: json_schema: the grammar engine cannot enforce the keyword"):
         read_spec(path, template="Ticket: {text}", json_schema=tmp_path / "loose.json")
+
+
+def test_a_structured_rows_label_is_any_json_value_kept_as_json_text(tmp_path):
+    label = {"order": "AB1234", "kind": "refund"}
+    path = write_jsonl(tmp_path / "jobs.jsonl", [
+        {"id": "obj", "prompt": "x", "json_schema": TICKET, "label": label},
+        {"id": "pattern", "prompt": "x", "regex": "[0-9]+", "label": "42"}])
+    by_id = {request.id: request.label for request in read_spec(path).requests}
+    assert json.loads(by_id["obj"]) == label and by_id["pattern"] == "42"
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "t", "gold": json.dumps(label)}])
+    (tmp_path / "ticket.json").write_text(json.dumps(TICKET))
+    (request,) = read_spec(corpus, template="{text}", json_schema=tmp_path / "ticket.json",
+                           label_column="gold").requests
+    assert json.loads(request.label) == label  # a CSV or JSONL cell's JSON text is the JSON value
