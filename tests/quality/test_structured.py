@@ -2,6 +2,7 @@
 of what fails; a JSON row cut by its limit is json_incomplete; the output's columns and counts."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pyarrow as pa
@@ -97,3 +98,13 @@ def test_json_labels_are_judged_whole_and_by_field_in_the_quality_figures():
 
     lines = describe_quality(found)
     assert any(line.startswith("  field /kind 1/2") for line in lines), lines
+
+
+def test_an_openai_output_line_carries_the_json_text_as_its_content():
+    from batchrun.output import openai_batch_line
+
+    structure = {"json_schema": {"type": "object"}}
+    (row,) = output_rows([replace(answer(0, "r0", '{"a": [1, 2]}'), structure=structure)])
+    line = openai_batch_line(row, model="m", created=0)
+    message = line["response"]["body"]["choices"][0]["message"]
+    assert json.loads(message["content"]) == {"a": [1, 2]} and line["error"] is None
