@@ -309,6 +309,7 @@ def _run_batches(prepared: PreparedJob, commits: PassCommits, plan: Candidate, b
                                   pool_plan, tokenizer, eos, pad_id,
                                   prefixes={r.request.index: partial[r.request.index] for r in generation
                                             if r.request.index in partial})
+                pool.resume_counts(commits.store.partial_counts(commits.job_id))
                 summary.empty_answers += _run_generation(pool, commits)
                 _note_grammar_work(pool, summary)
         failed = False
@@ -372,7 +373,7 @@ def _run_generation(pool: GreedyPool, commits: PassCommits) -> int:
         finished = pool.step()
         faults.reached("pass")
         results = [to_row_result(generation_answer(s), ids[s.row.request.index]) for s in finished]
-        store.commit_pass(job_id, results, pool.partial(), passes=1)
+        store.commit_pass(job_id, results, pool.partial(), passes=1, counts=pool.partial_counts())
         commits.pass_committed(len(finished), started)
         empty += sum(1 for r in results if r.answer == "" and r.finish_reason == "stop")
     return empty

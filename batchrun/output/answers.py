@@ -20,6 +20,9 @@ from batchrun.quality import (INCOMPLETE, Calibration, ChoiceRow, JudgedRow, Lab
 from batchrun.store import RowResult, Store
 
 
+FORCED_HARDEST = 5  # the structured rows the summary names, where the grammar overrode the model most
+
+
 @dataclass
 class OutputRow:
     """One row of the output: `result` as the model computed it, and the answer the output gives."""
@@ -99,7 +102,12 @@ def structured_counts(rows: Sequence[OutputRow]) -> dict | None:
         return None
     cut = sum(output_error(row) == INCOMPLETE for row in checked)
     valid = sum(row.check.valid for row in checked)
-    return {"rows": len(checked), "valid": valid, "invalid": len(checked) - valid - cut, "cut": cut}
+    overridden = sorted((row for row in checked if (row.result.grammar or {}).get("overrides")),
+                        key=lambda row: (-row.result.grammar["overrides"], row.result.idx))
+    hardest = [{"id": row.result.id, "overrides": row.result.grammar["overrides"],
+                "lowest_logprob": row.result.grammar["lowest_logprob"]} for row in overridden[:FORCED_HARDEST]]
+    return {"rows": len(checked), "valid": valid, "invalid": len(checked) - valid - cut, "cut": cut,
+            "forced_hardest": hardest}
 
 
 def _pair_row(first: OutputRow, second: OutputRow, verdict: PairVerdict) -> OutputRow:
@@ -242,6 +250,10 @@ def describe_quality(found: dict) -> list[str]:
         counts = found["structured"]
         lines.append(f"structured answers: {counts['valid']} of {counts['rows']} valid against their schema, "
                      f"{counts['invalid']} invalid, {counts['cut']} cut by the token limit (json_incomplete)")
+        if counts.get("forced_hardest"):
+            lines.append("  forced hardest (the model's top token refused): " + ", ".join(
+                f"{row['id']} {row['overrides']}x (lowest logprob {row['lowest_logprob']:.2f})"
+                for row in counts["forced_hardest"]))
     return lines
 
 

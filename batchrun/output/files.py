@@ -243,7 +243,7 @@ def results_table(rows: Sequence[RowResult | OutputRow]) -> pa.Table:
     if any(row.pair is not None for row in ordered):
         columns.update(pair_columns([row.pair for row in ordered]))
     if any(row.check is not None for row in ordered):
-        columns.update(structure_columns([row.check for row in ordered]))
+        columns.update(structure_columns(ordered))
     for name, values in carried_columns(results).items():
         columns["input_" + name if name in columns else name] = values
     return pa.table(columns)
@@ -269,13 +269,20 @@ def pair_columns(verdicts: list[PairVerdict | None]) -> dict[str, pa.Array]:
                            types.get(name, pa.float64())) for name in PAIR_COLUMNS}
 
 
-def structure_columns(checks: list[SchemaCheck | None]) -> dict[str, pa.Array]:
+def structure_columns(rows: Sequence[OutputRow]) -> dict[str, pa.Array]:
     """A structured row's parsed answer as JSON text, whether it validates against its schema, and where it does
-    not (JSON-pointer paths with the validator's reasons); empty for the job's other rows."""
+    not (JSON-pointer paths with the validator's reasons); how many of its tokens the grammar overrode (the model's
+    top token refused) and forced, and the lowest log-probability among the tokens the model chose. Empty for the
+    job's other rows."""
+    checks: list[SchemaCheck | None] = [row.check for row in rows]
+    counts = [row.result.grammar or {} for row in rows]
     return {"json": pa.array([None if check is None else check.json for check in checks], pa.string()),
             "schema_valid": pa.array([None if check is None else check.valid for check in checks], pa.bool_()),
             "schema_errors": pa.array([None if check is None else list(check.errors) for check in checks],
-                                      pa.list_(pa.string()))}
+                                      pa.list_(pa.string())),
+            "grammar_overrides": pa.array([found.get("overrides") for found in counts], pa.int64()),
+            "forced_tokens": pa.array([found.get("forced") for found in counts], pa.int64()),
+            "lowest_logprob": pa.array([found.get("lowest_logprob") for found in counts], pa.float64())}
 
 
 def _id_column(ids: list) -> pa.Array:

@@ -36,6 +36,15 @@ class RowGrammar:
     lowest_logprob: float | None = None  # the lowest log-probability among the tokens chosen from the model
     forced: int = 0
 
+    def counts(self) -> dict:
+        """What the grammar did to this row so far, as its answer and a resume keep it."""
+        return {"overrides": self.overrides, "forced": self.forced, "lowest_logprob": self.lowest_logprob}
+
+    def restore(self, counts: dict) -> None:
+        """Counts an earlier run of the row kept (its matcher is rebuilt from the tokens, its counts are not)."""
+        self.overrides, self.forced = counts["overrides"], counts["forced"]
+        self.lowest_logprob = counts["lowest_logprob"]
+
 
 class Grammars:
     """The grammar engine for one job's tokenizer and logits width (a model's logits may be wider than its

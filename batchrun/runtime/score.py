@@ -33,6 +33,7 @@ class Answer:
     finish_reason: str
     token_ids: list[int] | None = None
     choice_tokens: dict[str, int] | None = None  # a choice row's tokens per choice (a calibrated answer's count)
+    grammar: dict | None = None  # a structured row's grammar counts (RowGrammar.counts)
 
 
 # -- choice rows ---------------------------------------------------------------------------------
@@ -289,11 +290,23 @@ class GreedyPool:
         """Tokens generated so far by every unfinished row: what a resume keeps."""
         return {s.row.request.index: (list(s.generated), s.logprob) for s in self.live.values()}
 
+    def partial_counts(self) -> dict[int, dict]:
+        """The grammar counts so far of every unfinished structured row: what a resume keeps beside the tokens."""
+        return {s.row.request.index: s.grammar.counts() for s in self.live.values() if s.grammar is not None}
+
+    def resume_counts(self, counts: dict[int, dict]) -> None:
+        """Give resumed rows the grammar counts an earlier run kept (partial_counts), before the first pass."""
+        for seq in self.sequences:
+            kept = counts.get(seq.row.request.index)
+            if kept is not None and seq.grammar is not None:
+                seq.grammar.restore(kept)
+
 
 def generation_answer(seq: Sequence_) -> Answer:
     return Answer(idx=seq.row.request.index, answer=seq.text, choice_probs=None, score=None,
                   logprob=seq.logprob, prompt_tokens=len(seq.row.prompt_ids), output_tokens=len(seq.generated),
-                  finish_reason=seq.finish or "length", token_ids=list(seq.generated))
+                  finish_reason=seq.finish or "length", token_ids=list(seq.generated),
+                  grammar=seq.grammar.counts() if seq.grammar is not None else None)
 
 
 def special_token_ids(tokenizer) -> dict[str, int]:

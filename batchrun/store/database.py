@@ -101,9 +101,11 @@ class Store(Runs):
         self.commit_batch(job_id, results, passes=0)
 
     def commit_pass(self, job_id: str, finished: Sequence[RowResult],
-                    partial: Mapping[int, tuple[Sequence[int], float]], passes: int = 1) -> None:
+                    partial: Mapping[int, tuple[Sequence[int], float]], passes: int = 1,
+                    counts: Mapping[int, dict] | None = None) -> None:
         """After one pass: rows that finished in it (their tokens so far dropped), the tokens generated so far (and
-        their summed logprob) of the rows still going, the pass count.
+        their summed logprob) of the rows still going, the pass count; `counts`: the grammar counts so far of the
+        structured rows still going.
 
         One transaction, so a crash leaves either the state before the pass or the state after it.
         """
@@ -111,7 +113,7 @@ class Store(Runs):
             raise ValueError(f"passes must be >= 0, got {passes}")
         now = timestamp()
         updates = [row_update_params(job_id, result) for result in finished]
-        tokens = list(_tokens_so_far(job_id, partial, now))
+        tokens = list(_tokens_so_far(job_id, partial, now, counts or {}))
         with self._write("save generated tokens" if partial else f"save {len(updates)} answers") as conn:
             # One statement for the batch (sqlite-utils updates row by row); its row count tells a row the job lacks.
             if conn.executemany(ROW_UPDATE_SQL, updates).rowcount != len(updates):
@@ -125,6 +127,12 @@ class Store(Runs):
         with self._translate_errors("read generated tokens"):
             return {row["idx"]: (json.loads(row["token_ids_json"]), row["logprob"] or 0.0)
                     for row in self.db["partial"].rows_where("job_id = ?", [job_id])}
+
+    def partial_counts(self, job_id: str) -> dict[int, dict]:
+        """idx -> the grammar counts so far of structured rows interrupted mid-generation."""
+        with self._translate_errors("read generated tokens"):
+            return {row["idx"]: json.loads(row["grammar_json"]) for row in self.db["partial"].rows_where(
+                "job_id = ? and grammar_json is not null", [job_id])}
 
     # ---- reading state -------------------------------------------------------------------------
 
@@ -263,11 +271,13 @@ def _pending_rows(job_id: str, rows: Sequence[tuple]) -> Iterator[dict]:
                "structure_json": None if row.structure is None else json.dumps(row.structure, ensure_ascii=False)}
 
 
-def _tokens_so_far(job_id: str, partial: Mapping[int, tuple[Sequence[int], float]], now: str) -> Iterator[dict]:
+def _tokens_so_far(job_id: str, partial: Mapping[int, tuple[Sequence[int], float]], now: str,
+                   counts: Mapping[int, dict]) -> Iterator[dict]:
     for idx, (token_ids, logprob) in partial.items():
         as_ints = [int(token) for token in token_ids]  # numpy / tensor scalars are not JSON
         yield {"job_id": job_id, "idx": idx, "token_ids_json": json.dumps(as_ints), "token_count": len(as_ints),
-               "logprob": float(logprob), "updated_at": now}
+               "logprob": float(logprob), "updated_at": now,
+               "grammar_json": json.dumps(counts[idx]) if idx in counts else None}
 
 
 def _rows_by_state(conn: sqlite3.Connection, job_id: str) -> dict[str, int]:

@@ -74,7 +74,9 @@ def test_extraction_rows_validate_and_forced_tokens_cut_the_passes(tmp_path, def
         assert row["schema_valid"] is True and row["schema_errors"] == [], row
         if row["id"] != "phone":
             assert json.loads(row["json"]) == json.loads(row["answer"])
-    assert fed.quality["structured"] == {"rows": 8, "valid": 8, "invalid": 0, "cut": 0}
+    assert {key: fed.quality["structured"][key] for key in ("rows", "valid", "invalid", "cut")} == {
+        "rows": 8, "valid": 8, "invalid": 0, "cut": 0}
+    assert all(row["forced_tokens"] > 0 and row["lowest_logprob"] <= 0 for row in fed_rows)
     assert fed.grammar["forced_tokens"] > 0 and fed.grammar["share_of_pass_time"] < 0.05
 
 
@@ -90,7 +92,8 @@ def test_forced_tokens_fed_together_give_the_tokens_of_one_token_a_pass(tmp_path
     single, single_rows = run_job(spec, tmp_path, model, "single", streaming=streaming, batch_size=3)
     assert token_ids(tmp_path / "fed.db", fed.job_id) == token_ids(tmp_path / "single.db", single.job_id)
     assert fed.passes_now < single.passes_now
-    assert [r["answer"] for r in fed_rows] == [r["answer"] for r in single_rows]
+    assert [(r["answer"], r["grammar_overrides"], r["forced_tokens"]) for r in fed_rows] == [
+        (r["answer"], r["grammar_overrides"], r["forced_tokens"]) for r in single_rows]
     assert [r["logprob"] for r in fed_rows] == pytest.approx([r["logprob"] for r in single_rows], abs=1e-3)
     for row in fed_rows:  # the grammar's end closes a row; the limit cuts the others, said so
         if row["finish_reason"] == "stop":
@@ -114,9 +117,11 @@ def test_a_job_killed_mid_decode_finishes_with_the_uninterrupted_answers(tmp_pat
 
     got, want = pq.read_table(tmp_path / "job.parquet").to_pylist(), pq.read_table(tmp_path / "ref.parquet").to_pylist()
     for row, expected in zip(got, want):
-        for column in ("id", "answer", "finish_reason", "output_tokens", "error", "json", "schema_valid"):
+        for column in ("id", "answer", "finish_reason", "output_tokens", "error", "json", "schema_valid",
+                       "grammar_overrides", "forced_tokens"):  # the grammar's counts kept across the kills
             assert row[column] == expected[column], (row["id"], column)
         assert row["logprob"] == pytest.approx(expected["logprob"], abs=1e-4)
+        assert row["lowest_logprob"] == pytest.approx(expected["lowest_logprob"], abs=1e-4)
 
 
 @pytest.mark.slow
@@ -138,7 +143,8 @@ def test_the_probe_schemas_on_the_default_model(tmp_path, default_checkpoint):
     assert all(row["schema_valid"] is True for row in closed), [row for row in closed if not row["schema_valid"]]
     cut = [row for row in ran if row["finish_reason"] == "length"]
     assert all(row["error"] == "json_incomplete" and row["schema_valid"] is False for row in cut)
-    assert summary.quality["structured"] == {"rows": 22, "valid": len(closed), "invalid": 0, "cut": len(cut)}
+    assert {key: summary.quality["structured"][key] for key in ("rows", "valid", "invalid", "cut")} == {
+        "rows": 22, "valid": len(closed), "invalid": 0, "cut": len(cut)}
 
 
 def test_the_plan_warns_a_schema_row_left_at_the_default_limit(tmp_path, tiny_checkpoint):

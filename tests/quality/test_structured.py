@@ -42,8 +42,10 @@ def test_a_schema_the_validator_cannot_use_is_named():
 
 def test_output_columns_and_counts_for_valid_invalid_and_cut_rows():
     structure = {"json_schema": {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}
-    rows = [replace(answer(0, "ok", '{"n": 3}'), structure=structure),
-            replace(answer(1, "bad", '{"n": "x"}'), structure=structure),
+    rows = [replace(answer(0, "ok", '{"n": 3}'), structure=structure,
+                    grammar={"overrides": 0, "forced": 3, "lowest_logprob": -0.5}),
+            replace(answer(1, "bad", '{"n": "x"}'), structure=structure,
+                    grammar={"overrides": 2, "forced": 3, "lowest_logprob": -7.25}),
             replace(answer(2, "cut", '{"n": 12345'), structure=structure, finish_reason="length"),
             answer(3, "plain", "hello")]
     table = results_table(output_rows(rows)).to_pylist()
@@ -52,7 +54,14 @@ def test_output_columns_and_counts_for_valid_invalid_and_cut_rows():
         (None, False, "json_incomplete", "length"), (None, None, None, "stop")]
     assert table[1]["schema_errors"] == ["/n: 'x' is not of type 'integer'"]
     assert table[2]["schema_errors"][0].startswith("/: json_incomplete")
-    assert quality(_answers(output_rows(rows)))["structured"] == {"rows": 3, "valid": 1, "invalid": 1, "cut": 1}
+    assert [(r["grammar_overrides"], r["forced_tokens"], r["lowest_logprob"]) for r in table] == [
+        (0, 3, -0.5), (2, 3, -7.25), (None, None, None), (None, None, None)]
+    found = quality(_answers(output_rows(rows)))
+    assert found["structured"] == {"rows": 3, "valid": 1, "invalid": 1, "cut": 1, "forced_hardest": [
+        {"id": "bad", "overrides": 2, "lowest_logprob": -7.25}]}
+    from batchrun.output import describe_quality
+
+    assert "  forced hardest (the model's top token refused): bad 2x (lowest logprob -7.25)" in describe_quality(found)
     plain = results_table(output_rows([answer(0)]))  # a job without structured rows keeps its columns
     assert "schema_valid" not in plain.column_names and isinstance(plain, pa.Table)
 
