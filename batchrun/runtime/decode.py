@@ -12,16 +12,16 @@ from batchrun.runtime.handle import ModelHandle
 from batchrun.runtime.prefill import MicroState, forward_call
 
 
-def decode(handle: ModelHandle, states: list[MicroState], next_tokens: dict[int, list[int]], tokens_after: int = 0
-           ) -> dict[int, torch.Tensor]:
-    """One decode pass: each micro-batch feeds its sequences' next tokens. Returns index -> log-probs [V] after each
-    sequence's last token.
+def decode(handle: ModelHandle, states: list[MicroState], next_tokens: dict[int, int | list[int]],
+           tokens_after: int = 0) -> dict[int, torch.Tensor]:
+    """One decode pass: each micro-batch feeds its sequences' next token (or tokens). Returns index -> log-probs [V]
+    after each sequence's last token.
     `tokens_after`: at most how many more decode passes follow, the room the caches keep for them."""
     calls = decode_calls(handle, states, next_tokens, tokens_after)
     return collect_decoded(states, handle.run_pass(calls, light=True))
 
 
-def decode_calls(handle: ModelHandle, states: list[MicroState], next_tokens: dict[int, list[int]],
+def decode_calls(handle: ModelHandle, states: list[MicroState], next_tokens: dict[int, int | list[int]],
                  tokens_after: int = 0) -> list:
     """The forward calls of one decode step of every micro-batch (see decode). A sequence may feed several tokens
     (those a grammar forced): a micro-batch's call is as wide as its longest feed, each sequence's tokens
@@ -30,7 +30,7 @@ def decode_calls(handle: ModelHandle, states: list[MicroState], next_tokens: dic
     make_room(states, tokens_after)
     calls = []
     for state in states:
-        feeds = [next_tokens[i] for i in state.members]
+        feeds = [[next_tokens[i]] if isinstance(next_tokens[i], int) else next_tokens[i] for i in state.members]
         width = max(len(feed) for feed in feeds)
         ids = torch.full((len(feeds), width), 0, dtype=torch.long)
         own = torch.zeros((len(feeds), width), dtype=state.mask.dtype)
