@@ -71,10 +71,11 @@ class Grammars:
             raise ValueError(f"the tokens kept for this row do not follow its grammar: {row.matcher.get_error()}")
         return row
 
-    def forced(self, row: RowGrammar) -> list[int]:
-        """The tokens the grammar forces from here (consumed): none where the model has a choice."""
+    def forced(self, row: RowGrammar, room: int) -> list[int]:
+        """The tokens the grammar forces from here, at most `room` of them (the row's limit), consumed: none where
+        the model has a choice. Those past the limit are left unconsumed, so a cut row's grammar never ends."""
         started = time.perf_counter()
-        tokens = [] if row.matcher.is_stopped() else list(row.matcher.compute_ff_tokens())
+        tokens = [] if row.matcher.is_stopped() or room <= 0 else list(row.matcher.compute_ff_tokens())[:room]
         if tokens and not row.matcher.consume_tokens(tokens):
             raise RuntimeError(f"grammar engine: its own forced tokens were refused ({row.matcher.get_error()})")
         row.forced += len(tokens)

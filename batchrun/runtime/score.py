@@ -172,8 +172,7 @@ class GreedyPool:
         structure = seq.row.request.structure
         if structure is not None:
             seq.grammar = self.grammars.start(structure, seq.generated)
-            seq.generated += self.grammars.forced(seq.grammar)
-            del seq.generated[seq.row.request.max_new_tokens:]
+            seq.generated += self.grammars.forced(seq.grammar, self._left(seq))
         seq.fed = len(seq.generated)  # its prefill reads them all
         if seq.generated:
             # A row whose restored tokens already end it (the crash came between its last pass and the commit
@@ -194,7 +193,7 @@ class GreedyPool:
         tokens = self._feeds(decoding)
         self.in_flight = len(tokens) + len(admitted)
         # after this pass, at most the longest remaining answer less one more passes: the room caches keep
-        after = max((self._left(i) for i in [*self.live, *admitted]), default=1) - 1
+        after = max((self._left(self.sequences[i]) for i in [*self.live, *admitted]), default=1) - 1
         calls = decode_calls(self.handle, decoding, tokens, after) if decoding else []
         if prefilling:  # first: the prefix's call and its hook count micro-batches from 0
             calls = prefilling.calls + calls
@@ -250,15 +249,16 @@ class GreedyPool:
             seq.generated.append(token)
             seq.logprob += float(lp[token])
             return
-        chosen = self.grammars.forced(seq.grammar)  # forced without a choice: this pass's log-probs are not asked
+        room = self._left(seq)
+        chosen = self.grammars.forced(seq.grammar, room)  # forced without a choice: this pass's log-probs unasked
         if not chosen:
             token, logprob = self.grammars.choose(seq.grammar, lp)
             seq.logprob += logprob
-            chosen = [token] + ([] if token in self.eos_ids else self.grammars.forced(seq.grammar))
-        seq.generated += chosen[:seq.row.request.max_new_tokens - len(seq.generated)]
+            chosen = [token] + ([] if token in self.eos_ids else self.grammars.forced(seq.grammar, room - 1))
+        seq.generated += chosen
 
-    def _left(self, index: int) -> int:
-        seq = self.sequences[index]
+    def _left(self, seq: Sequence_) -> int:
+        """Tokens the row may still generate."""
         return seq.row.request.max_new_tokens - len(seq.generated)
 
     @property

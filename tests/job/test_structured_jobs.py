@@ -176,3 +176,21 @@ def test_corpus_mode_json_schema_from_the_command_line(tmp_path, tiny_checkpoint
     refused = invoke("plan", corpus, "--model", tiny_checkpoint("llama"), "--template", "{text}", "--json-schema",
                      loose)
     assert refused.exit_code != 0 and "cannot enforce the keyword(s) uniqueItems" in refused.output
+
+
+def test_a_limit_inside_the_grammars_forced_tokens_cuts_the_row_it_never_closes_it(tmp_path, tiny_checkpoint):
+    """An enum value's first token forces the rest of the value and the closing '"}': a limit that falls inside
+    those forced tokens cuts the row (length, json_incomplete), and the grammar must not count the tokens past the
+    limit as written, which would end the row as if its JSON had closed."""
+    schema = {"type": "object", "properties": {"kind": {"enum": ["replacement", "delivery"]}}, "required": ["kind"],
+              "additionalProperties": False}
+    rows = [{"id": limit, "prompt": f"Ticket {limit}: what does the customer want?", "json_schema": schema,
+             "max_new_tokens": limit} for limit in range(1, 33)]
+    _, answers = run_job(write_jsonl(tmp_path / "s.jsonl", rows), tmp_path, tiny_checkpoint("llama"), "cut")
+    finishes = {row["finish_reason"] for row in answers}
+    assert finishes == {"stop", "length"}, answers  # the limits span the answer's length
+    for row in answers:
+        if row["finish_reason"] == "stop":  # the grammar's end: the engine and the validator agree
+            assert row["schema_valid"] is True and json.loads(row["answer"])["kind"] in ("replacement", "delivery")
+        else:
+            assert (row["output_tokens"], row["error"], row["schema_valid"]) == (row["id"], "json_incomplete", False)
