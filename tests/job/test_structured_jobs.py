@@ -67,8 +67,10 @@ def test_extraction_rows_validate_and_forced_tokens_cut_the_passes(tmp_path, def
     # The same tokens, with or without the forced ones fed together, and at least 30% fewer passes with them.
     assert token_ids(tmp_path / "fed.db", fed.job_id) == token_ids(tmp_path / "single.db", single.job_id)
     assert fed.passes_now <= 0.7 * single.passes_now, (fed.passes_now, single.passes_now)
-    assert [{**row, "logprob": None} for row in fed_rows] == [{**row, "logprob": None} for row in single_rows]
-    assert [row["logprob"] for row in fed_rows] == pytest.approx([row["logprob"] for row in single_rows], abs=1e-3)
+    floats = {"logprob": None, "lowest_logprob": None}  # the same tokens' log-probs, from calls of other widths
+    assert [{**row, **floats} for row in fed_rows] == [{**row, **floats} for row in single_rows]
+    for column in floats:
+        assert [row[column] for row in fed_rows] == pytest.approx([row[column] for row in single_rows], abs=1e-3)
     for row in fed_rows:
         assert row["finish_reason"] == "stop", row  # every row closes its JSON within its limit
         assert row["schema_valid"] is True and row["schema_errors"] == [], row
