@@ -98,6 +98,9 @@ def job_options(fn):
         click.option("--pair-columns", metavar="A,B",
                      help="Corpus mode: two columns holding answers to judge against each other; the template names "
                           "both, and each row runs in both orders (docs/judging.md)."),
+        click.option("--json-schema", "json_schema", type=click.Path(dir_okay=False),
+                     help="Corpus mode: a JSON Schema file every answer must match; decoding follows it and every "
+                          "answer is validated (docs/spec.md)."),
         click.option("--calibrate", type=click.Choice(CALIBRATION_METHODS), default=DEFAULT_CALIBRATION,
                      show_default=True, help="Calibrate choice probabilities: batch (the job's own rows), "
                                              "content-free (corpus mode), labels (fitted on labelled rows); "
@@ -161,6 +164,7 @@ def build_options(model: str | None, kw: dict):
     return JobOptions(model=model, template=kw["template"], id_column=kw["id_column"],
                       label_column=kw["label_column"], calibrate=kw["calibrate"], pair_columns=kw["pair_columns"],
                       then=kw["then"],
+                      json_schema=kw["json_schema"],
                       keep_columns=tuple(name.strip() for name in keep.split(",") if name.strip()) if keep else None,
                       choices=_choices_option(kw["choices"]), system=kw["system"],
                       max_new_tokens=kw["max_new_tokens"], stop=tuple(_stop_string(s) for s in kw["stop"]) or None,

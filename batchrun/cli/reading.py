@@ -65,9 +65,11 @@ def status(job, db, as_json):
 
 
 def _quality_if_any(store: Store, job_id: str) -> dict | None:
-    """Accuracy so far and the calibration, for a job with labelled rows or a calibration."""
+    """Accuracy so far, the structured answers' validity and the calibration, for a job with labelled or
+    structured rows or a calibration."""
     found = job_quality(store, job_id)
-    has_labels = found["choice"] or found["generation"] or found["labelled_errored"] or found.get("pairs")
+    has_labels = (found["choice"] or found["generation"] or found["labelled_errored"] or found.get("pairs")
+                  or found.get("structured"))
     return found if has_labels or found["calibration"]["method"] != "none" else None
 
 

@@ -68,6 +68,8 @@ def shard_row(row: EncodedRow) -> dict:
         line["max_new_tokens"] = request.max_new_tokens
         if request.stop:
             line["stop"] = list(request.stop)
+        if request.structure is not None:  # {"json_schema": ...} or {"regex": ...}, as a native row gives it
+            line.update(request.structure.to_json())
     if request.verdict is not None:  # its rationale's limit and stops above, then its verdict
         line.update(choices=list(request.verdict.choices), then=request.verdict.cue)
     if request.continue_final:
@@ -87,5 +89,5 @@ def shard_options(options: JobOptions, compute_dtype: str) -> JobOptions:
     """The options a worker runs a shard with: the rows carry their own messages, choices and limits, the driver's
     compute dtype is fixed (auto could pick another on another node), and calibration belongs to the whole job."""
     return replace(options, template=None, id_column=None, label_column=None, keep_columns=None, pair_columns=None,
-                   choices=None, system=None, stop=None, then=None, calibrate="none", skip_invalid=False,
-                   dtype=compute_dtype)
+                   json_schema=None, choices=None, system=None, stop=None, then=None, calibrate="none",
+                   skip_invalid=False, dtype=compute_dtype)

@@ -57,5 +57,6 @@ def calibration_settings(prepared: PreparedJob, run_side_job: Callable[[Path, ob
     data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8")
     # The content-free prompts are plain prompt rows, encoded as the job's rows are (same model, dtype, --raw).
     options = replace(prepared.options, template=None, id_column=None, label_column=None, keep_columns=None,
-                      pair_columns=None, choices=None, system=None, calibrate="none", skip_invalid=False)
+                      pair_columns=None, json_schema=None, choices=None, system=None, calibrate="none",
+                      skip_invalid=False)
     return {"content_free_job": run_side_job(stored_spec(data, "content-free", ".jsonl"), options)}

@@ -139,7 +139,7 @@ def compare(spec_path: Path, models: Sequence[str | None], options: JobOptions, 
         raise SettingRefused(f"{spec_path}: a panel combines choice rows' probabilities, and the sample has only "
                              "generation rows: give rows choices, or leave out --panel")
     sample_options = replace(options, template=None, id_column=None, label_column=None, keep_columns=None,
-                             pair_columns=None, choices=None, system=None, skip_invalid=False)
+                             pair_columns=None, json_schema=None, choices=None, system=None, skip_invalid=False)
     results = []
     for model in models:
         summary = submit(sample_spec(chosen), options=replace(sample_options, model=model), db=db_path,

@@ -127,9 +127,10 @@ def _side_job(spec_path: Path, options: JobOptions, setup: RunSetup) -> str:
 
 
 def _judge(answers: JobAnswers, summary: RunSummary) -> None:
-    """Accuracy over the labelled rows, the pair statistics and the calibration used, where the job has any."""
+    """Accuracy over the labelled rows, the pair statistics, the structured answers' validity and the calibration
+    used, where the job has any."""
     if answers.calibration.method == "none" and not any(row.result.label is not None or row.pair is not None
-                                                        for row in answers.rows):
+                                                        or row.check is not None for row in answers.rows):
         return
     summary.quality = quality(answers)
     summary.notes += describe_calibration(answers.calibration) + answers.notes
@@ -153,7 +154,8 @@ def _write_output(store: Store, job_id: str, answers: JobAnswers, file: AnswersF
 
 def _all_row_ids(prepared: PreparedJob) -> list[JobRow]:
     ids = [JobRow(r.request.index, r.request.id, prepared.row_keys[r.request.index], r.request.label,
-                  r.request.carried, r.request.pair and r.request.pair.to_json()) for r in prepared.rows]
+                  r.request.carried, r.request.pair and r.request.pair.to_json(),
+                  r.request.structure and r.request.structure.to_json()) for r in prepared.rows]
     # An invalid row whose id could not be read is named by its location ("spec.jsonl:12").
     ids += [JobRow(bad.index, bad.output_id, carried=bad.carried) for bad in prepared.spec.invalid]
     return sorted(ids, key=lambda row: row.idx)
@@ -329,7 +331,9 @@ def _run_batches(prepared: PreparedJob, commits: PassCommits, plan: Candidate, b
                                   pool_plan, tokenizer, eos, pad_id,
                                   prefixes={r.request.index: partial[r.request.index] for r in generation
                                             if r.request.index in partial})
+                pool.resume_counts(commits.store.partial_counts(commits.job_id))
                 summary.empty_answers += _run_generation(pool, commits)
+                _note_grammar_work(pool, summary)
                 _score_verdicts(prepared, scoring, plan, [row for row in generation if row.request.verdict])
         failed = False
     finally:
@@ -392,7 +396,8 @@ def _run_generation(pool: GreedyPool, commits: PassCommits) -> int:
         finished = pool.step()
         faults.reached("pass")
         results, rationales = _finished(finished, ids)
-        store.commit_pass(job_id, results, pool.partial(), passes=1, rationales=rationales)
+        store.commit_pass(job_id, results, pool.partial(), passes=1, rationales=rationales,
+                          counts=pool.partial_counts())
         commits.pass_committed(len(results), started)
         empty += sum(1 for r in results if r.answer == "" and r.finish_reason == "stop")
     return empty
@@ -445,6 +450,18 @@ def _score_verdicts(prepared: PreparedJob, scoring: _Scoring, plan: Candidate, r
     verdicts = [row for row in verdicts if not row.error]
     for batch in pack_batches(row_costs(verdicts), plan.batching.batch_size, plan.batching.batch_tokens):
         scoring.score([verdicts[i] for i in batch])
+
+
+def _note_grammar_work(pool: GreedyPool, summary: RunSummary) -> None:
+    """What the grammars did beside the passes, where the run had structured rows."""
+    if pool.grammars is None:
+        return
+    stats, passes = pool.grammars.stats, sum(summary.pass_seconds)
+    summary.grammar = {"forced_tokens": stats.forced, "chosen_tokens": stats.chosen, "masks": stats.masks,
+                       "seconds": stats.mask_seconds,
+                       "share_of_pass_time": stats.mask_seconds / passes if passes else None}
+    log.info("grammar: %d tokens forced, %d chosen (%d through a mask), %.1f%% of the passes' time", stats.forced,
+             stats.chosen, stats.masks, 100 * (summary.grammar["share_of_pass_time"] or 0))
 
 
 def generation_costs(rows: list[EncodedRow], partial: dict, shared_prefix: int) -> list[RowCost]:

@@ -54,6 +54,8 @@ def row_keys(model_identity: Sequence[bytes], compute_dtype: str,
         described = [row.request.choices, row.request.max_new_tokens if generates else None,
                      row.request.stop if generates else None]
         digest.update(json.dumps(described + _verdict(row.request)).encode())
+        if row.request.structure is not None:  # an unstructured row keeps the key it always had
+            digest.update(f"{row.request.structure.kind}\0{row.request.structure.source}".encode())
         for ids in (row.prompt_ids, *row.choice_ids):
             digest.update(array("q", [len(ids), *ids]).tobytes())
         keys[row.request.index] = digest.hexdigest()
@@ -67,9 +69,9 @@ def fingerprint(spec: JobSpec, model_identity: Sequence[bytes], compute_dtype: s
     The model is its config, generation config (end-of-sequence ids), tensor headers and the first bytes of every
     tensor's data: a fine-tune with the same config and shapes is another job, not a resume of the base model's.
     A row is its id, token ids (which stand for the tokenizer, chat template, system message, template and --raw),
-    choices, token limit and stop strings: an option that changes no row (--max-new-tokens on a spec of choice
-    rows, --choices where every row has its own) keeps the job, one that changes any row makes a new one. A
-    row's label and carried values, a pair row's order, and the calibration, are the job's too (they change its
+    choices, token limit, stop strings and the structure its answer must take: an option that changes no row
+    (--max-new-tokens on a spec of choice rows, --choices where every row has its own) keeps the job, one that
+    changes any row makes a new one. A row's label and carried values, a pair row's order, and the calibration, are the job's too (they change its
     output); a job without them keeps the identity it always had."""
     digest = hashlib.sha256()
     digest.update(spec.content_sha256.encode())
@@ -85,6 +87,8 @@ def fingerprint(spec: JobSpec, model_identity: Sequence[bytes], compute_dtype: s
         if request.pair is not None:
             described.append(request.pair.to_json())
         described += _verdict(request)
+        if request.structure is not None:
+            described.append(request.structure.to_json())
         digest.update(json.dumps(described, sort_keys=True).encode())
         for ids in (row.prompt_ids, *row.choice_ids):  # packed: a big corpus has hundreds of millions of tokens
             digest.update(array("q", [len(ids), *ids]).tobytes())

@@ -13,7 +13,8 @@ from batchrun.spec import TRUNCATE_SIDES
 # Settings that can change answers, recorded with a job. Its identity is what they do to its rows (fingerprint):
 # batch size, memory budget, streaming policy and prefetch change no row, so a job resumes whatever they are.
 ANSWER_SETTINGS = ("template", "id_column", "choices", "system", "max_new_tokens", "stop", "raw", "dtype",
-                   "label_column", "keep_columns", "calibrate", "truncate", "pair_columns", "then")
+                   "label_column", "keep_columns", "calibrate", "truncate", "pair_columns", "then",
+                   "json_schema")
 CALIBRATION_METHODS = ("auto", "none", "batch", "content-free", "labels")
 DEFAULT_CALIBRATION = "auto"  # changes answers only where labelled rows show it helps (docs/calibration.md)
 # A crash, a kill or a power cut costs the pass in flight: passes are planned to last at most this long.
@@ -58,6 +59,7 @@ class JobOptions:
     keep_columns: tuple[str, ...] | None = None  # corpus mode: input columns copied into the output; ("*",): all
     pair_columns: tuple[str, str] | None = None  # corpus mode: the two answers each row's pair judges, in both orders
     then: str | None = None  # choice rows write a rationale first, then their verdict is scored after this cue
+    json_schema: str | None = None  # corpus mode: the file of the JSON Schema every answer must match
     calibrate: str = DEFAULT_CALIBRATION  # how choice probabilities are calibrated (docs/calibration.md)
     pass_minutes: float | None = DEFAULT_PASS_MINUTES  # the longest a pass is planned to take; None: no bound
     truncate: str | None = None  # "head" | "tail": cut an over-long row's document from that end; None: refuse it

@@ -5,6 +5,7 @@ Shared by `batchrun plan` (which stops here) and `batchrun submit`. No torch at 
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import time
@@ -24,7 +25,7 @@ from batchrun.job.options import JobOptions
 from batchrun.plan import (Bandwidth, Candidate, PlanRequest, Rates, RowCost, make_plan, parse_streaming,
                            shared_prefix_tokens, windows_allow_sharing, with_group_heads)
 from batchrun.spec import (EncodedRow, JobSpec, SpecSettings, cued_answer, encode_requests, kept_positions, read_spec,
-                           shortest_first_pass_sequence, uses_chat_template)
+                           sample_instance, shortest_first_pass_sequence, uses_chat_template)
 
 DEFAULT_MODEL_LABEL = "default (SmolLM2-135M-Instruct)"  # shown, stored and written for jobs run without --model
 # A model resolved with the process's peak this much higher was converted here (a registry model's first use)
@@ -140,7 +141,7 @@ def read_job_spec(spec_path: Path, options: JobOptions) -> JobSpec:
         template=options.template, id_column=options.id_column, choices=options.choices, system=options.system,
         max_new_tokens=options.max_new_tokens, stop=options.stop, skip_invalid=options.skip_invalid,
         label_column=options.label_column, keep_columns=options.keep_columns, pair_columns=options.pair_columns,
-        then=options.then))
+        then=options.then, json_schema=options.json_schema))
 
 
 def row_costs(rows: Sequence[EncodedRow], prefixes: dict[int, int] | None = None) -> list[RowCost]:
@@ -229,7 +230,8 @@ def plan_rows(prepared: PreparedModel, rows: Sequence[EncodedRow], options: JobO
     # a one-token query on the key heads.
     in_place = prepared.attends_through_sdpa and (shared > 0 or prepared.sdpa_groups_decode_queries)
     plan = make_plan(sizes, costs, request, rates, shared_prefix_tokens=shared, decode_in_place=in_place)
-    caveats = plan.caveats + _glued_choices_caveat(prepared.tokenizer, rows, options.raw) + one_choice_caveat(rows)
+    caveats = (plan.caveats + _glued_choices_caveat(prepared.tokenizer, rows, options.raw) + one_choice_caveat(rows)
+               + structure_limit_caveat(prepared.tokenizer, rows))
     if common:
         window = min([window for window in sizes.sliding_windows if window] + [sizes.unplaced_window or math.inf])
         caveats.append(f"the rows share a {common}-token prompt head, but the longest reaches past the model's "
@@ -319,6 +321,30 @@ def one_choice_caveat(rows: Sequence[EncodedRow]) -> list[str]:
     return [f"{len(alone)} row(s) have a single choice ({alone[0].request.location}: {alone[0].request.choices[0]!r}): "
             "each is answered with it at probability 1.0, which says nothing about the document; give every row "
             "two or more choices"]
+
+
+def structure_limit_caveat(tokenizer, rows: Sequence[EncodedRow]) -> list[str]:
+    """Structured rows whose token limit is below what a typical answer of their schema takes (every property
+    present, strings a few words long): such a row is cut before its JSON closes (json_incomplete)."""
+    needs: dict[str, int] = {}
+    short = []
+    for row in rows:
+        structure = row.request.structure
+        if structure is None or not structure.is_json:
+            continue
+        if structure.key not in needs:
+            text = json.dumps(sample_instance(json.loads(structure.source)), separators=(", ", ": "))
+            needs[structure.key] = len(tokenizer.encode(text, add_special_tokens=False)) + 1  # and the end
+        if row.request.max_new_tokens < needs[structure.key]:
+            short.append((row, needs[structure.key]))
+    if not short:
+        return []
+    row, need = short[0]
+    most = max(need for _, need in short)
+    return [f"{len(short)} structured row(s) allow fewer tokens than a typical answer of their schema takes "
+            f"({row.request.location}: max_new_tokens {row.request.max_new_tokens}, estimated {need}): such a row is "
+            f"cut before its JSON closes (json_incomplete); give max_new_tokens of at least {most} (more where the "
+            "document's strings are long)"]
 
 
 def detect_device(options: JobOptions) -> str:

@@ -37,6 +37,9 @@ class RunSummary:
     empty_answers: int = 0  # generated answers of this run that stopped before any text
     model_reused: bool = False  # the run took a model an earlier run of this process kept open (job.models)
     quality: dict | None = None  # accuracy over labelled rows and the calibration used (output.quality)
+    # the grammar's work over this run's structured rows: tokens forced and chosen, masks computed, its share of
+    # the passes' time (runtime.GrammarStats)
+    grammar: dict | None = None
 
     @property
     def median_pass_seconds(self) -> float | None:

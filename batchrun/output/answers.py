@@ -7,14 +7,20 @@ rows finished so far (and says so), and a resumed job ends with the answers an u
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from batchrun.output.pairs import PairVerdict, describe_pairs, fold_pairs, folded_result, pair_statistics
-from batchrun.quality import (Calibration, ChoiceRow, JudgedRow, LabelMetrics, agreement_figures, calibrate,
-                              describe_agreement, label_metrics, mean_probs, numeric_score, same_text)
+from batchrun.quality import (INCOMPLETE, Calibration, ChoiceRow, JudgedRow, LabelMetrics, SchemaCheck,
+                              agreement_figures, calibrate, check_answer, check_regex_answer, describe_agreement,
+                              enum_pointers, field_accuracy, label_metrics, mean_probs, numeric_score, same_text,
+                              wilson_interval)
 from batchrun.store import RowResult, Store
+
+
+FORCED_HARDEST = 5  # the structured rows the summary names, where the grammar overrode the model most
 
 
 @dataclass
@@ -29,6 +35,7 @@ class OutputRow:
     calibrated_probs: dict[str, float] | None = None
     correct: bool | None = None  # None: no label, or no answer to judge
     pair: PairVerdict | None = None  # a pair row's two orders folded into one (output/pairs.py)
+    check: SchemaCheck | None = None  # a structured row's answer against its schema or pattern
 
 
 @dataclass
@@ -46,8 +53,61 @@ def output_rows(results: Sequence[RowResult], calibration: Calibration | None = 
         calibrated = calibration.probs.get(result.idx) if calibration is not None else None
         row = _calibrated_row(result, calibrated) if calibrated is not None else OutputRow(
             result, result.answer, result.score, result.logprob, result.output_tokens)
+        row = replace(row, check=structure_check(result))
         found.append(replace(row, correct=_judged(row)))
     return fold_pairs(found, _pair_row)
+
+
+def structure_check(result: RowResult) -> SchemaCheck | None:
+    """A structured row's answer checked against its JSON Schema by the validator, not the grammar that decoded it
+    (or against its pattern); a JSON row cut by its token limit is incomplete, not checked."""
+    if result.structure is None or result.failed or result.answer is None:
+        return None
+    (kind, source), = result.structure.items()
+    if kind == "regex":
+        return check_regex_answer(result.answer, source)
+    if result.finish_reason == "length":
+        return SchemaCheck(None, False, (f"/: {INCOMPLETE}: the token limit cut the answer before its JSON closed",))
+    return check_answer(result.answer, json.dumps(source, separators=(",", ":"), ensure_ascii=False))
+
+
+def field_figures(rows: Sequence[OutputRow]) -> dict | None:
+    """JSON-labelled rows judged whole (exact match of the parsed value) and field by field (quality.fields); a row
+    with no JSON (cut, or not parsed) gets every field wrong."""
+    if not rows:
+        return None
+    enums: set[str] = set()
+    for schema in {json.dumps(row.result.structure["json_schema"]) for row in rows}:
+        enums |= enum_pointers(json.loads(schema))
+    pairs = [(json.loads(row.check.json) if row.check.json is not None else None, json.loads(row.result.label))
+             for row in rows]
+    correct = sum(bool(row.correct) for row in rows)
+    whole = LabelMetrics("exact_match", len(rows), correct, correct / len(rows), wilson_interval(correct, len(rows)),
+                         {}, {})
+    return {"whole": whole.to_json(), "per_field": field_accuracy(pairs, enums)}
+
+
+def output_error(row: OutputRow) -> str | None:
+    """The error the output shows: the row's own, or json_incomplete for a JSON row its token limit cut."""
+    if row.result.error is None and row.check is not None and row.result.finish_reason == "length" \
+            and "json_schema" in (row.result.structure or {}):
+        return INCOMPLETE
+    return row.result.error
+
+
+def structured_counts(rows: Sequence[OutputRow]) -> dict | None:
+    """How many structured rows validate, fail their schema, or were cut by the limit (None: the job has none)."""
+    checked = [row for row in rows if row.check is not None]
+    if not checked:
+        return None
+    cut = sum(output_error(row) == INCOMPLETE for row in checked)
+    valid = sum(row.check.valid for row in checked)
+    overridden = sorted((row for row in checked if (row.result.grammar or {}).get("overrides")),
+                        key=lambda row: (-row.result.grammar["overrides"], row.result.idx))
+    hardest = [{"id": row.result.id, "overrides": row.result.grammar["overrides"],
+                "lowest_logprob": row.result.grammar["lowest_logprob"]} for row in overridden[:FORCED_HARDEST]]
+    return {"rows": len(checked), "valid": valid, "invalid": len(checked) - valid - cut, "cut": cut,
+            "forced_hardest": hardest}
 
 
 def _pair_row(first: OutputRow, second: OutputRow, verdict: PairVerdict) -> OutputRow:
@@ -75,7 +135,13 @@ def _judged(row: OutputRow) -> bool | None:
         return None
     if row.result.choice_probs is not None:
         return row.answer == label
+    if _json_labelled(row):  # the whole value; field by field in quality's "fields"
+        return row.check.json is not None and json.loads(row.check.json) == json.loads(label)
     return same_text(row.answer, label)
+
+
+def _json_labelled(row: OutputRow) -> bool:
+    return row.result.label is not None and row.check is not None and "json_schema" in row.result.structure
 
 
 def job_answers(store: Store, job_id: str) -> JobAnswers:
@@ -114,12 +180,18 @@ def quality(answers: JobAnswers) -> dict:
     labelled = [row for row in answers.rows if row.result.label is not None and row.pair is None]
     answered = [row for row in labelled if not row.result.failed]
     choice = [row for row in answered if row.result.choice_probs is not None]
-    generation = [row for row in answered if row.result.choice_probs is None]
+    generation = [row for row in answered if row.result.choice_probs is None and not _json_labelled(row)]
     found = {"choice": _metrics(choice, "accuracy"), "generation": _metrics(generation, "exact_match"),
              "agreement": agreement_figures([_judged_row(row) for row in answers.rows if row.pair is None
                                              and row.result.choice_probs is not None and not row.result.failed]),
              "labelled_errored": len(labelled) - len(answered),
              "calibration": answers.calibration.to_json(), "notes": answers.notes}
+    structured = structured_counts(answers.rows)
+    if structured is not None:  # the key only where the job has structured rows
+        found["structured"] = structured
+    fields = field_figures([row for row in answered if _json_labelled(row)])
+    if fields is not None:
+        found["fields"] = fields
     pairs = pair_statistics(answers.rows)
     if pairs is not None:  # the key only where the job has pair rows: other jobs' summaries stay as they are
         found["pairs"] = pairs
@@ -172,6 +244,29 @@ def describe_quality(found: dict) -> list[str]:
         lines.append(f"  {found['labelled_errored']} labelled row(s) errored: not judged")
     if found.get("pairs"):
         lines += describe_pairs(found["pairs"])
+    if found.get("fields"):
+        lines += describe_fields(found["fields"])
+    if found.get("structured"):
+        counts = found["structured"]
+        lines.append(f"structured answers: {counts['valid']} of {counts['rows']} valid against their schema, "
+                     f"{counts['invalid']} invalid, {counts['cut']} cut by the token limit (json_incomplete)")
+        if counts.get("forced_hardest"):
+            lines.append("  forced hardest (the model's top token refused): " + ", ".join(
+                f"{row['id']} {row['overrides']}x (lowest logprob {row['lowest_logprob']:.2f})"
+                for row in counts["forced_hardest"]))
+    return lines
+
+
+def describe_fields(fields: dict) -> list[str]:
+    """Structured answers against their JSON labels: the whole value, then each field (worst first) with the
+    confusion counts of enum fields."""
+    lines = [_rate_text("structured exact match", fields["whole"]) + " (the whole JSON value)"]
+    for pointer, figures in sorted(fields["per_field"].items(), key=lambda item: (item[1]["rate"], item[0])):
+        lines.append("  field " + _rate_text(pointer, figures))
+        if figures.get("confusion"):
+            lines.append("    confusion (label: answers): " + "; ".join(
+                f"{label}: " + ", ".join(f"{answer} {count}" for answer, count in answers.items())
+                for label, answers in figures["confusion"].items()))
     return lines
 
 

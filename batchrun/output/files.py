@@ -23,9 +23,10 @@ import pyarrow.parquet as pq
 
 from batchrun.errors import BatchrunError
 from batchrun.host import HOST, disk_free_bytes, faults, package_version, pid_alive
-from batchrun.output.answers import OutputRow, job_answers, output_rows
+from batchrun.output.answers import OutputRow, job_answers, output_error, output_rows
 from batchrun.output.pairs import PAIR_COLUMNS, PairVerdict
 from batchrun.plan import format_bytes
+from batchrun.quality import SchemaCheck
 from batchrun.store import Rationale, RowResult, Store
 
 CHOICE_PROBS_TYPE = pa.map_(pa.string(), pa.float64())
@@ -235,7 +236,7 @@ def results_table(rows: Sequence[RowResult | OutputRow]) -> pa.Table:
         "prompt_tokens": pa.array([r.prompt_tokens for r in results], pa.int64()),
         "output_tokens": pa.array([row.output_tokens for row in ordered], pa.int64()),
         "finish_reason": pa.array([r.finish_reason for r in results], pa.string()),
-        "error": pa.array([r.error for r in results], pa.string()),
+        "error": pa.array([output_error(row) for row in ordered], pa.string()),
         "label": pa.array([r.label for r in results], pa.string()),
         "correct": pa.array([row.correct for row in ordered], pa.bool_()),
     }
@@ -243,6 +244,8 @@ def results_table(rows: Sequence[RowResult | OutputRow]) -> pa.Table:
         columns.update(pair_columns([row.pair for row in ordered]))
     if any(result.rationale is not None for result in results):
         columns.update(rationale_columns([result.rationale for result in results]))
+    if any(row.check is not None for row in ordered):
+        columns.update(structure_columns(ordered))
     for name, values in carried_columns(results).items():
         columns["input_" + name if name in columns else name] = values
     return pa.table(columns)
@@ -276,6 +279,22 @@ def rationale_columns(rationales: list[Rationale | None]) -> dict[str, pa.Array]
     texts, tokens, ends = zip(*present)
     return {"rationale": pa.array(texts, pa.string()), "rationale_tokens": pa.array(tokens, pa.int64()),
             "rationale_finish_reason": pa.array(ends, pa.string())}
+
+
+def structure_columns(rows: Sequence[OutputRow]) -> dict[str, pa.Array]:
+    """A structured row's parsed answer as JSON text, whether it validates against its schema, and where it does
+    not (JSON-pointer paths with the validator's reasons); how many of its tokens the grammar overrode (the model's
+    top token refused) and forced, and the lowest log-probability among the tokens the model chose. Empty for the
+    job's other rows."""
+    checks: list[SchemaCheck | None] = [row.check for row in rows]
+    counts = [row.result.grammar or {} for row in rows]
+    return {"json": pa.array([None if check is None else check.json for check in checks], pa.string()),
+            "schema_valid": pa.array([None if check is None else check.valid for check in checks], pa.bool_()),
+            "schema_errors": pa.array([None if check is None else list(check.errors) for check in checks],
+                                      pa.list_(pa.string())),
+            "grammar_overrides": pa.array([found.get("overrides") for found in counts], pa.int64()),
+            "forced_tokens": pa.array([found.get("forced") for found in counts], pa.int64()),
+            "lowest_logprob": pa.array([found.get("lowest_logprob") for found in counts], pa.float64())}
 
 
 def _id_column(ids: list) -> pa.Array:

@@ -13,7 +13,7 @@ from batchrun.runtime import prefix_attention
 
 class RoomyLayer(DynamicLayer):
     """A full-attention layer's cache that decodes in place: the first decode step moves its keys and values into
-    buffers with room for the tokens still to come (`spare`), and each step then writes one token into them.
+    buffers with room for the tokens still to come (`spare`), and each step then writes its tokens into them.
 
     transformers' DynamicLayer concatenates, copying the whole cache of the layer at every step
     (docs/streaming.md#decoding-without-copying-the-cache). The layer's `keys`/`values` stay [b, H, S, D] views of
@@ -33,17 +33,17 @@ class RoomyLayer(DynamicLayer):
         object.__setattr__(self, name, value)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized or key_states.shape[-2] != 1 or self.keys.dim() != 4:
+        if not self.is_initialized or self.keys.dim() != 4:
             return super().update(key_states, value_states)  # a prefill: one concatenation onto nothing
-        length = self.keys.shape[-2]
-        if not self._has_room(length + 1):
-            room = tuple(_with_room(t, length + 1 + self.spare) for t in (self.keys, self.values))
+        length, new = self.keys.shape[-2], key_states.shape[-2]  # new: 1, or the tokens a grammar forced
+        if not self._has_room(length + new):
+            room = tuple(_with_room(t, length + new + self.spare) for t in (self.keys, self.values))
             self.keys, self.values = room[0][:, :, :length], room[1][:, :, :length]  # frees the old ones
             self._room = room
         key_room, value_room = self._room
-        key_room[:, :, length:length + 1] = key_states
-        value_room[:, :, length:length + 1] = value_states
-        self.keys, self.values = key_room[:, :, :length + 1], value_room[:, :, :length + 1]
+        key_room[:, :, length:length + new] = key_states
+        value_room[:, :, length:length + new] = value_states
+        self.keys, self.values = key_room[:, :, :length + new], value_room[:, :, :length + new]
         return self.keys, self.values
 
     def _has_room(self, needed: int) -> bool:

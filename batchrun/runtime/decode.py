@@ -4,6 +4,7 @@ prefill's where their caches allow, and shrunk as sequences finish.
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from batchrun.runtime.caches import PrefixSharedLayer, RoomyLayer
@@ -11,26 +12,43 @@ from batchrun.runtime.handle import ModelHandle
 from batchrun.runtime.prefill import MicroState, forward_call
 
 
-def decode(handle: ModelHandle, states: list[MicroState], next_tokens: dict[int, int], tokens_after: int = 0
-           ) -> dict[int, torch.Tensor]:
-    """One decode pass: each micro-batch feeds its sequences' last tokens. Returns index -> log-probs [V].
+def decode(handle: ModelHandle, states: list[MicroState], next_tokens: dict[int, int | list[int]],
+           tokens_after: int = 0) -> dict[int, torch.Tensor]:
+    """One decode pass: each micro-batch feeds its sequences' next token (or tokens). Returns index -> log-probs [V]
+    after each sequence's last token.
     `tokens_after`: at most how many more decode passes follow, the room the caches keep for them."""
     calls = decode_calls(handle, states, next_tokens, tokens_after)
     return collect_decoded(states, handle.run_pass(calls, light=True))
 
 
-def decode_calls(handle: ModelHandle, states: list[MicroState], next_tokens: dict[int, int], tokens_after: int = 0
-                 ) -> list:
-    """The forward calls of one decode step of every micro-batch (see decode)."""
+def decode_calls(handle: ModelHandle, states: list[MicroState], next_tokens: dict[int, int | list[int]],
+                 tokens_after: int = 0) -> list:
+    """The forward calls of one decode step of every micro-batch (see decode). A sequence may feed several tokens
+    (those a grammar forced): a micro-batch's call is as wide as its longest feed, each sequence's tokens
+    right-aligned behind padding its mask hides, so every sequence's last token is at the last position; the hidden
+    columns stay in the cache, never attended, like a merged micro-batch's padding."""
     make_room(states, tokens_after)
     calls = []
     for state in states:
-        ones = torch.ones((len(state.members), 1), dtype=state.mask.dtype, device=handle.device)
-        state.mask = torch.cat([state.mask, ones], dim=1)
-        state.positions = state.positions[:, -1:] + 1
-        ids = torch.tensor([[next_tokens[i]] for i in state.members], dtype=torch.long, device=handle.device)
-        calls.append(forward_call(handle.model, ids, state.mask, state.positions, 1, state.cache, True))
+        feeds = [[next_tokens[i]] if isinstance(next_tokens[i], int) else next_tokens[i] for i in state.members]
+        width = max(len(feed) for feed in feeds)
+        ids = torch.full((len(feeds), width), 0, dtype=torch.long)
+        own = torch.zeros((len(feeds), width), dtype=state.mask.dtype)
+        for row, feed in enumerate(feeds):
+            ids[row, width - len(feed):] = torch.tensor(feed, dtype=torch.long)
+            own[row, width - len(feed):] = 1
+        state.mask = torch.cat([state.mask, own.to(handle.device)], dim=1)
+        # [b, width]: a sequence's tokens continue its positions; its hidden columns take the first one's
+        state.positions = state.positions[:, -1:] + own.cumsum(dim=1).clamp(min=1).to(handle.device)
+        calls.append(forward_call(handle.model, ids.to(handle.device), state.mask, state.positions, 1, state.cache,
+                                  True))
     return calls
+
+
+def sliding_windows(model) -> list[int]:
+    """The model's sliding-window sizes (none for full attention everywhere)."""
+    probe = DynamicCache(config=model.config)
+    return [layer.sliding_window for layer in probe.layers if getattr(layer, "is_sliding", False)]
 
 
 def make_room(states: list[MicroState], tokens: int) -> None:

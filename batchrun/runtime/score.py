@@ -13,7 +13,8 @@ from typing import Sequence
 import torch
 
 from batchrun.plan import RowCost, admit, shares_prefix
-from batchrun.runtime.decode import collect_decoded, decode_calls, drop_finished, merge_for_decode
+from batchrun.runtime.decode import collect_decoded, decode_calls, drop_finished, merge_for_decode, sliding_windows
+from batchrun.runtime.grammar import Grammars, RowGrammar
 from batchrun.runtime.handle import ModelHandle
 from batchrun.runtime.prefill import PrefillCalls, SharedPrefix, prefill
 from batchrun.runtime.group_prefix import prefill_grouped
@@ -33,6 +34,7 @@ class Answer:
     finish_reason: str
     token_ids: list[int] | None = None
     choice_tokens: dict[str, int] | None = None  # a choice row's tokens per choice (a calibrated answer's count)
+    grammar: dict | None = None  # a structured row's grammar counts (RowGrammar.counts)
 
 
 # -- choice rows ---------------------------------------------------------------------------------
@@ -103,6 +105,8 @@ class Sequence_:
     logprob: float = 0.0
     finish: str | None = None
     text: str | None = None
+    fed: int = 0  # of `generated`, the tokens the model has read (the rest: a grammar's forced tokens, still to feed)
+    grammar: RowGrammar | None = None  # a structured row's matcher (runtime/grammar.py)
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,8 @@ class PoolPlan:
     # so the micro-batches of rows admitted in different passes merge into one decode call
     # (PlanBatching.windows_as_full).
     windows_as_full: bool = True
+    # A grammar's forced tokens are fed in one call (False: one token a pass, as an unforced token is).
+    feeds_forced: bool = True
 
 
 class GreedyPool:
@@ -128,6 +134,10 @@ class GreedyPool:
     `plan.shared_prefix` tokens (every row starts with it) is computed by the first pass and kept for the later rows.
     Rows may start with tokens already generated before an interruption (`prefixes`): their prefill then covers
     prompt + those tokens, and decoding continues from there.
+
+    A structured row (a JSON Schema or regex) decodes under its grammar (runtime/grammar.py): the tokens the grammar
+    forces join the row at once and are fed in the next pass's call together (`plan.feeds_forced`), and the row
+    ends where its grammar does.
     """
 
     def __init__(self, handle: ModelHandle, rows: Sequence[EncodedRow], costs: Sequence[RowCost], plan: PoolPlan,
@@ -136,16 +146,12 @@ class GreedyPool:
         self.special_ids = special_token_ids(tokenizer)
         self.costs, self.limits = costs, plan.limits
         self.micro_batch, self.decode_micro_batch = plan.micro_batch, plan.decode_micro_batch
-        prefixes = prefixes or {}
         self.sequences = [Sequence_(row) for row in rows]
+        self.grammars = self._grammars(handle, tokenizer, eos_ids)
+        # Padding columns of a feed wider than one token would count against a sliding window: one token a pass there.
+        self.feeds_forced = plan.feeds_forced and not sliding_windows(handle.model)
         for seq in self.sequences:
-            if seq.row.request.index in prefixes:
-                tokens, logprob = prefixes[seq.row.request.index]
-                seq.generated, seq.logprob = list(tokens), logprob
-            if seq.generated:
-                # A row whose restored tokens already end it (the crash came between its last pass and the commit
-                # of its answer) finishes without any pass.
-                self._check_finished(seq)
+            self._restore(seq, (prefixes or {}).get(seq.row.request.index))
         self.already_finished = [seq for seq in self.sequences if seq.finish]
         self.queue = deque(i for i, seq in enumerate(self.sequences) if not seq.finish)
         self.live: dict[int, Sequence_] = {}  # admitted, unfinished
@@ -160,6 +166,28 @@ class GreedyPool:
         # empty, batch after batch (refill.refill_schedule's refill_while_live, as the plan schedules them).
         self.refills = self.prefix is not None or self.windows_as_full
 
+    def _grammars(self, handle: ModelHandle, tokenizer, eos_ids: set[int]) -> Grammars | None:
+        """The grammar engine, where any row is structured; sized to the model's logits."""
+        if not any(seq.row.request.structure is not None for seq in self.sequences):
+            return None
+        width = max(getattr(handle.model.config, "vocab_size", 0) or 0, len(tokenizer))
+        return Grammars(tokenizer, eos_ids, width)
+
+    def _restore(self, seq: Sequence_, prefix: tuple[list[int], float] | None) -> None:
+        """A row's state before its first pass: the tokens an earlier run generated (kept in SQLite), its matcher
+        past them and the tokens its grammar forces from there."""
+        if prefix is not None:
+            seq.generated, seq.logprob = list(prefix[0]), prefix[1]
+        structure = seq.row.request.structure
+        if structure is not None:
+            seq.grammar = self.grammars.start(structure, seq.generated)
+            seq.generated += self.grammars.forced(seq.grammar, self._left(seq))
+        seq.fed = len(seq.generated)  # its prefill reads them all
+        if seq.generated:
+            # A row whose restored tokens already end it (the crash came between its last pass and the commit
+            # of its answer) finishes without any pass.
+            self._check_finished(seq)
+
     def step(self) -> list[Sequence_]:
         """Run one pass; return the sequences that finished in it."""
         admitted = (admit(self.costs, list(self.live), self.queue, *self.limits) if self.refills or not self.live
@@ -171,15 +199,15 @@ class GreedyPool:
                                             use_cache=True, prefix=self.prefix,
                                             windows_as_full=self.windows_as_full)
         decoding = self.states
-        tokens = {i: self.sequences[i].generated[-1] for i in self.live}
+        tokens = self._feeds(decoding)
         self.in_flight = len(tokens) + len(admitted)
         # after this pass, at most the longest remaining answer less one more passes: the room caches keep
-        after = max((self._left(i) for i in [*self.live, *admitted]), default=1) - 1
+        after = max((self._left(self.sequences[i]) for i in [*self.live, *admitted]), default=1) - 1
         calls = decode_calls(self.handle, decoding, tokens, after) if decoding else []
         if prefilling:  # first: the prefix's call and its hook count micro-batches from 0
             calls = prefilling.calls + calls
         outputs = self.handle.run_pass(calls, before_layer=prefilling.before_layer if prefilling else None,
-                                       rows=(prefilling.rows if prefilling else 0) + len(tokens),
+                                       rows=(prefilling.rows if prefilling else 0) + sum(map(len, tokens.values())),
                                        light=prefilling is None)
         logprobs = collect_decoded(decoding, outputs[len(prefilling.calls):] if prefilling else outputs)
         states = decoding
@@ -193,9 +221,10 @@ class GreedyPool:
         finished = {}
         for i, lp in logprobs.items():
             seq = self.sequences[i]
-            token = int(lp.argmax())
-            seq.generated.append(token)
-            seq.logprob += float(lp[token])
+            seq.fed += len(tokens.get(i, ()))
+            if seq.fed < len(seq.generated):
+                continue  # forced tokens still to feed, one a pass: this pass's log-probs decide nothing
+            self._advance(seq, lp)
             self._check_finished(seq)
             if seq.finish:
                 finished[i] = self.live.pop(i)
@@ -204,8 +233,41 @@ class GreedyPool:
         self.states = merge_for_decode(states, self.decode_micro_batch) if prefilling else states
         return list(finished.values())
 
-    def _left(self, index: int) -> int:
-        seq = self.sequences[index]
+    def _feeds(self, states: list) -> dict[int, list[int]]:
+        """The tokens each decoding row feeds this pass: the last one chosen, and the forced ones after it where the
+        pool feeds them together, as many as the micro-batch's cache has room for (the plan sized each row's cache
+        for its prompt and answer: a wide feed leaves hidden columns beside the shorter feeds)."""
+        feeds = {}
+        for state in states:
+            room = 1
+            if self.feeds_forced:
+                planned = max(len(self.sequences[i].row.prompt_ids) + self.sequences[i].row.request.max_new_tokens
+                              for i in state.members)
+                shared = len(self.prefix.prefix) if self.prefix is not None else 0
+                room = max(1, shared + planned - state.mask.shape[1])
+            for i in state.members:
+                seq = self.sequences[i]
+                feeds[i] = seq.generated[seq.fed:seq.fed + room]
+        return feeds
+
+    def _advance(self, seq: Sequence_, lp: torch.Tensor) -> None:
+        """The row's next tokens from this pass's log-probs [V]: the top one, under its grammar where it has one,
+        and then the tokens the grammar forces (its log-probability counts the tokens the model chose)."""
+        if seq.grammar is None:
+            token = int(lp.argmax())
+            seq.generated.append(token)
+            seq.logprob += float(lp[token])
+            return
+        room = self._left(seq)
+        chosen = self.grammars.forced(seq.grammar, room)  # forced without a choice: this pass's log-probs unasked
+        if not chosen:
+            token, logprob = self.grammars.choose(seq.grammar, lp)
+            seq.logprob += logprob
+            chosen = [token] + ([] if token in self.eos_ids else self.grammars.forced(seq.grammar, room - 1))
+        seq.generated += chosen
+
+    def _left(self, seq: Sequence_) -> int:
+        """Tokens the row may still generate."""
         return seq.row.request.max_new_tokens - len(seq.generated)
 
     @property
@@ -227,6 +289,9 @@ class GreedyPool:
         if cuts:
             seq.finish, seq.text = "stop", text[:min(cuts)]
             return
+        if seq.grammar is not None and Grammars.ended(seq.grammar):  # complete, nothing more allowed: no end token
+            seq.finish, seq.text = "stop", text
+            return
         if len(seq.generated) >= request.max_new_tokens:
             seq.finish, seq.text = "length", text
 
@@ -234,11 +299,23 @@ class GreedyPool:
         """Tokens generated so far by every unfinished row: what a resume keeps."""
         return {s.row.request.index: (list(s.generated), s.logprob) for s in self.live.values()}
 
+    def partial_counts(self) -> dict[int, dict]:
+        """The grammar counts so far of every unfinished structured row: what a resume keeps beside the tokens."""
+        return {s.row.request.index: s.grammar.counts() for s in self.live.values() if s.grammar is not None}
+
+    def resume_counts(self, counts: dict[int, dict]) -> None:
+        """Give resumed rows the grammar counts an earlier run kept (partial_counts), before the first pass."""
+        for seq in self.sequences:
+            kept = counts.get(seq.row.request.index)
+            if kept is not None and seq.grammar is not None:
+                seq.grammar.restore(kept)
+
 
 def generation_answer(seq: Sequence_) -> Answer:
     return Answer(idx=seq.row.request.index, answer=seq.text, choice_probs=None, score=None,
                   logprob=seq.logprob, prompt_tokens=len(seq.row.prompt_ids), output_tokens=len(seq.generated),
-                  finish_reason=seq.finish or "length", token_ids=list(seq.generated))
+                  finish_reason=seq.finish or "length", token_ids=list(seq.generated),
+                  grammar=seq.grammar.counts() if seq.grammar is not None else None)
 
 
 def special_token_ids(tokenizer) -> dict[str, int]:

@@ -24,6 +24,7 @@ from batchrun.spec.files import (decompressed, holds_json_array, json_array_rows
 from batchrun.spec.pairs import checked_pair_columns
 from batchrun.spec.rows import (NATIVE_KEYS, OPENAI_KEYS, JobSettings, Request, kept_columns_of_failed_row,
                                 row_requests)
+from batchrun.spec.structure import json_schema_structure
 from batchrun.spec.tables import csv_rows, parquet_rows
 from batchrun.spec.template import Field, RowProblem, SpecError, parse_template, template_columns
 from batchrun.spec.values import checked_choices, checked_stop, checked_text, positive_int, whole
@@ -88,6 +89,7 @@ class SpecSettings:
     keep_columns: Sequence[str] | None = None
     pair_columns: Sequence[str] | str | None = None  # corpus mode: two columns each row's pair judges ("a,b")
     then: str | None = None  # the cue before each choice row's verdict, after a rationale it writes first
+    json_schema: str | Path | dict | None = None  # corpus mode: the JSON Schema every answer must match (or its file)
 
 
 def read_spec(path: str | Path, settings: SpecSettings | None = None, **fields) -> JobSpec:
@@ -100,6 +102,7 @@ def read_spec(path: str | Path, settings: SpecSettings | None = None, **fields) 
     file_format, compression = spec_format(path)
     job = _with_pair_columns(_with_corpus_columns(_job_settings(settings), settings.label_column,
                                                   settings.keep_columns), settings.pair_columns)
+    job = _with_structure(replace(job, base_dir=path.parent), settings.json_schema)
     skip_invalid = settings.skip_invalid
     is_parquet = file_format == "parquet"
     try:
@@ -186,6 +189,23 @@ def _with_pair_columns(job: JobSettings, pair_columns: Sequence[str] | str | Non
     except RowProblem as problem:
         raise SpecError([f"job setting: {problem}"]) from None
     return replace(job, pair_columns=columns)
+
+
+def _with_structure(job: JobSettings, json_schema: str | Path | dict | None) -> JobSettings:
+    """Corpus mode's JSON Schema, which every row's answer must match; a request row gives its own."""
+    if json_schema is None:
+        return job
+    try:
+        if job.template is None:
+            raise RowProblem("json_schema (--json-schema) only applies with a template (corpus mode); a request row "
+                             "gives its own json_schema, or an OpenAI line its body.response_format")
+        if job.choices is not None:
+            raise RowProblem("choices and json_schema exclude each other: a choice row answers with one of its "
+                             "choices")
+        schema = str(json_schema) if isinstance(json_schema, Path) else json_schema
+        return replace(job, structure=json_schema_structure(schema, "json_schema", None))
+    except RowProblem as problem:
+        raise SpecError([f"job setting: {problem}"]) from None
 
 
 def _corpus_columns(job: JobSettings) -> tuple[str, ...]:

@@ -7,8 +7,11 @@ import json
 from collections.abc import Sequence
 from typing import NamedTuple
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from batchrun.spec.files import kind, show
+from batchrun.spec.structure import (Structure, json_schema_structure, regex_structure, response_format_structure,
+                                     structured_label)
 from batchrun.spec.pairs import (ORDERS, PairOrder, checked_pair_choices, corpus_orders, corpus_pair, native_orders,
                                  native_pair, order_label, pair_label)
 from batchrun.spec.template import Field, RowProblem, render_template, template_columns
@@ -17,16 +20,16 @@ from batchrun.spec.values import (checked_choices, checked_label, checked_stop, 
 from batchrun.spec.verdicts import Verdict, rationale_stops
 
 NATIVE_KEYS = ("id", "custom_id", "prompt", "messages", "system", "choices", "max_new_tokens", "stop", "label",
-               "metadata", "continue_final_message", "a", "b", "then")
+               "metadata", "continue_final_message", "a", "b", "then", "json_schema", "regex")
 # label and metadata are batchrun's own, beside an OpenAI line's keys: the expected answer and the user's data.
 OPENAI_KEYS = ("custom_id", "method", "url", "body", "label", "metadata")
 OPENAI_CHAT_URL = "/v1/chat/completions"
-# The chat-completions parameters batchrun reads (tools only to refuse them) and those it ignores: sampling, output
-# formats, logging, caching and streaming say nothing a greedy, text-only run of one answer a request could honour.
+# The chat-completions parameters batchrun reads (tools only to refuse them) and those it ignores: sampling, logging,
+# caching and streaming say nothing a greedy, text-only run of one answer a request could honour.
 # continue_final_message is vLLM's extension of the same request, read as a native row's.
 BODY_READ_KEYS = ("messages", "max_tokens", "max_completion_tokens", "stop", "n", "tools", "functions", "tool_choice",
-                  "function_call", "web_search_options", "continue_final_message")
-BODY_IGNORED_KEYS = ("model", "temperature", "top_p", "seed", "response_format", "presence_penalty",
+                  "function_call", "web_search_options", "continue_final_message", "response_format")
+BODY_IGNORED_KEYS = ("model", "temperature", "top_p", "seed", "presence_penalty",
                      "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "user", "metadata", "store",
                      "service_tier", "stream", "stream_options", "parallel_tool_calls", "reasoning_effort", "verbosity",
                      "prediction", "modalities", "audio", "prompt_cache_key", "prompt_cache_retention",
@@ -53,6 +56,7 @@ class Request:
     # continue_final_message), not followed by a new turn.
     continue_final: bool = False
     pair: PairOrder | None = None  # set on the two requests of a pair row (spec/pairs.py)
+    structure: Structure | None = None  # the JSON Schema or pattern its answer must match (spec/structure.py)
     # A row that writes its reasons before its verdict (spec/verdicts.py): its first stage generates the rationale
     # (max_new_tokens, stop), then `verdict` says what is scored after it.
     verdict: Verdict | None = None
@@ -87,6 +91,8 @@ class JobSettings:
     keep_columns: tuple[str, ...] | None = None  # corpus mode: input columns copied to the output; ("*",): all
     pair_columns: tuple[str, str] | None = None  # corpus mode: the two answers each row's pair judges
     then: str | None = None  # the cue before a choice row's verdict, after a rationale it writes first
+    structure: Structure | None = None  # corpus mode: the JSON Schema every row's answer must match (--json-schema)
+    base_dir: Path | None = None  # the spec's folder: a row's json_schema path is read from there
 
 
 def row_requests(row: dict, index: int, row_id: str | int, location: str, job: JobSettings) -> list[Request]:
@@ -115,7 +121,7 @@ def row_requests(row: dict, index: int, row_id: str | int, location: str, job: J
 
 def row_request(row: dict, index: int, row_id: str | int, location: str, job: JobSettings) -> Request:
     """The row as it runs, with the label and the values it carries to the output."""
-    request = _request_shape(row, index, row_id, location, job)
+    request = _with_structure(_request_shape(row, index, row_id, location, job), _structure_of(row, job))
     if job.template is not None:
         label = row.get(job.label_column) if job.label_column is not None else None
         carried = _kept_columns(row, job)
@@ -123,7 +129,34 @@ def row_request(row: dict, index: int, row_id: str | int, location: str, job: Jo
         label, carried = row.get("label"), _metadata(row.get("metadata"))
     if label is None and carried is None:
         return request
+    if request.structure is not None and request.structure.is_json:  # a JSON value, judged field by field
+        return replace(request, label=structured_label(label, job.label_column), carried=carried)
     return replace(request, label=checked_label(label, request.scored_choices, job.label_column), carried=carried)
+
+
+def _structure_of(row: dict, job: JobSettings) -> Structure | None:
+    """The structure the row's answer must take: corpus mode's --json-schema, an OpenAI body's response_format or a
+    native row's json_schema or regex (the row's shape is checked before this)."""
+    if job.template is not None:
+        return job.structure
+    if any(row.get(key) is not None for key in ("body", "url", "method")):
+        form = row["body"].get("response_format")
+        return response_format_structure(form) if form is not None else None
+    schema, pattern = row.get("json_schema"), row.get("regex")
+    if schema is not None and pattern is not None:
+        raise RowProblem("a row has either json_schema or regex, not both")
+    if schema is not None:
+        return json_schema_structure(schema, "json_schema", job.base_dir)
+    return regex_structure(pattern) if pattern is not None else None
+
+
+def _with_structure(request: Request, structure: Structure | None) -> Request:
+    if structure is None:
+        return request
+    if request.scored_choices is not None:
+        raise RowProblem("a choice row answers with one of its choices; it cannot also ask for a json_schema, "
+                         "regex or response_format (drop one)")
+    return replace(request, structure=structure)
 
 
 def _metadata(value: object) -> dict | None:

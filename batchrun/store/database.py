@@ -102,10 +102,11 @@ class Store(Runs):
 
     def commit_pass(self, job_id: str, finished: Sequence[RowResult],
                     partial: Mapping[int, tuple[Sequence[int], float]], passes: int = 1,
-                    rationales: Mapping[int, Rationale] | None = None) -> None:
+                    rationales: Mapping[int, Rationale] | None = None,
+                    counts: Mapping[int, dict] | None = None) -> None:
         """After one pass: rows that finished in it (their tokens so far dropped), the tokens generated so far (and
         their summed logprob) of the rows still going, the rationales that ended in it (kept for their verdict's
-        pass), the pass count.
+        pass), the pass count; `counts`: the grammar counts so far of the structured rows still going.
 
         One transaction, so a crash leaves either the state before the pass or the state after it.
         """
@@ -113,7 +114,8 @@ class Store(Runs):
             raise ValueError(f"passes must be >= 0, got {passes}")
         now = timestamp()
         updates = [row_update_params(job_id, result) for result in finished]
-        tokens = list(_tokens_so_far(job_id, partial, now)) + list(_rationales(job_id, rationales or {}, now))
+        tokens = list(_tokens_so_far(job_id, partial, now, counts or {})) + list(_rationales(job_id, rationales or {},
+                                                                                              now))
         with self._write("save generated tokens" if partial else f"save {len(updates)} answers") as conn:
             # One statement for the batch (sqlite-utils updates row by row); its row count tells a row the job lacks.
             if conn.executemany(ROW_UPDATE_SQL, updates).rowcount != len(updates):
@@ -133,6 +135,12 @@ class Store(Runs):
         with self._translate_errors("read written rationales"):
             return {row["idx"]: Rationale.from_json(json.loads(row["rationale_json"]))
                     for row in self.db["partial"].rows_where("job_id = ? and rationale_json is not null", [job_id])}
+
+    def partial_counts(self, job_id: str) -> dict[int, dict]:
+        """idx -> the grammar counts so far of structured rows interrupted mid-generation."""
+        with self._translate_errors("read generated tokens"):
+            return {row["idx"]: json.loads(row["grammar_json"]) for row in self.db["partial"].rows_where(
+                "job_id = ? and grammar_json is not null", [job_id])}
 
     # ---- reading state -------------------------------------------------------------------------
 
@@ -266,14 +274,18 @@ def _pending_rows(job_id: str, rows: Sequence[tuple]) -> Iterator[dict]:
     for row in map(lambda fields: JobRow(*fields), rows):
         yield {"job_id": job_id, "idx": row.idx, "id_json": json.dumps(row.id), "row_key": row.key, "label": row.label,
                "carried_json": None if row.carried is None else json.dumps(row.carried, sort_keys=True),
-               "pair_json": None if row.pair is None else json.dumps(row.pair, sort_keys=True), "state": "pending"}
+               "pair_json": None if row.pair is None else json.dumps(row.pair, sort_keys=True), "state": "pending",
+               # in its own key order: a schema's properties are written in theirs
+               "structure_json": None if row.structure is None else json.dumps(row.structure, ensure_ascii=False)}
 
 
-def _tokens_so_far(job_id: str, partial: Mapping[int, tuple[Sequence[int], float]], now: str) -> Iterator[dict]:
+def _tokens_so_far(job_id: str, partial: Mapping[int, tuple[Sequence[int], float]], now: str,
+                   counts: Mapping[int, dict]) -> Iterator[dict]:
     for idx, (token_ids, logprob) in partial.items():
         as_ints = [int(token) for token in token_ids]  # numpy / tensor scalars are not JSON
         yield {"job_id": job_id, "idx": idx, "token_ids_json": json.dumps(as_ints), "token_count": len(as_ints),
-               "logprob": float(logprob), "updated_at": now, "rationale_json": None}
+               "logprob": float(logprob), "updated_at": now,
+               "grammar_json": json.dumps(counts[idx]) if idx in counts else None, "rationale_json": None}
 
 
 def _rationales(job_id: str, rationales: Mapping[int, Rationale], now: str) -> Iterator[dict]:
@@ -281,7 +293,7 @@ def _rationales(job_id: str, rationales: Mapping[int, Rationale], now: str) -> I
         written = rationale.to_json()
         yield {"job_id": job_id, "idx": idx, "token_ids_json": json.dumps(written["token_ids"]),
                "token_count": len(rationale.token_ids), "logprob": rationale.logprob, "updated_at": now,
-               "rationale_json": json.dumps(written)}
+               "grammar_json": None, "rationale_json": json.dumps(written)}
 
 
 def _rows_by_state(conn: sqlite3.Connection, job_id: str) -> dict[str, int]:

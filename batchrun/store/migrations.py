@@ -232,6 +232,17 @@ def m014_rationales(db: sqlite_utils.Database) -> None:
     db["rows"].add_column("rationale_json", str)
 
 
+@migration
+def m015_row_structures(db: sqlite_utils.Database) -> None:
+    # The JSON Schema or regex a structured row's answer must match ({"json_schema": ...} or {"regex": ...}): the
+    # output validates each answer against it with nothing but the store to read.
+    db["rows"].add_column("structure_json", str)
+    # What the grammar did to a structured row (tokens overridden and forced, the lowest chosen log-probability),
+    # with its answer and, while it decodes, beside its tokens so far: a resumed row keeps its counts.
+    db["rows"].add_column("grammar_json", str)
+    db["partial"].add_column("grammar_json", str)
+
+
 def applied_migrations(db: sqlite_utils.Database) -> set[str]:
     return {row["name"] for row in db[MIGRATIONS_TABLE].rows_where(select="name")}  # none before the table exists
 

@@ -13,7 +13,8 @@ import sqlite3
 from dataclasses import dataclass, field
 
 ANSWER_COLUMNS = ("state", "answer", "choice_probs_json", "score", "logprob", "prompt_tokens", "output_tokens",
-                  "finish_reason", "error", "output_token_ids_json", "choice_tokens_json", "rationale_json")
+                  "finish_reason", "error", "output_token_ids_json", "choice_tokens_json", "rationale_json",
+                  "grammar_json")
 
 # The finished rows a pending row of this job may take its answer from: another job's, or its own job's repeats.
 _DONE_ELSEWHERE = ("from rows other where other.row_key = rows.row_key and other.state = 'done' "
@@ -42,9 +43,9 @@ def reuse_answers(conn: sqlite3.Connection, job_id: str) -> Reused:
     # The longest run of tokens another job generated for a row this job has not started (SQLite takes the bare
     # columns from the row where max() is found).
     partial_rows = conn.execute(
-        "insert into partial (job_id, idx, token_ids_json, token_count, logprob, updated_at, rationale_json) "
-        "select rows.job_id, rows.idx, p.token_ids_json, max(p.token_count), p.logprob, p.updated_at, "
-        "p.rationale_json "
+        "insert into partial (job_id, idx, token_ids_json, token_count, logprob, updated_at, rationale_json, "
+        "grammar_json) select rows.job_id, rows.idx, p.token_ids_json, max(p.token_count), p.logprob, p.updated_at, "
+        "p.rationale_json, p.grammar_json "
         "from rows join rows other on other.row_key = rows.row_key and other.job_id != rows.job_id "
         "join partial p on p.job_id = other.job_id and p.idx = other.idx "
         "where rows.job_id = ? and rows.state = 'pending' and rows.row_key is not null "

@@ -11,7 +11,7 @@ FINISH_REASONS = ("stop", "length", "choice", "error")
 ROW_UPDATE_SQL = (
     "update rows set state = ?, answer = ?, choice_probs_json = ?, score = ?, logprob = ?, "
     "prompt_tokens = ?, output_tokens = ?, finish_reason = ?, error = ?, output_token_ids_json = ?, "
-    "choice_tokens_json = ?, rationale_json = ? where job_id = ? and idx = ?"
+    "choice_tokens_json = ?, rationale_json = ?, grammar_json = ? where job_id = ? and idx = ?"
 )
 
 
@@ -24,6 +24,7 @@ class JobRow(NamedTuple):
     label: str | None = None
     carried: dict | None = None
     pair: dict | None = None  # a pair row's order: {"order", "a_chars", "b_chars", "label"} (spec.PairOrder)
+    structure: dict | None = None  # a structured row's {"json_schema": ...} or {"regex": ...} (spec.Structure)
 
 
 @dataclass
@@ -40,10 +41,12 @@ class RowResult:
     error: str | None
     token_ids: list[int] | None = None
     choice_tokens: dict[str, int] | None = None  # a choice row's tokens per choice
+    grammar: dict | None = None  # a structured row's grammar counts: overrides, forced, lowest_logprob
     label: str | None = None  # the row's expected answer, where the spec gives one (read back, never written here)
     carried: dict | None = None  # output column -> value the row carries (read back, never written here)
     pair: dict | None = None  # the pair row order it answers (read back, never written here)
     rationale: Rationale | None = None  # the reasons a verdict row wrote before its choices were scored
+    structure: dict | None = None  # the structure its answer must match (read back, never written here)
 
     @property
     def failed(self) -> bool:
@@ -90,6 +93,7 @@ def row_update_params(job_id: str, result: RowResult) -> tuple:
         None if result.token_ids is None else json.dumps([int(token) for token in result.token_ids]),
         None if result.choice_tokens is None else json.dumps(result.choice_tokens),
         None if result.rationale is None else json.dumps(result.rationale.to_json()),
+        None if result.grammar is None else json.dumps(result.grammar),
         job_id,
         result.idx,
     )
@@ -113,6 +117,8 @@ def row_result_from_db(row: dict) -> RowResult:
         carried=_loaded(row.get("carried_json")),
         pair=_loaded(row.get("pair_json")),
         rationale=None if row.get("rationale_json") is None else Rationale.from_json(json.loads(row["rationale_json"])),
+        structure=_loaded(row.get("structure_json")),
+        grammar=_loaded(row.get("grammar_json")),
     )
 
 

@@ -30,7 +30,7 @@ def shard_keys(tmp_path, prepared):
     return [on_node.row_keys[position] for position in range(len(prepared.rows))]
 
 
-@pytest.mark.parametrize("shape", ["requests", "corpus", "openai", "raw", "reasons"])
+@pytest.mark.parametrize("shape", ["requests", "corpus", "openai", "raw", "reasons", "structured"])
 def test_a_shard_spec_encodes_as_the_jobs_rows(tiny_checkpoint, tmp_path, shape):
     model = str(tiny_checkpoint("llama"))
     options = JobOptions(model=model, system="Answer briefly.", stop=("\n",), max_new_tokens=5)
@@ -48,6 +48,12 @@ def test_a_shard_spec_encodes_as_the_jobs_rows(tiny_checkpoint, tmp_path, shape)
                 {"id": "m", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}],
                  "continue_final_message": True}]
         options = replace(options, then="Verdict:")
+    elif shape == "structured":  # the schema or pattern is part of a row's key: a shard row must carry it
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        rows = [{"id": "j", "prompt": "Count", "json_schema": schema}, {"id": "r", "prompt": "PIN?", "regex": "[0-9]{4}"},
+                {"custom_id": "o", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"messages": [{"role": "user", "content": "Any object"}],
+                          "response_format": {"type": "json_object"}}}]
     else:
         rows = [{"id": "c", "prompt": "Happy?", "choices": [" yes", " no"]},
                 {"id": "g", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},

@@ -143,7 +143,7 @@ def test_openai_body_keys_batchrun_cannot_honour_are_refused_per_row(tmp_path, b
 
 
 def test_openai_sampling_and_bookkeeping_parameters_are_ignored(tmp_path):
-    ignored = {"temperature": 0.2, "top_p": 0.9, "seed": 1, "response_format": {"type": "json_object"},
+    ignored = {"temperature": 0.2, "top_p": 0.9, "seed": 1, "response_format": {"type": "text"},
                "presence_penalty": 0.1, "frequency_penalty": 0.1, "logit_bias": {"50256": -100}, "user": "u",
                "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "stream": False,
                "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2,
@@ -152,7 +152,7 @@ def test_openai_sampling_and_bookkeeping_parameters_are_ignored(tmp_path):
                "prompt_cache_retention": "24h", "safety_identifier": "s", "tools": [], "functions": [],
                "tool_choice": "auto", "function_call": "none"}
     (request,) = read_spec(write_jsonl(tmp_path / "jobs.jsonl", [openai_line("r", max_tokens=3, **ignored)])).requests
-    assert (request.messages, request.max_new_tokens) == ((("user", "hi"),), 3)
+    assert (request.messages, request.max_new_tokens, request.structure) == ((("user", "hi"),), 3, None)
     allowed = {"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}}
     spec = read_spec(write_jsonl(tmp_path / "jobs.jsonl", [openai_line("r", **allowed)]))
     assert spec.requests[0].max_new_tokens == 16
