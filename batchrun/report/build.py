@@ -13,6 +13,7 @@ from batchrun.report.labels import labels_section
 from batchrun.report.page import GENERATOR_META, page
 from batchrun.report.pairs import pair_sections
 from batchrun.report.prompts import spec_prompts
+from batchrun.report.structured import structured_sections
 from batchrun.report.timeline import timeline_section
 from batchrun.store import Store
 
@@ -24,14 +25,15 @@ def default_report_path(spec_path: Path | str) -> Path:
 
 
 def render_report(data: ReportData) -> str:
-    """The report's HTML, top to bottom: the job at a glance, answers, against labels, the run, errors."""
+    """The report's HTML, top to bottom: the job at a glance, answers, against labels, structured answers and pairs
+    (where the job has them), the run, errors."""
     job = data.job
 
     def prompts(ids):
         return spec_prompts(job["spec_path"], job["created_at"], data.settings, ids)
 
     sections = [glance_section(data), answers_section(data, prompts), labels_section(data, prompts),
-                *pair_sections(data),
+                *structured_sections(data, prompts), *pair_sections(data),
                 timeline_section(data), errors_section(data)]
     title = f"batchrun job {job['id']}: {Path(job['spec_path']).name}"
     subtitle = (f"{job['model']} · {job['state']} · {job['rows_done'] + job['rows_errored']:,} of "

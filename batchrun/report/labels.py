@@ -27,6 +27,9 @@ def labels_section(data: ReportData, prompts: PromptLookup | None = None) -> Sec
     if not labelled and (quality.get("pairs") or {}).get("accuracy"):
         return Section("labels", "Against labels", note("The labelled rows are pair rows: their verdicts are scored "
                                                         "against their labels under Pairs judged in both orders."))
+    if not labelled and quality.get("fields"):
+        return Section("labels", "Against labels", note("The labelled rows are structured rows: their JSON labels are "
+                                                        "scored field by field under Structured answers."))
     if not labelled:
         return Section("labels", "Against labels",
                        note("No answered row has a label, so there is nothing to score the answers against (give rows "
