@@ -12,7 +12,17 @@ from batchrun.host import faults, peak_resident_bytes
 from batchrun.job.progress import RunProgress
 from batchrun.measure import judge_compute_rate, judge_generation_rates, judge_runtime_overhead
 from batchrun.plan import Candidate
-from batchrun.store import Store
+from batchrun.store import RowResult, Store
+
+
+def to_row_result(answer, row_id) -> RowResult:
+    """A computed answer (runtime.Answer) as the store keeps it: the same fields, with the row's id."""
+    return RowResult(id=row_id, error=None, **vars(answer))
+
+
+def error_result(idx: int, row_id, message: str, prompt_tokens: int | None = None) -> RowResult:
+    return RowResult(idx=idx, id=row_id, answer=None, choice_probs=None, score=None, logprob=None,
+                     prompt_tokens=prompt_tokens, output_tokens=None, finish_reason="error", error=message)
 
 
 @dataclass

@@ -13,9 +13,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable
 
 from tqdm import tqdm
 from transformers.utils import logging as transformers_logging
@@ -25,34 +25,23 @@ from batchrun.errors import OutputRefused, PlanRefused
 from batchrun.host import (batch_cap_after_oom, default_db_path, failure_reason, faults, interrupts_deferred,
                            keep_freed_pages_below, killed_by_oom, memory_cgroup_dir, oom_kill_count)
 from batchrun.job.calibration import calibration_settings
-from batchrun.job.commits import PassCommits
+from batchrun.job.commits import PassCommits, error_result
 from batchrun.job.files import answers_file, export_command, report_path, write_run_report
 from batchrun.job.models import ModelKey, kept_models
 from batchrun.job.prepare import (JobOptions, PreparedJob, nothing_runs, one_choice_caveat, one_row_per_key, plan_rows,
                                   prepare_job, row_costs)
 from batchrun.job.progress import BAR_FORMAT
-from batchrun.job.verdicts import verdict_rows, with_rationale
+from batchrun.job.verdicts import ChoicePasses, answers_and_rationales, written_verdicts
 from batchrun.job.running import (AnswersFile, Computation, JobRun, RunSetup, RunSummary, release_run,
                                   reused_note)
 from batchrun.output import (JobAnswers, OutputError, OutputExists, describe_calibration, job_answers, job_provenance,
                              quality, write_results)
-from batchrun.plan import Candidate, RowCost, pack_batches, without_prefix
-from batchrun.runtime import (Answer, GreedyPool, LayerReads, PoolPlan, eos_token_ids, generation_answer, open_model,
-                              reads_prefix_in_place, score_choices)
+from batchrun.plan import Candidate, RowCost, without_prefix
+from batchrun.runtime import GreedyPool, LayerReads, PoolPlan, eos_token_ids, open_model, reads_prefix_in_place
 from batchrun.spec import EncodedRow, uses_chat_template
-from batchrun.store import JobRow, Rationale, RowResult, Store
+from batchrun.store import JobRow, Rationale, Store
 
 log = logging.getLogger("batchrun")
-
-
-def to_row_result(answer: Answer, row_id) -> RowResult:
-    """A computed answer as the store keeps it: the same fields, with the row's id."""
-    return RowResult(id=row_id, error=None, **vars(answer))
-
-
-def error_result(idx: int, row_id, message: str, prompt_tokens: int | None = None) -> RowResult:
-    return RowResult(idx=idx, id=row_id, answer=None, choice_probs=None, score=None, logprob=None,
-                     prompt_tokens=prompt_tokens, output_tokens=None, finish_reason="error", error=message)
 
 
 def submit(spec_path: str | Path, *, options: JobOptions | None = None, output: str | Path | None = None,
@@ -210,7 +199,8 @@ class _ThisMachine(Computation):
 
     def compute(self, run: JobRun, rows: list[EncodedRow], partial: dict) -> None:
         summary, job_id = run.summary, run.job_id
-        rows = _with_written_verdicts(run, rows)
+        rationales = run.store.finished_rationales(job_id)  # the verdicts still to score of rationales written
+        rows = written_verdicts(run.prepared, run.store, job_id, rows, rationales)
         plan = _plan_run(run, rows, partial)
         # the plan's batches past `rows` are the verdicts still to come, packed once their rationales are written
         batches = [batch for batch in ([rows[i] for i in batch if i < len(rows)] for batch in plan.batching.batches)
@@ -222,7 +212,7 @@ class _ThisMachine(Computation):
                    unit="row", disable=run.quiet, desc=f"batchrun {job_id[:8]} ({plan.mode})", dynamic_ncols=True,
                    bar_format=BAR_FORMAT)
         commits = PassCommits(run.store, job_id, bar, summary.pass_seconds, plan)
-        _run_batches(run.prepared, commits, plan, batches, partial, summary)
+        _run_batches(run.prepared, commits, plan, batches, (partial, rationales), summary)
         if summary.empty_answers:
             note = (f"{summary.empty_answers} answer(s) are empty: the row stopped (EOS or a stop string) before "
                     "any text")
@@ -234,28 +224,6 @@ class _ThisMachine(Computation):
 
 
 _THIS_MACHINE = _ThisMachine()
-
-
-def _with_written_verdicts(run: JobRun, rows: list[EncodedRow]) -> list[EncodedRow]:
-    """`rows`, each verdict row whose rationale an earlier run wrote replaced by its verdict (a choice row); a
-    verdict that no longer fits the context is answered with its error here, its rationale kept."""
-    rationales = run.store.finished_rationales(run.job_id)
-    written = [row for row in rows if row.request.index in rationales]
-    if not written:
-        return rows
-    verdicts = verdict_rows(run.prepared, written, rationales)
-    _commit_verdict_errors(run.store, run.job_id, verdicts, written, rationales)
-    return [row for row in rows if row.request.index not in rationales] + [row for row in verdicts if not row.error]
-
-
-def _commit_verdict_errors(store: Store, job_id: str, verdicts: list[EncodedRow], written: list[EncodedRow],
-                           rationales: Mapping[int, Rationale]) -> None:
-    prompts = {row.request.index: len(row.prompt_ids) for row in written}
-    failed = [with_rationale(error_result(row.request.index, row.request.id, f"the verdict after the rationale: "
-                                          f"{row.error}"), rationales[row.request.index], prompts[row.request.index])
-              for row in verdicts if row.error]
-    if failed:
-        store.commit_batch(job_id, failed, passes=0)
 
 
 def _plan_run(run: JobRun, rows: list[EncodedRow], partial: dict) -> Candidate:
@@ -301,9 +269,11 @@ def _after_previous_run(options: JobOptions, previous: list[dict], notes: list[s
 
 
 def _run_batches(prepared: PreparedJob, commits: PassCommits, plan: Candidate, batches: list[list[EncodedRow]],
-                 partial: dict, summary: RunSummary) -> None:
-    """Open the model the plan chose, run the choice batches (a pass each) and then the generation rows (one
-    refilled queue), committing every pass."""
+                 earlier: tuple[dict, dict[int, Rationale]], summary: RunSummary) -> None:
+    """Open the model the plan chose, run the choice batches (a pass each), then the generation rows (one refilled
+    queue), then the verdicts of the rationales they wrote, committing every pass. `earlier`: the tokens earlier
+    runs generated (row index -> tokens so far) and the rationales they wrote."""
+    partial, rationales = earlier
     transformers_logging.disable_progress_bar()  # ours is the progress bar that matters
     model, read_before = _open(prepared, plan, summary)
     model.report_turns(commits.progress.turn)  # the bar and `status` follow each pass layer by layer
@@ -313,8 +283,8 @@ def _run_batches(prepared: PreparedJob, commits: PassCommits, plan: Candidate, b
     # A --micro-batch of the user's own makes calls the plan did not size: trim after every turn then.
     keep_below = None if prepared.options.micro_batch else plan.memory.peak_memory_bytes - plan.memory.turn_bytes
     failed = True
-    scoring = _Scoring(model, pad_id, micro_batch, commits, {row.request.index: row for row in prepared.rows},
-                       commits.store.finished_rationales(commits.job_id))
+    scoring = ChoicePasses(model, pad_id, micro_batch, commits, {row.request.index: row for row in prepared.rows},
+                           rationales)
     try:
         with keep_freed_pages_below(keep_below):
             for batch in batches:
@@ -332,9 +302,9 @@ def _run_batches(prepared: PreparedJob, commits: PassCommits, plan: Candidate, b
                                   prefixes={r.request.index: partial[r.request.index] for r in generation
                                             if r.request.index in partial})
                 pool.resume_counts(commits.store.partial_counts(commits.job_id))
-                summary.empty_answers += _run_generation(pool, commits)
+                summary.empty_answers += _run_generation(pool, commits, rationales)
                 _note_grammar_work(pool, summary)
-                _score_verdicts(prepared, scoring, plan, [row for row in generation if row.request.verdict])
+                scoring.score_verdicts(prepared, plan, [row for row in generation if row.request.verdict])
         failed = False
     finally:
         commits.bar.close()
@@ -381,75 +351,28 @@ def _decode_micro_batch(model, plan: Candidate, micro_batch: int | None, summary
     return micro_batch
 
 
-def _run_generation(pool: GreedyPool, commits: PassCommits) -> int:
+def _run_generation(pool: GreedyPool, commits: PassCommits, rationales: dict[int, Rationale]) -> int:
     """Run the job's generation rows to their end, committing each pass (a verdict row's rationale waits in the
-    store for its verdict); return how many of the answers stopped before any text."""
+    store for its verdict, and joins `rationales`); return how many of the answers stopped before any text."""
     ids = {seq.row.request.index: seq.row.request.id for seq in pool.sequences}
     store, job_id = commits.store, commits.job_id
     empty = 0
     if pool.already_finished:
-        results, rationales = _finished(pool.already_finished, ids)
-        store.commit_pass(job_id, results, {}, passes=0, rationales=rationales)
+        results, written = answers_and_rationales(pool.already_finished, ids)
+        store.commit_pass(job_id, results, {}, passes=0, rationales=written)
+        rationales.update(written)
         commits.progress.committed(len(results))
     while not pool.done:
         started = commits.pass_started(lambda: pool.in_flight, answers=False)
         finished = pool.step()
         faults.reached("pass")
-        results, rationales = _finished(finished, ids)
-        store.commit_pass(job_id, results, pool.partial(), passes=1, rationales=rationales,
+        results, written = answers_and_rationales(finished, ids)
+        store.commit_pass(job_id, results, pool.partial(), passes=1, rationales=written,
                           counts=pool.partial_counts())
+        rationales.update(written)
         commits.pass_committed(len(results), started)
         empty += sum(1 for r in results if r.answer == "" and r.finish_reason == "stop")
     return empty
-
-
-def _finished(sequences, ids: dict) -> tuple[list[RowResult], dict[int, Rationale]]:
-    """The answers of finished sequences, and the rationales of those that are a verdict row's first stage."""
-    results, rationales = [], {}
-    for seq in sequences:
-        index = seq.row.request.index
-        if seq.row.request.verdict is not None:
-            rationales[index] = Rationale(seq.text, tuple(seq.generated), seq.logprob, seq.finish or "length")
-        else:
-            results.append(to_row_result(generation_answer(seq), ids[index]))
-    return results, rationales
-
-
-@dataclass
-class _Scoring:
-    """Choice passes of a run: each scores a batch and commits its answers (a verdict's with its rationale)."""
-    model: object
-    pad_id: int
-    micro_batch: int | None
-    commits: PassCommits
-    rows_by_index: Mapping[int, EncodedRow]  # the job's rows as the spec encoded them: a verdict's own prompt
-    rationales: dict[int, Rationale]  # the written rationales whose verdicts are still to be scored
-
-    def score(self, batch: list[EncodedRow]) -> None:
-        commits = self.commits
-        started = commits.pass_started(functools.partial(len, batch), answers=True)
-        answers = score_choices(self.model, batch, self.pad_id, micro_batch=self.micro_batch)
-        faults.reached("pass")
-        ids = {r.request.index: r.request.id for r in batch}
-        results = [to_row_result(a, ids[a.idx]) for a in answers]
-        for result in results:
-            if result.idx in self.rationales:
-                with_rationale(result, self.rationales[result.idx], len(self.rows_by_index[result.idx].prompt_ids))
-        commits.store.commit_batch(commits.job_id, results, passes=1)
-        commits.pass_committed(len(answers), started)
-
-
-def _score_verdicts(prepared: PreparedJob, scoring: _Scoring, plan: Candidate, rows: list[EncodedRow]) -> None:
-    """The verdicts of the rationales this run wrote, in choice passes packed as the plan packs rows."""
-    if not rows:
-        return
-    faults.reached("verdicts")
-    scoring.rationales.update(scoring.commits.store.finished_rationales(scoring.commits.job_id))
-    verdicts = verdict_rows(prepared, rows, scoring.rationales)
-    _commit_verdict_errors(scoring.commits.store, scoring.commits.job_id, verdicts, rows, scoring.rationales)
-    verdicts = [row for row in verdicts if not row.error]
-    for batch in pack_batches(row_costs(verdicts), plan.batching.batch_size, plan.batching.batch_tokens):
-        scoring.score([verdicts[i] for i in batch])
 
 
 def _note_grammar_work(pool: GreedyPool, summary: RunSummary) -> None:
