@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchrun.job import JobOptions
-from batchrun.job.identity import row_keys
+from batchrun.job import JobOptions, prepare_job
 from batchrun.spec import SpecError, read_spec
 from tests.job.test_resume import (assert_same_answers, job_status, run_killed, run_passes, run_to_end,
                                    submit_args)
@@ -60,18 +59,14 @@ def test_the_job_cue_applies_to_choice_rows_in_corpus_mode(tmp_path):
 
 
 def test_a_rows_cue_is_part_of_what_its_answer_depends_on(tmp_path, tiny_checkpoint):
-    from batchrun.job.prepare import prepare_job
-
     plain = write_jsonl(tmp_path / "plain.jsonl", [{"id": 1, "prompt": "p", "choices": ["yes", "no"]},
                                                    {"id": 2, "prompt": "p", "max_new_tokens": 8}])
     cued = write_jsonl(tmp_path / "cued.jsonl", [{"id": 1, "prompt": "p", "choices": ["yes", "no"],
                                                   "then": "Verdict:", "max_new_tokens": 8, "stop": []}])
     model = str(tiny_checkpoint("llama"))
-    plain_rows = prepare_job(plain, JobOptions(model=model)).rows
-    cued_rows = prepare_job(cued, JobOptions(model=model)).rows
-    keys = [row_keys([b"m"], "float32", rows)[0] for rows in (plain_rows, cued_rows)]
-    generation_key = row_keys([b"m"], "float32", plain_rows[1:])[1]
-    assert len({*keys, generation_key}) == 3  # neither the bare choice row nor the bare generation row
+    plain_keys = prepare_job(plain, JobOptions(model=model)).row_keys
+    cued_key = prepare_job(cued, JobOptions(model=model)).row_keys[0]
+    assert len({plain_keys[0], plain_keys[1], cued_key}) == 3  # neither the bare choice nor the bare generation row
 
 
 # ---- running -----------------------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from batchrun.plan import GROUP_PREFIX_MIN
+from batchrun.runtime import score_choices
 from batchrun.runtime.group_prefix import grouped_heads
-from batchrun.runtime.score import score_choices
 from batchrun.spec import EncodedRow, PairOrder, Request
 from tests.reference import reference_logprobs
 from tests.runtime.test_prefill import open_handle
