@@ -173,7 +173,7 @@ def test_an_unforeseen_failure_in_a_run_marks_it_failed_and_keeps_its_committed_
             raise AssertionError("Padding_idx must be within num_embeddings")  # a fault deep in a pass
         return real_score(model, batch, *args, **kwargs)
 
-    monkeypatch.setattr("batchrun.job.execute.score_choices", fails_in_the_second_pass)
+    monkeypatch.setattr("batchrun.job.verdicts.score_choices", fails_in_the_second_pass)
     db = tmp_path / "j.db"
     args = ("submit", reviews, "--model", model, "--db", db, "--batch-size", "2", "-q")
     failed = invoke(*args)
@@ -215,7 +215,7 @@ def test_a_second_ctrl_c_while_the_run_stops_still_leaves_its_record_and_report(
         os.kill(os.getpid(), signal.SIGINT)
         return real_release(self, *args, **kwargs)
 
-    monkeypatch.setattr("batchrun.job.execute.score_choices", ctrl_c_in_the_second_pass)
+    monkeypatch.setattr("batchrun.job.verdicts.score_choices", ctrl_c_in_the_second_pass)
     monkeypatch.setattr(Store, "release", ctrl_c_again)
     db = tmp_path / "j.db"
     result = invoke("submit", reviews, "--model", model, "--db", db, "--batch-size", "2", "-q")
