@@ -167,8 +167,8 @@ def check_rebuilt_tokenizer(source, rebuilt, where: Path, allow_nfc_loss: bool =
     nfc_lost = mine.get("normalizer") == NFC and theirs.get("normalizer") is None
     if nfc_lost and not allow_nfc_loss:
         raise _differs(where, "its NFC normalizer has no GGUF key, so text not in NFC form (decomposed accents) "
-                              "would split differently (--allow-nfc-loss writes it anyway: every NFC text splits "
-                              "alike)")
+                              "would reach the model unnormalized (--allow-nfc-loss writes it anyway: every NFC "
+                              "text splits alike)")
     if nfc_lost:
         theirs["normalizer"] = NFC
     for part in ("normalizer", "pre_tokenizer", "decoder"):
