@@ -1,6 +1,6 @@
 """The batchrun command line: thin click commands over the library. `plan`, `submit`, `compare` and `disk` are here;
-the commands that read a job's record are in reading.py, `db` in database.py, the options the job commands share in
-options.py, and how every command fails in failures.py."""
+the commands that read a job's record are in reading.py, `db` in database.py, `quantize` in quantize.py, the options
+the job commands share in options.py, and how every command fails in failures.py."""
 from __future__ import annotations
 
 import json
@@ -20,6 +20,7 @@ from batchrun.quality import PANEL_METHODS
 
 from batchrun.cli.database import db
 from batchrun.cli.failures import FriendlyErrors
+from batchrun.cli.quantize import quantize
 from batchrun.cli.options import build_options, job_options, ray_options, ray_settings, spec_file, spec_format_option
 from batchrun.cli.reading import jobs, report, results, status
 
@@ -154,5 +155,5 @@ def disk(model, as_json):
         click.echo(f"{result.bytes_per_s / 1e9:.2f} GB/s ({result.basis}): {result.how}")
 
 
-for command in (status, jobs, results, report, db):  # defined beside this module
+for command in (status, jobs, results, report, db, quantize):  # defined beside this module
     cli.add_command(command)
