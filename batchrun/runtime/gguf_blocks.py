@@ -70,19 +70,48 @@ def _spread(packed: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return gathered.view(torch.uint8).view(*packed.shape, -1)
 
 
-def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+def _halves(blocks: torch.Tensor) -> torch.Tensor:
+    """[n, bytes] blocks of an even size as [n, bytes / 2] int16, a view where the blocks start at an even byte:
+    the small blocks' scales and nibbles read in place, without a copy per field (a decode pass decodes every weight
+    of every layer)."""
+    if blocks.storage_offset() % 2 or not blocks.is_contiguous():
+        blocks = blocks.clone()
+    return blocks.view(torch.int16)
+
+
+def _half_scale(halves: torch.Tensor, index: int) -> torch.Tensor:
+    """The fp16 at halfword `index` of every block, widened to float32 exactly: [n, 1]."""
+    return halves[:, index:index + 1].view(torch.float16).float()
+
+
+def _half_nibbles(halves: torch.Tensor, start: int) -> torch.Tensor:
+    """The 16 bytes of nibbles at halfword `start` -> [n, 32] uint8: the low nibbles in byte order, then the high."""
+    packed = halves[:, start:start + 8]  # [n, 8]: two bytes each
+    out = torch.empty(halves.shape[0], 2, 8, dtype=torch.int16)
+    torch.bitwise_and(packed, 0x0F0F, out=out[:, 0])
+    torch.bitwise_and(packed >> 4, 0x0F0F, out=out[:, 1])  # the sign bits shifted in are masked off
+    return out.view(torch.uint8).view(halves.shape[0], 32)
+
+
+def _q8_0(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # fp16 d, 32 int8 q: w = q * d (int8 times float32 widens the int8 exactly)
-    return _field(blocks, 2, 34, torch.int8) * _scale(blocks, 0)
+    return torch.mul(blocks[:, 2:34].view(torch.int8), _half_scale(_halves(blocks), 0), out=out)
 
 
-def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+def _q4_0(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # fp16 d, 16 bytes of nibbles: w = d * (q - 8)
-    return _scale(blocks, 0) * (_nibbles(blocks[:, 2:], 16).view(torch.int8) - 8)
+    halves = _halves(blocks)
+    return torch.mul(_half_scale(halves, 0), _half_nibbles(halves, 1).view(torch.int8) - 8, out=out)
 
 
-def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    # fp16 d, fp16 m, 16 bytes of nibbles: w = d * q + m
-    return _scale(blocks, 0) * _nibbles(blocks[:, 4:], 16) + _scale(blocks, 2)
+def _q4_1(blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    # fp16 d, fp16 m, 16 bytes of nibbles: w = d * q + m, each product and sum rounded on its own
+    halves = _halves(blocks)
+    return torch.mul(_half_scale(halves, 0), _half_nibbles(halves, 2), out=out).add_(_half_scale(halves, 1))
+
+
+# Decoders that write their float32 weights into a given tensor (dequantize_into), no copy between.
+DECODERS_INTO = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1}
 
 
 def _fifth_bits(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -166,6 +195,20 @@ def dequantize(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...],
                          f"{list(shape)} tensor ({block_bytes} bytes per {weights} weights)")
     values = decoder(raw.reshape(-1, block_bytes)).view(shape)
     return values if dtype == torch.float32 else values.to(dtype)
+
+
+def dequantize_into(raw: torch.Tensor, ggml_type: str, out: torch.Tensor) -> None:
+    """dequantize(raw, ggml_type, out.shape) written into `out`: straight into a contiguous float32 tensor beside
+    the blocks for the types DECODERS_INTO holds; through a copy into any other."""
+    decoder = DECODERS_INTO.get(ggml_type)
+    if decoder is None or out.dtype != torch.float32 or not out.is_contiguous() or out.device != raw.device:
+        out.copy_(dequantize(raw, ggml_type, tuple(out.shape)))
+        return
+    weights, block_bytes = GGUF_BLOCKS[ggml_type]
+    if raw.dtype != torch.uint8 or raw.numel() * weights != out.numel() * block_bytes:
+        raise ValueError(f"{raw.numel()} bytes of {raw.dtype} are not the whole {ggml_type} blocks of a "
+                         f"{list(out.shape)} tensor ({block_bytes} bytes per {weights} weights)")
+    decoder(raw.reshape(-1, block_bytes), out=out.view(-1, weights))
 
 
 def undo_qk_permutation(weight: torch.Tensor, head_rows: int) -> torch.Tensor:

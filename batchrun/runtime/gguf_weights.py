@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from batchrun.checkpoint import (NORM_OFFSET_ARCHITECTURES, CheckpointError, GGUFIndex, gguf_parsed_once,
                                  is_gguf_file, load_config, read_gguf_index)
-from batchrun.runtime.gguf_blocks import dequantize, read_gguf_blocks, undo_qk_permutation
+from batchrun.runtime.gguf_blocks import dequantize, dequantize_into, read_gguf_blocks, undo_qk_permutation
 from batchrun.runtime.skeleton import materialise_buffers, set_tensor
 from batchrun.runtime.weights import Recipe
 
@@ -47,16 +47,17 @@ class GGUFDecode:
         rows, width = self.shape[0], math.prod(self.shape[1:])
         step = self.head_rows or 1
         chunk = max(step, DECODE_CHUNK_WEIGHTS // width // step * step)
-        row_bytes = raw.numel() // rows
         for start in range(0, rows, chunk):
-            stop = min(rows, start + chunk)
-            values = self._rows(raw[start * row_bytes:stop * row_bytes], (stop - start, *self.shape[1:]))
-            out[start:stop].copy_(values)
+            self.rows_into(raw, start, min(rows, start + chunk), out[start:min(rows, start + chunk)])
 
     def rows_into(self, raw: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> None:
         """Rows start..stop-1 (whole heads where the rows are permuted) decoded into `out` ([stop - start, ...])."""
         row_bytes = raw.numel() // self.shape[0]
-        out.copy_(self._rows(raw[start * row_bytes:stop * row_bytes], (stop - start, *self.shape[1:])))
+        rows = raw[start * row_bytes:stop * row_bytes]
+        if self.head_rows is None and not self.norm_offset:  # decoded straight into `out`
+            dequantize_into(rows, self.ggml_type, out)
+            return
+        out.copy_(self._rows(rows, (stop - start, *self.shape[1:])))
 
     def _rows(self, raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         weight = dequantize(raw, self.ggml_type, shape)

@@ -9,6 +9,7 @@ import torch
 
 from batchrun.checkpoint import GGUF_BLOCKS, read_gguf_index
 from batchrun.runtime import dequantize, read_gguf_rows, undo_qk_permutation
+from batchrun.runtime.gguf_blocks import dequantize_into
 from tests.gguf_files import random_blocks, write_gguf
 
 # (rows, blocks per row); a leading extra dim makes a 3-D tensor (experts).
@@ -192,3 +193,19 @@ def test_every_tensor_of_a_trained_k_quant_model_is_gguf_pys(gemma3_gguf):
             if (start, stop) == (0, info.rows):
                 reference = reference.reshape(info.shape)
             assert torch.equal(read_gguf_rows(info, start, stop), reference), (name, start, stop)
+
+
+@pytest.mark.parametrize("ggml_type", list(GGUF_BLOCKS))
+def test_blocks_decoded_into_a_tensor_are_the_blocks_decoded(ggml_type):
+    """Straight into a float32 tile (the types a quantized linear decodes most), or through a copy into bfloat16:
+    the same numbers as dequantize, special scales included."""
+    raw, shape = shaped_blocks(ggml_type, (6, 256 // GGUF_BLOCKS[ggml_type][0] or 1), seed=3)
+    raw = torch.from_numpy(raw.reshape(-1).copy())
+    expected = dequantize(raw, ggml_type, shape)
+    into = torch.full(shape, 7.0)
+    dequantize_into(raw, ggml_type, into)
+    assert_same_floats(into, expected)
+    narrow = torch.empty(shape, dtype=torch.bfloat16)
+    dequantize_into(raw, ggml_type, narrow)
+    assert torch.equal(narrow.isnan(), expected.isnan())
+    assert torch.equal(narrow[~narrow.isnan()], expected.to(torch.bfloat16)[~narrow.isnan()])
