@@ -11,7 +11,8 @@ four and five choices; "sport", "politics" and the news choices are two tokens, 
 
 - batchrun: `batchrun submit JOB --model GGUF --streaming never --dtype float32 --calibrate none` in a fresh
   process; the choice probabilities come from its Parquet output.
-- llama.cpp: llama_cpp.Llama on the same file (2 threads, CPU), in a fresh process of its own (this script with
+- llama.cpp: llama_cpp.Llama on the same file (2 threads, CPU, without its extra buffer types unless
+  --extra-buffer-types: see _without_extra_buffer_types), in a fresh process of its own (this script with
   --llama-cpp-worker), fed exactly the prompt and choice token ids batchrun used: the ids come from batchrun's own
   preparation of the job (job.prepare.prepare_job, the encoding `submit` runs), never from llama.cpp's tokenizer.
   Each row's prompt is evaluated once (reusing the previous row's KV cache for their common head, the system
@@ -175,18 +176,35 @@ def run_batchrun(job: Path, gguf: Path, work: Path, attempt: int) -> tuple[harne
     return result, [dict(probs) for probs in table["choice_probs"]]
 
 
-def run_llama_cpp(gguf: Path, tokens: Path, work: Path, attempt: int) -> tuple[harness.RunResult, dict]:
+def run_llama_cpp(gguf: Path, tokens: Path, work: Path, attempt: int,
+                  extra_buffers: bool) -> tuple[harness.RunResult, dict]:
     """(the measured run, the worker's report: each row's choice scores, its scoring time, llama.cpp's build)."""
     report = work / f"llama-cpp-{attempt}.json"
     command = [sys.executable, "-m", "benchmarks.llama_cpp_agreement", "--llama-cpp-worker", str(gguf), str(tokens),
-               str(report)]
+               str(report), *(["--extra-buffer-types"] if extra_buffers else [])]
     result = harness.run_measured(command, cwd=REPO)
     if result.returncode:
         raise SystemExit(f"the llama.cpp run exited {result.returncode}:\n{result.stderr[-3000:]}")
     return result, json.loads(report.read_text())
 
 
-def llama_cpp_worker(gguf: Path, tokens_path: Path, report_path: Path) -> None:
+def _without_extra_buffer_types(llama_cpp) -> None:
+    """Make Llama load its weights without llama.cpp's extra CPU buffer types (AMX tiles, repacked layouts): the
+    Llama class has no parameter for it, so the default model parameters it starts from are patched. On a
+    virtual machine whose CPU lists AMX but whose kernel does not enable the tile state, llama.cpp otherwise dies of
+    SIGILL at its first AMX tile load."""
+    low_level = llama_cpp.llama_cpp
+    defaults = low_level.llama_model_default_params
+
+    def without_extras():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    low_level.llama_model_default_params = without_extras
+
+
+def llama_cpp_worker(gguf: Path, tokens_path: Path, report_path: Path, extra_buffers: bool = False) -> None:
     """Score every row's choices with llama.cpp from the given token ids; write the scores and timings as JSON.
     Imports nothing of batchrun's or torch's, so the process's peak RSS is llama.cpp's."""
     import llama_cpp
@@ -194,6 +212,8 @@ def llama_cpp_worker(gguf: Path, tokens_path: Path, report_path: Path) -> None:
 
     encoded = json.loads(tokens_path.read_text())
     n_ctx = max(len(row["prompt"]) + max(map(len, row["choices"])) for row in encoded) + 16
+    if not extra_buffers:
+        _without_extra_buffer_types(llama_cpp)
     started = time.perf_counter()
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=LLAMA_THREADS,
                           n_threads_batch=LLAMA_THREADS, logits_all=False, verbose=False)
@@ -226,7 +246,7 @@ def llama_cpp_worker(gguf: Path, tokens_path: Path, report_path: Path) -> None:
             row_scores.append(total)
         scores.append(row_scores)
     report = {"scores": scores, "load_seconds": loaded - started, "scoring_seconds": time.perf_counter() - loaded,
-              "n_ctx": n_ctx, "llama_cpp_python": llama_cpp.__version__,
+              "n_ctx": n_ctx, "llama_cpp_python": llama_cpp.__version__, "extra_buffer_types": extra_buffers,
               "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}
     report_path.write_text(json.dumps(report))
 
@@ -321,7 +341,7 @@ def measure(args: argparse.Namespace, gguf: Path, work: Path) -> tuple[dict, lis
         for attempt in range(args.repeats):
             run, probs = run_batchrun(job, gguf, work, attempt)
             ours_runs.append(run)
-            run, report = run_llama_cpp(gguf, tokens, work, attempt)
+            run, report = run_llama_cpp(gguf, tokens, work, attempt, args.extra_buffer_types)
             theirs_runs.append(run)
             outputs.append((probs, report))
     probs, report = outputs[0]  # both engines are deterministic: every attempt's answers are the first's
@@ -347,12 +367,14 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, default=None, help="default: the default model's Q4_1 GGUF")
     parser.add_argument("--rows", type=int, default=DEFAULT_ROWS)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each engine (wall time: their median)")
+    parser.add_argument("--extra-buffer-types", action="store_true",
+                        help="let llama.cpp use its extra CPU buffer types (AMX, repacked weights); off by default")
     parser.add_argument("--llama-cpp-worker", nargs=3, type=Path, metavar=("GGUF", "TOKENS", "REPORT"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     require_llama_cpp()
     if args.llama_cpp_worker:
-        llama_cpp_worker(*args.llama_cpp_worker)
+        llama_cpp_worker(*args.llama_cpp_worker, extra_buffers=args.extra_buffer_types)
         return
     gguf = args.gguf or default_gguf()
     if not gguf.is_file():
