@@ -33,8 +33,8 @@ Why the two differ at all: batchrun dequantizes the Q4_1 weights exactly (scale 
 gives) and computes every matmul in float32. llama.cpp keeps the weights in Q4_1 and, for its CPU dot products,
 quantizes each activation row to Q8_1 (8-bit integers with a scale per 32 values) before multiplying: every
 linear layer then sees inputs rounded to ~2-3 significant digits, and the rounding accumulates over 30 layers. It
-also orders its sums differently and may hold the KV cache in float16. Rows whose two best choices are nearly tied
-can then flip; confident rows cannot.
+also orders its sums differently and holds its KV cache in float16. A row whose two best choices are close can
+then flip.
 """
 from __future__ import annotations
 
@@ -359,6 +359,7 @@ def measure(args: argparse.Namespace, gguf: Path, work: Path) -> tuple[dict, lis
                   **timing(theirs_runs), "load_s": report["load_seconds"], "scoring_s": report["scoring_seconds"]}],
         "llama_cpp_system_info": report["system_info"], "n_ctx": report["n_ctx"],
         "worst_rows": sorted(figures, key=lambda f: f["tv"], reverse=True)[:WORST_SHOWN],
+        "disagreeing_rows": [f for f in figures if f["batchrun"] != f["llama_cpp"]],
     }, figures
 
 
