@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from batchrun.checkpoint import (NORM_OFFSET_ARCHITECTURES, CheckpointError, GGUFIndex, gguf_parsed_once,
                                  is_gguf_file, load_config, read_gguf_index)
+from batchrun.runtime.dequantize_tally import timed_decode
 from batchrun.runtime.gguf_blocks import dequantize, read_gguf_blocks, undo_qk_permutation
 from batchrun.runtime.skeleton import materialise_buffers, set_tensor
 from batchrun.runtime.weights import Recipe
@@ -39,7 +40,12 @@ class GGUFDecode:
 
     def into(self, raw: torch.Tensor, out: torch.Tensor) -> None:
         """Decode the blocks into `out` (the tensor's shape, any dtype and device), a chunk of whole rows (whole
-        heads) at a time: each value rounded once from float32 into out's dtype, as a whole-tensor copy rounds."""
+        heads) at a time: each value rounded once from float32 into out's dtype, as a whole-tensor copy rounds. The
+        time it takes is counted (dequantize_tally)."""
+        with timed_decode(self.ggml_type, out):
+            self._decode_into(raw, out)
+
+    def _decode_into(self, raw: torch.Tensor, out: torch.Tensor) -> None:
         if len(self.shape) < 2:
             out.copy_(self(raw))
             return
