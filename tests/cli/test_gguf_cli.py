@@ -129,33 +129,3 @@ def test_a_job_begun_on_the_conversion_is_not_resumed_on_the_gguf_and_the_run_sa
                for name in ("converted", "gguf")]
     assert answers[0] == answers[1]
 
-
-def test_a_streamed_run_on_a_gguf_records_the_dequantization_rates_the_next_plan_prices_with(
-        reviews, default_gguf, tmp_path, monkeypatch):
-    from batchrun.measure import cache, dequantize
-
-    file = default_gguf[0]
-    args = ("--model", file, "--streaming", "always", "--dtype", "float32")
-
-    def planned() -> dict:
-        result = invoke("plan", reviews, *args, "--json")
-        assert result.exit_code == 0, result.output
-        return json.loads(result.stdout)["candidates"][0]
-
-    measured = planned()  # measures each type's rate
-    measurements = cache.load()
-    for entry in measurements["dequantize"].values():  # as if measured while the machine ran far faster
-        entry["weights_per_s"] *= 1000
-    cache.write(measurements)
-    flattered = planned()
-    assert flattered["io_seconds_per_pass"] < measured["io_seconds_per_pass"]
-
-    monkeypatch.setattr(dequantize, "JUDGED_DEQUANTIZE_MIN_SECONDS", 0.0)  # a short run's decodes are enough here
-    run = invoke("submit", reviews, *args, "--db", tmp_path / "j.db", "-o", tmp_path / "a.parquet", "--json")
-    assert run.exit_code == 0, run.output
-    job_id = json.loads(run.stdout)["job_id"]
-    cached = {key.rsplit("|", 1)[1]: entry for key, entry in cache.load()["dequantize"].items()
-              if ":float32:" in key}
-    for ggml_type in checkpoint_sizes(file).layer_params_by_type:  # every type its layers stream in
-        assert cached[ggml_type]["observed"]["job"] == job_id, ggml_type
-    assert planned()["io_seconds_per_pass"] > flattered["io_seconds_per_pass"]  # the next plan prices the run's rate

@@ -1,7 +1,11 @@
-"""GGUF dequantization rates: measured once per type, dtype and thread count, then read from the cache."""
+"""GGUF dequantization rates: measured once per type, dtype and thread count, then read from the cache; a run's own
+decodes replace a figure they contradict, and the next plan prices with it."""
 from __future__ import annotations
 
+import json
+
 from batchrun import measure
+from batchrun.measure import cache, dequantize
 from batchrun.measure.cache import load
 
 
@@ -39,3 +43,37 @@ def test_a_runs_decodes_replace_a_cached_rate_they_contradict_and_leave_one_they
     fast = {"Q4_1": (int(measured["Q4_1"] * seconds), seconds)}
     measure.judge_dequantize_rates(fast, "float32", "cpu", threads, job="j2")
     assert measure.dequantize_rates(["Q4_1"], "float32") == {"Q4_1": int(measured["Q4_1"] * seconds) / seconds}
+
+
+def test_a_streamed_run_on_a_gguf_records_the_dequantization_rates_the_next_plan_prices_with(
+        default_gguf, tmp_path, monkeypatch):
+    from batchrun.checkpoint import checkpoint_sizes
+    from tests.support import REPO_ROOT, invoke
+
+    file = default_gguf[0]
+    reviews = tmp_path / "reviews.jsonl"  # the first 8 rows of the review job: one pass
+    reviews.write_text("".join((REPO_ROOT / "jobs" / "review-sentiment.jsonl").read_text().splitlines(True)[:8]))
+    args = ("--model", file, "--streaming", "always", "--dtype", "float32")
+
+    def planned() -> dict:
+        result = invoke("plan", reviews, *args, "--json")
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["candidates"][0]
+
+    measured = planned()  # measures each type's rate
+    measurements = cache.load()
+    for entry in measurements["dequantize"].values():  # as if measured while the machine ran far faster
+        entry["weights_per_s"] *= 1000
+    cache.write(measurements)
+    flattered = planned()
+    assert flattered["io_seconds_per_pass"] < measured["io_seconds_per_pass"]
+
+    monkeypatch.setattr(dequantize, "JUDGED_DEQUANTIZE_MIN_SECONDS", 0.0)  # a short run's decodes are enough here
+    run = invoke("submit", reviews, *args, "--db", tmp_path / "j.db", "-o", tmp_path / "a.parquet", "--json")
+    assert run.exit_code == 0, run.output
+    job_id = json.loads(run.stdout)["job_id"]
+    cached = {key.rsplit("|", 1)[1]: entry for key, entry in cache.load()["dequantize"].items()
+              if ":float32:" in key}
+    for ggml_type in checkpoint_sizes(file).layer_params_by_type:  # every type its layers stream in
+        assert cached[ggml_type]["observed"]["job"] == job_id, ggml_type
+    assert planned()["io_seconds_per_pass"] > flattered["io_seconds_per_pass"]  # the next plan prices the run's rate
