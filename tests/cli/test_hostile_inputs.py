@@ -375,7 +375,7 @@ def test_a_first_run_shows_the_models_conversion_bars_only_when_not_quiet(flags,
 
     seen = []
 
-    def default_model():  # where a first run converts the default model
+    def default_model():  # where a first run provisions the default model
         seen.append(bars_shown())
         return model
 
