@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    checkpoint = default_model()
+    checkpoint = default_model(converted=True)  # a folder transformers' from_pretrained loads as it is
     ids = torch.randint(100, 40000, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     resident = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     rows = []

@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--job", type=Path, default=REPO / "jobs" / "review-sentiment.jsonl")
     parser.add_argument("--streaming", nargs="*", default=["never", "always"])
     args = parser.parse_args()
-    converted = args.converted or registry_model("smollm2-135m")
+    converted = args.converted or registry_model("smollm2-135m:converted")
     rows, answers = [], {}
     with harness.exclusive_machine(), tempfile.TemporaryDirectory() as work:
         busy = harness.wait_for_quiet(timeout_s=120)

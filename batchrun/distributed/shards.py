@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Mapping, Sequence
 
 from batchrun.job import JobOptions
@@ -87,7 +88,15 @@ def write_shard_spec(path, rows: Sequence[EncodedRow]) -> None:
 
 def shard_options(options: JobOptions, compute_dtype: str) -> JobOptions:
     """The options a worker runs a shard with: the rows carry their own messages, choices and limits, the driver's
-    compute dtype is fixed (auto could pick another on another node), and calibration belongs to the whole job."""
+    compute dtype is fixed (auto could pick another on another node), and calibration belongs to the whole job. A
+    model given as a path here (a checkpoint directory, a GGUF file) goes as an absolute path, since a worker's working
+    directory is not the driver's; a registry name or hub id goes as it is, for each node to resolve in its own state
+    directory or hub cache (the row keys it must encode to tell a node with other bytes)."""
     return replace(options, template=None, id_column=None, label_column=None, keep_columns=None, pair_columns=None,
                    json_schema=None, choices=None, system=None, stop=None, then=None, calibrate="none",
-                   skip_invalid=False, dtype=compute_dtype)
+                   skip_invalid=False, dtype=compute_dtype, model=_node_model(options.model))
+
+
+def _node_model(model: str | None) -> str | None:
+    local = Path(model).expanduser() if model is not None else None
+    return str(local.absolute()) if local is not None and local.exists() else model

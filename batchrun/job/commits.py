@@ -1,5 +1,6 @@
 """What each committed pass of a run leaves behind: its record in the store (seconds, rows, peak memory, the plan's
-estimate of it), the bar and `status`, and its word on the measured rates that priced it (measure.judge_*)."""
+estimate of it), the bar and `status`, and its word on the measured rates that priced it (measure.judge_*), the GGUF
+dequantization rates among them."""
 from __future__ import annotations
 
 import time
@@ -10,8 +11,10 @@ from tqdm import tqdm
 
 from batchrun.host import faults, peak_resident_bytes
 from batchrun.job.progress import RunProgress
-from batchrun.measure import judge_compute_rate, judge_generation_rates, judge_runtime_overhead
+from batchrun.measure import (compute_threads, judge_compute_rate, judge_dequantize_rates, judge_generation_rates,
+                              judge_runtime_overhead)
 from batchrun.plan import Candidate
+from batchrun.runtime import dequantized, dequantized_since
 from batchrun.store import RowResult, Store
 
 
@@ -40,6 +43,9 @@ class PassCommits:
     _generation_seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [measured, planned] so far
     _generation_judged: bool = False
     _peak_before_first_pass: int | None = None
+    _dequantized_before: dict = field(default_factory=dequantized)  # this process's GGUF decodes before the run
+    _dequantize_judged: set = field(default_factory=set)  # the ggml types whose rates the run has judged
+    _threads: int = field(default_factory=compute_threads)  # what the plan's rates were measured with
 
     def __post_init__(self) -> None:
         self.store.record_run_estimate(self.job_id, mode=self.plan.mode, planned_seconds=self.plan.time.eta_seconds)
@@ -68,6 +74,18 @@ class PassCommits:
         self._judge_compute_rate(seconds, planned_seconds)
         self._judge_generation_rates(seconds, planned_seconds)
         self._judge_runtime_overhead(number, peak)
+        self._judge_dequantize_rates()
+
+    def _judge_dequantize_rates(self) -> None:
+        """The GGUF blocks the run has decoded into the compute dtype so far tell the cached rate of each type whether
+        it holds, once they are enough to judge by (measure.judge_dequantize_rates). Only host decodes are timed."""
+        if not self.plan.device.startswith("cpu"):
+            return
+        observed = dequantized_since(self._dequantized_before, self.plan.compute_dtype)
+        waiting = {ggml_type: seen for ggml_type, seen in observed.items() if ggml_type not in self._dequantize_judged}
+        if waiting:
+            self._dequantize_judged |= judge_dequantize_rates(waiting, self.plan.compute_dtype, self.plan.device,
+                                                              self._threads, job=self.job_id)
 
     def _judge_runtime_overhead(self, number: int, peak: int | None) -> None:
         """The host's first pass tells the cached runtime figure whether the plan held (measure.judge_runtime_overhead)

@@ -20,7 +20,7 @@ from typing import Callable
 from tqdm import tqdm
 from transformers.utils import logging as transformers_logging
 
-from batchrun.checkpoint import progress_bars
+from batchrun.checkpoint import progress_bars, registry_sibling
 from batchrun.errors import OutputRefused, PlanRefused
 from batchrun.host import (batch_cap_after_oom, default_db_path, failure_reason, faults, interrupts_deferred,
                            keep_freed_pages_below, killed_by_oom, memory_cgroup_dir, oom_kill_count)
@@ -164,6 +164,10 @@ def _run(run: JobRun, computation: Computation) -> RunSummary:
     (one of each set of repeats) to the computation, and answer the repeats from them."""
     prepared, store, job_id, summary = run.prepared, run.store, run.job_id, run.summary
     started = time.monotonic()
+    other_weights = other_weights_note(store, prepared, job_id)
+    if other_weights:
+        log.warning(other_weights)
+        summary.notes.append(other_weights)
     computation.merge_earlier(run)
     reused = store.reuse_answers(job_id)
     repeats_filled = store.fill_duplicates(job_id)  # repeats whose original a stopped run had finished
@@ -192,6 +196,28 @@ def _run(run: JobRun, computation: Computation) -> RunSummary:
         summary.notes.append(f"{repeats} row(s) repeat another row of this job exactly (same tokens and settings): "
                              f"computed once, {repeats_filled} answered from it")
     return summary
+
+
+def other_weights_note(store: Store, prepared: PreparedJob, job_id: str) -> str | None:
+    """A job starting on a registry model's GGUF where the same spec has an unfinished job on its float32 conversion
+    (a state directory from before the GGUF was the default), or the other way round: the two are different jobs, so
+    this one starts afresh and that one keeps its progress; the note says which command resumes it."""
+    sibling = registry_sibling(prepared.model.checkpoint)
+    if sibling is None:
+        return None
+    name, where = sibling
+    spec = str(prepared.spec.path.resolve())
+    jobs = store.jobs()
+    this = next(job for job in jobs if job["id"] == job_id)
+    if this["rows_done"] or this["rows_errored"]:  # said once, as the job starts
+        return None
+    for job in jobs:
+        if (job["spec_path"] == spec and job["rows_pending"] and job["id"] != job_id
+                and store.job_record(job["id"])["provenance"].get("model_path") == str(where.resolve())):
+            return (f"job {job['id']} of this spec ran on {job['model']} and has {job['rows_pending']} row(s) "
+                    f"pending; this run is another job ({job_id}, on {prepared.model.name}) and starts afresh: "
+                    f"`--model {name}` resumes that one")
+    return None
 
 
 class _ThisMachine(Computation):

@@ -15,7 +15,8 @@ from typing import Sequence
 
 from batchrun import measure
 from batchrun.checkpoint import (DEFAULT_REGISTRY_MODEL, CheckpointError, CheckpointSizes, checkpoint_sizes,
-                                 default_model, load_config, load_tokenizer, registry_label, resolve_checkpoint)
+                                 default_model, load_config, load_tokenizer, registry_label, resolve_checkpoint,
+                                 weights_label)
 from batchrun.host import (anonymous_resident_bytes, auto_compute_dtype, available_memory_bytes, cpu_auto_reason,
                            cpu_bfloat16_feature, disk_free_bytes, peak_resident_bytes, reset_peak_resident,
                            resident_bytes, return_freed_memory)
@@ -27,7 +28,8 @@ from batchrun.plan import (Bandwidth, Candidate, PlanRequest, Rates, RowCost, ma
 from batchrun.spec import (EncodedRow, JobSpec, SpecSettings, cued_answer, encode_requests, kept_positions, read_spec,
                            sample_instance, shortest_first_pass_sequence, uses_chat_template)
 
-DEFAULT_MODEL_LABEL = "default (SmolLM2-135M-Instruct)"  # shown, stored and written for jobs run without --model
+# shown, stored and written for jobs run without --model: which model, and which of its files
+DEFAULT_MODEL_LABEL = f"default ({weights_label(DEFAULT_REGISTRY_MODEL, converted=False)})"
 # A model resolved with the process's peak this much higher was converted here (a registry model's first use)
 PROVISIONING_PEAK_BYTES = 64 << 20
 # What a run holds of each row it has read and encoded, for as long as it runs: the request (its text and settings)
@@ -67,7 +69,8 @@ class PreparedJob:
 
 def names_default_model(model: str | None) -> bool:
     """No --model, `--model default` (to name it beside another model) or the default's registry name
-    (smollm2-135m: the same checkpoint, so the same job), unless a directory is called that."""
+    (smollm2-135m: the same GGUF file, so the same job), unless a directory is called that. Its float32 conversion
+    (smollm2-135m:converted) is another model's job."""
     return model is None or (model in ("default", DEFAULT_REGISTRY_MODEL.name) and not Path(model).exists())
 
 

@@ -2,6 +2,7 @@
 taking turns, prefill with a shared prefix, scoring choices or generating tokens, and GGUF blocks dequantized. Needs
 torch.
 """
+from batchrun.runtime.dequantize_tally import dequantized, dequantized_since
 from batchrun.runtime.gguf_blocks import dequantize, read_gguf_blocks, read_gguf_rows, undo_qk_permutation
 from batchrun.runtime.gguf_weights import GGUFDecode, gguf_recipes, load_gguf_model, model_config
 from batchrun.runtime.devices import check_device, default_device, default_dtype
@@ -14,6 +15,6 @@ from batchrun.runtime.stream import LayerReads, StreamedModel
 
 __all__ = ["Answer", "GGUFDecode", "GreedyPool", "LayerReads", "ModelHandle", "PoolPlan", "ResidentModel", "StreamedModel",
            "attends_through_sdpa", "cache_argument", "check_device", "default_device", "default_dtype",
-           "dequantize", "eos_token_ids", "generation_answer", "gguf_recipes", "load_gguf_model", "model_config",
+           "dequantize", "dequantized", "dequantized_since", "eos_token_ids", "generation_answer", "gguf_recipes", "load_gguf_model", "model_config",
            "open_model", "output_cache", "read_gguf_blocks", "read_gguf_rows",
            "reads_prefix_in_place", "score_choices", "sdpa_groups_one_token_queries", "undo_qk_permutation"]

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from batchrun.checkpoint import (NORM_OFFSET_ARCHITECTURES, CheckpointError, GGUFIndex, gguf_parsed_once,
                                  is_gguf_file, load_config, read_gguf_index)
+from batchrun.runtime.dequantize_tally import timed_decode
 from batchrun.runtime.gguf_blocks import dequantize, dequantize_into, read_gguf_blocks, undo_qk_permutation
 from batchrun.runtime.skeleton import materialise_buffers, set_tensor
 from batchrun.runtime.weights import Recipe
@@ -42,7 +43,8 @@ class GGUFDecode:
         """Decode the blocks into `out` (the tensor's shape, any dtype and device), a chunk of whole rows (whole
         heads) at a time: each value rounded once from float32 into out's dtype, as a whole-tensor copy rounds."""
         if len(self.shape) < 2:
-            out.copy_(self(raw))
+            with timed_decode(self.ggml_type, out):
+                out.copy_(self(raw))
             return
         rows, width = self.shape[0], math.prod(self.shape[1:])
         step = self.head_rows or 1
@@ -51,13 +53,15 @@ class GGUFDecode:
             self.rows_into(raw, start, min(rows, start + chunk), out[start:min(rows, start + chunk)])
 
     def rows_into(self, raw: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> None:
-        """Rows start..stop-1 (whole heads where the rows are permuted) decoded into `out` ([stop - start, ...])."""
+        """Rows start..stop-1 (whole heads where the rows are permuted) decoded into `out` ([stop - start, ...]). The
+        time it takes is counted (dequantize_tally): a load's, a whole weight's or a decode pass's tile."""
         row_bytes = raw.numel() // self.shape[0]
         rows = raw[start * row_bytes:stop * row_bytes]
-        if self.head_rows is None and not self.norm_offset:  # decoded straight into `out`
-            dequantize_into(rows, self.ggml_type, out)
-            return
-        out.copy_(self._rows(rows, (stop - start, *self.shape[1:])))
+        with timed_decode(self.ggml_type, out):
+            if self.head_rows is None and not self.norm_offset:  # decoded straight into `out`
+                dequantize_into(rows, self.ggml_type, out)
+            else:
+                out.copy_(self._rows(rows, (stop - start, *self.shape[1:])))
 
     def _rows(self, raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         weight = dequantize(raw, self.ggml_type, shape)

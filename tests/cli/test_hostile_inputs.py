@@ -294,18 +294,24 @@ def test_a_job_that_computed_nothing_reports_no_rate(tmp_path, model):
 
 @pytest.mark.parametrize("spellings", [
     ("default", "smollm2-135m"),
-    ("smollm2-135m", "{home}/models/{default_directory}"),  # the registry model's converted folder, by its path
+    ("smollm2-135m", "{home}/models/{gguf_directory}/{gguf_file}"),  # the registry model's GGUF, by its path
+    ("smollm2-135m:converted", "{home}/models/{default_directory}"),  # its conversion's folder, by its path
     ("{model}", "{tmp}/linked"),  # a link to the same directory
     ("{model}", "{model}/."),
-], ids=["default-and-its-registry-name", "registry-name-and-its-folder", "link", "same-directory"])
+], ids=["default-and-its-registry-name", "registry-name-and-its-file", "conversion-and-its-folder", "link",
+        "same-directory"])
 def test_compare_refuses_one_model_under_two_names_before_running_anything(spellings, tmp_path, reviews, model,
                                                                             isolated_state):
-    from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL, registry_directory
+    from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL, registry_directory, registry_gguf
 
-    registry_directory(DEFAULT_REGISTRY_MODEL).mkdir(parents=True)  # as if converted: no conversion runs here
+    registry_directory(DEFAULT_REGISTRY_MODEL).mkdir(parents=True)  # as if provisioned: nothing is downloaded here
+    registry_gguf(DEFAULT_REGISTRY_MODEL).parent.mkdir(parents=True)
+    registry_gguf(DEFAULT_REGISTRY_MODEL).write_bytes(b"GGUF")
     (tmp_path / "linked").symlink_to(model, target_is_directory=True)
     first, second = (spelling.format(home=isolated_state, default_directory=DEFAULT_REGISTRY_MODEL.directory,
-                                     model=model, tmp=tmp_path) for spelling in spellings)
+                                     gguf_directory=DEFAULT_REGISTRY_MODEL.gguf_directory,
+                                     gguf_file=DEFAULT_REGISTRY_MODEL.gguf_file, model=model, tmp=tmp_path)
+                     for spelling in spellings)
     db = tmp_path / "j.db"
     result = invoke("compare", reviews, "-m", first, "-m", second, "--db", db, "--json")
     assert result.exit_code == 1, result.output
@@ -320,7 +326,8 @@ def test_compare_refuses_one_model_under_two_names_before_running_anything(spell
 def test_compare_takes_different_models_past_the_same_model_check(tiny_checkpoint):
     from batchrun.job import refuse_one_model_twice
 
-    refuse_one_model_twice([None, str(tiny_checkpoint("llama")), str(tiny_checkpoint("qwen2")), "gemma3-270m"])
+    refuse_one_model_twice([None, str(tiny_checkpoint("llama")), str(tiny_checkpoint("qwen2")), "gemma3-270m",
+                            "smollm2-135m:converted"])  # the default's GGUF and its conversion: two models
 
 
 def test_a_failed_corpus_row_keeps_its_kept_columns_in_the_output(tmp_path, model):
@@ -368,7 +375,7 @@ def test_a_first_run_shows_the_models_conversion_bars_only_when_not_quiet(flags,
 
     seen = []
 
-    def default_model():  # where a first run converts the default model
+    def default_model():  # where a first run provisions the default model
         seen.append(bars_shown())
         return model
 

@@ -115,6 +115,17 @@ def test_status_counts_the_shards_done_running_and_pending(tmp_path):
     assert shards_line(counts) == f"1 done, 1 running, 2 pending (Ray; shared {layout.root})"
 
 
+def test_a_model_given_as_a_relative_path_reaches_the_workers_as_an_absolute_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny.gguf").write_bytes(b"GGUF")
+    sent = shard_options(JobOptions(model="models/tiny.gguf"), "float32")
+    assert sent.model == str(tmp_path / "models" / "tiny.gguf")
+    # a name each node resolves itself (its own state directory's registry model, its hub cache) goes as it is
+    for name in (None, "smollm2-135m", "gemma3-270m:converted", "org/model"):
+        assert shard_options(JobOptions(model=name), "float32").model == name
+
+
 def test_the_ray_options_go_together(tmp_path):
     spec = write_rows(tmp_path / "jobs.jsonl", [{"id": 1, "prompt": "Hi"}])
     alone = invoke("submit", spec, "--shared", tmp_path)
