@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from typing import Callable
 
 import torch
@@ -198,17 +199,38 @@ def dequantize(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...],
 
 
 def dequantize_into(raw: torch.Tensor, ggml_type: str, out: torch.Tensor) -> None:
-    """dequantize(raw, ggml_type, out.shape) written into `out`: straight into a contiguous float32 tensor beside
-    the blocks for the types DECODERS_INTO holds; through a copy into any other."""
+    """dequantize(raw, ggml_type, out.shape) written into `out`: for the types DECODERS_INTO holds, straight into a
+    contiguous float32 tensor beside the blocks, or through this thread's float32 scratch into a half-precision one
+    (rounded once, as a copy of the float32 values rounds); through a copy of dequantize's result otherwise."""
     decoder = DECODERS_INTO.get(ggml_type)
-    if decoder is None or out.dtype != torch.float32 or not out.is_contiguous() or out.device != raw.device:
+    if decoder is None or not out.is_contiguous() or out.device != raw.device or out.dtype not in (
+            torch.float32, torch.bfloat16, torch.float16):
         out.copy_(dequantize(raw, ggml_type, tuple(out.shape)))
         return
     weights, block_bytes = GGUF_BLOCKS[ggml_type]
     if raw.dtype != torch.uint8 or raw.numel() * weights != out.numel() * block_bytes:
         raise ValueError(f"{raw.numel()} bytes of {raw.dtype} are not the whole {ggml_type} blocks of a "
                          f"{list(out.shape)} tensor ({block_bytes} bytes per {weights} weights)")
-    decoder(raw.reshape(-1, block_bytes), out=out.view(-1, weights))
+    blocks = raw.reshape(-1, block_bytes)
+    if out.dtype == torch.float32:
+        decoder(blocks, out=out.view(-1, weights))
+        return
+    values = _float32_scratch(out.numel())
+    decoder(blocks, out=values.view(-1, weights))
+    out.view(-1).copy_(values)
+
+
+_scratch = threading.local()
+
+
+def _float32_scratch(elements: int) -> torch.Tensor:
+    """This thread's float32 buffer of `elements` values (a decode tile's), grown as needed and kept: a half-precision
+    tile is decoded in float32 and rounded once, without a fresh allocation per tile."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < elements:
+        with torch.inference_mode(False):
+            buffer = _scratch.buffer = torch.empty(elements, dtype=torch.float32)
+    return buffer[:elements]
 
 
 def undo_qk_permutation(weight: torch.Tensor, head_rows: int) -> torch.Tensor:

@@ -209,3 +209,18 @@ def test_blocks_decoded_into_a_tensor_are_the_blocks_decoded(ggml_type):
     dequantize_into(raw, ggml_type, narrow)
     assert torch.equal(narrow.isnan(), expected.isnan())
     assert torch.equal(narrow[~narrow.isnan()], expected.to(torch.bfloat16)[~narrow.isnan()])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1"])
+def test_a_half_precision_tile_is_the_float32_values_rounded_once(ggml_type, dtype):
+    """Decoded in float32 through the thread's scratch, then rounded: as dequantize(..., dtype) rounds, and a larger
+    tile after a smaller one grows the scratch."""
+    for rows in (2, 6):
+        raw, shape = shaped_blocks(ggml_type, (rows, 4), seed=rows)
+        raw = torch.from_numpy(raw.reshape(-1).copy())
+        out = torch.empty(shape, dtype=dtype)
+        dequantize_into(raw, ggml_type, out)
+        expected = dequantize(raw, ggml_type, shape, dtype)
+        assert torch.equal(out.isnan(), expected.isnan())
+        assert torch.equal(out[~out.isnan()], expected[~expected.isnan()])
