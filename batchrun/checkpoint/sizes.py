@@ -68,6 +68,10 @@ class CheckpointSizes:
     # None where every matrix is stored at storage_dtype.
     embedding_bytes: int | None = None
     head_bytes: int | None = None
+    # A GGUF's tensors of fewer than two dimensions (norms, biases) per decoder layer: a streamed layer on the host
+    # holds its matrices as their blocks and these at the compute dtype (plan.weights.layer_slot_bytes).
+    layer_vector_params: list[int] = field(default_factory=list)
+    layer_vector_bytes: list[int] = field(default_factory=list)
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -127,6 +131,7 @@ def _sizes(directory: Path, config: dict, infos: dict[str, TensorInfo], where: s
         raise CheckpointError(f"{directory}: {error}") from None
 
     layer_bytes, layer_params = [0] * num_layers, [0] * num_layers
+    vector_bytes, vector_params = [0] * num_layers, [0] * num_layers
     outside: list[TensorInfo] = []
     by_type: tuple[Counter[str], Counter[str]] = (Counter(), Counter())  # decoder stack, outside it
     for name, info in infos.items():
@@ -134,6 +139,9 @@ def _sizes(directory: Path, config: dict, infos: dict[str, TensorInfo], where: s
             layer = int(name[len(prefix) + 1:].split(".", 1)[0])
             layer_bytes[layer] += info.nbytes
             layer_params[layer] += info.numel
+            if len(info.shape) < 2:
+                vector_bytes[layer] += info.nbytes
+                vector_params[layer] += info.numel
             by_type[0][info.dtype] += info.numel
         else:
             outside.append(info)
@@ -163,6 +171,7 @@ def _sizes(directory: Path, config: dict, infos: dict[str, TensorInfo], where: s
         layer_params_by_type=dict(by_type[0]) if gguf else {},
         non_decoder_params_by_type=dict(by_type[1]) if gguf else {},
         **(_token_matrices_stored(embedding, matrices) if gguf else {}),
+        layer_vector_params=vector_params if gguf else [], layer_vector_bytes=vector_bytes if gguf else [],
     )
 
 

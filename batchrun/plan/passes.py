@@ -13,7 +13,7 @@ from batchrun.plan.mode import Fixed
 from batchrun.plan.rates import decode_cores_share, effective_rates, streaming_traffic
 from batchrun.plan.refill import ScheduledPass, refill_schedule, shares_prefix
 from batchrun.plan.timing import PassPricing, Timeline, job_timeline
-from batchrun.plan.weights import HELD, TokenMatrices, head_read_bytes, token_matrix_bytes
+from batchrun.plan.weights import HELD, TokenMatrices, head_read_bytes, holds_blocks, token_matrix_bytes
 
 # Share of the measured cold read bandwidth a streamed pass achieves. `batchrun disk` measures reads made the way the
 # streamer makes them, and with a prefetch thread the disk never idles during an I/O-bound pass, so nothing is lost
@@ -111,7 +111,8 @@ def time_passes(job: PlanInputs, mode: str, scheduled: Schedule, calls: Calls,
 
 def read_times(job: PlanInputs, mode: str, placement: TokenMatrices = HELD) -> tuple[float | None, float | None]:
     """(seconds to load what stays resident, seconds a pass reads): its layers, and the head where it streams. A
-    GGUF model's weights are dequantized on the reader's thread as they load, so that time is the reads' too."""
+    GGUF model's weights are dequantized on the reader's thread as they load, so that time is the reads' too, except
+    for a streamed layer that holds its matrices as blocks: those are dequantized by each call (_pricing)."""
     bytes_per_s = job.rates.bandwidth.bytes_per_s
     sizes = job.sizes
     not_loaded = head_read_bytes(sizes, placement) + (
@@ -120,6 +121,8 @@ def read_times(job: PlanInputs, mode: str, placement: TokenMatrices = HELD) -> t
     layers_decode = dequantize_seconds(job, sizes.layer_params_by_type)
     load_decode = dequantize_seconds(job, sizes.non_decoder_params_by_type) + (layers_decode if mode == "resident"
                                                                                  else 0.0)
+    if holds_blocks(sizes, job.device):
+        layers_decode = 0.0
     load_seconds = load_bytes / bytes_per_s + load_decode if bytes_per_s else None
     pass_bytes = sizes.decoder_bytes + head_read_bytes(sizes, placement)
     io_seconds = 0.0 if mode == "resident" else (
@@ -139,8 +142,12 @@ def _pricing(job: PlanInputs, mode: str, calls: Calls) -> PassPricing:
     flops_rate, memory_rate = effective_rates(device, rates.compute_flops_per_s, rates.memory_bytes_per_s)
     weight_rates = ({count: effective_rates(device, None, rate)[1] for count, rate in rates.decode_rates.items()}
                     if rates.decode_rates and memory_rate else None)
+    # A streamed layer holding its matrices as GGUF blocks dequantizes them in every forward call through it.
+    layer_call_seconds = rates.layer_call_seconds + (
+        dequantize_seconds(job, sizes.layer_params_by_type) / sizes.num_layers
+        if mode == "streamed" and holds_blocks(sizes, device) else 0.0)
     return PassPricing(
-        sizes, compute_bytes, device, flops_rate, memory_rate, weight_rates, rates.layer_call_seconds,
+        sizes, compute_bytes, device, flops_rate, memory_rate, weight_rates, layer_call_seconds,
         decode_cores_share(sizes, compute_bytes, device, mode, job.request.prefetch, rates.compute_threads),
         (calls.micro_sequences, calls.decode_group), streaming_traffic(sizes, compute_bytes, device, mode))
 

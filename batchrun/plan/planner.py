@@ -23,7 +23,7 @@ from batchrun.plan.passes import (Packing, Schedule, decode_calls, dequantize_se
                                   time_passes)
 from batchrun.plan.records import PlanRequest, Rates
 from batchrun.plan.timing import Timeline
-from batchrun.plan.weights import COMPUTE_BYTES, TokenMatrices, layer_slot_bytes
+from batchrun.plan.weights import COMPUTE_BYTES, TokenMatrices, held_layer_bytes, holds_blocks
 
 __all__ = ["compare_modes", "make_plan"]
 
@@ -119,7 +119,7 @@ def _peak(job: PlanInputs, fixed: Fixed, packing: Packing, scheduled: Schedule) 
     read_ahead = request.prefetch_depth if fixed.mode == "streamed" and request.prefetch else 0
     decode_depth = read_ahead
     decode_bytes = decode_pass_bytes(job.sizes, job.compute_bytes, job.device, job.own_rows, packing.planned, calls)
-    slot_bytes = layer_slot_bytes(job.sizes, request.compute_dtype)
+    slot_bytes = held_layer_bytes(job.sizes, request.compute_dtype, job.device)
     if read_ahead and decode_bytes and decode_bytes + slot_bytes <= packing.free_bytes:
         decode_depth += 1
         peak_batch_bytes = max(peak_batch_bytes, packing.prefix_bytes + decode_bytes + slot_bytes)
@@ -224,7 +224,10 @@ def _read_seconds(job: PlanInputs, mode: str,
     if bandwidth.basis == "assumed" and bytes_per_s is not None:
         caveats = (f"ETA uses an assumed read bandwidth of {format_rate(bytes_per_s)} ({bandwidth.how})",)
     decoding = dequantize_seconds(job, job.sizes.layer_params_by_type)
-    if mode == "streamed" and decoding:
+    if mode == "streamed" and decoding and holds_blocks(job.sizes, job.device):
+        caveats += (f"the GGUF's layers stay quantized in memory and every forward call dequantizes them into "
+                    f"{job.request.compute_dtype} as it multiplies ({decoding:.2g} s a call at this machine's rates)",)
+    elif mode == "streamed" and decoding:
         caveats += (f"a pass's reads include dequantizing the GGUF's layers into {job.request.compute_dtype}: "
                     f"{decoding:.2g} s at this machine's rates",)
     return read_times(job, mode, placement), Notes(caveats, blockers)

@@ -22,6 +22,34 @@ def layer_slot_bytes(sizes: CheckpointSizes, compute_dtype: str) -> int:
     return sizes.largest_layer_params * COMPUTE_BYTES[compute_dtype]
 
 
+def holds_blocks(sizes: CheckpointSizes, device: str) -> bool:
+    """Whether a streamed layer holds its matrices as their GGUF blocks (on the host), dequantized as they multiply
+    (runtime.linear_kernels), rather than at the compute dtype."""
+    return sizes.file_format == "gguf" and on_host(device) and bool(sizes.layer_vector_params)
+
+
+def held_layer_bytes(sizes: CheckpointSizes, compute_dtype: str, device: str = "cpu") -> int:
+    """What one streamed layer's slot holds: the layer at the compute dtype, or a GGUF layer's matrices as stored
+    and its norms and biases at the compute dtype."""
+    if not holds_blocks(sizes, device):
+        return layer_slot_bytes(sizes, compute_dtype)
+    compute_bytes = COMPUTE_BYTES[compute_dtype]
+    return max(stored - vector_bytes + vector_params * compute_bytes for stored, vector_bytes, vector_params
+               in zip(sizes.layer_bytes, sizes.layer_vector_bytes, sizes.layer_vector_params))
+
+
+# A decode pass's linears dequantize tiles of this size, one per worker (runtime.linear_kernels.WIDEN_TILE_BYTES).
+DEQUANTIZE_TILE_BYTES = 2 << 20
+TILE_WORKERS = 2
+
+
+def dequantized_weight_bytes(sizes: CheckpointSizes, compute_dtype: str) -> int:
+    """What dequantizing a held GGUF layer's matrices takes beside it: the largest matrix whole at the compute dtype
+    (a prefill's or a scoring pass's linear) and the decode passes' tiles."""
+    largest = max((rows * columns for rows, columns in sizes.layer_matrices), default=0)
+    return largest * COMPUTE_BYTES[compute_dtype] + DEQUANTIZE_TILE_BYTES * TILE_WORKERS
+
+
 @dataclass(frozen=True)
 class Weights:
     bytes: int
@@ -115,20 +143,25 @@ def streamed_weights(sizes: CheckpointSizes, compute_dtype: str, prefetch: bool,
                      placement: TokenMatrices = HELD) -> Weights:
     slots = prefetch_depth + 1 if prefetch else 1  # the layer computing + those being read ahead
     outside = _token_matrix_parts(sizes, compute_dtype, placement, device)
-    layer_slots = layer_slot_bytes(sizes, compute_dtype) * slots
+    layer_slots = held_layer_bytes(sizes, compute_dtype, device) * slots
     # On the host a tensor is read straight into its slot, a narrower one widened there (bf16 -> float32); a raw read
     # buffer (loads take turns, so one) serves a narrowing cast and experts fused at load time. An accelerator's read
     # buffer is pinned host memory, outside the device budget this plan sizes.
-    # A GGUF layer's blocks are read into that buffer and dequantized from it into the slot, on every device.
+    # A GGUF layer's blocks are read into that buffer and dequantized from it into the slot, except on the host,
+    # where its matrices' blocks are read into the slot as they lie and only its norms and biases pass the buffer.
     narrowing = COMPUTE_BYTES[compute_dtype] * 8 < DTYPE_BITS.get(sizes.storage_dtype, 0)
     needs_read_buffer = (on_host(device) and (narrowing or bool(sizes.moe))) or sizes.file_format == "gguf"
     read_buffers = sizes.largest_layer_bytes if needs_read_buffer else 0
+    dequantizing = 0
+    if holds_blocks(sizes, device):
+        read_buffers = max(sizes.layer_vector_bytes)
+        dequantizing = dequantized_weight_bytes(sizes, compute_dtype)
     # Where long prefills pack (measure.packs_weights), they multiply a packed copy of the computing layer's linear
     # weights (linear_kernels.pack_weights), made when the layer starts and freed when it ends: one layer more,
-    # counted whatever the rows (they decide per pass whether it packs).
-    packed = layer_slot_bytes(sizes, compute_dtype) if packs_weights else 0
+    # counted whatever the rows (they decide per pass whether it packs). Matrices held as blocks are never packed.
+    packed = layer_slot_bytes(sizes, compute_dtype) if packs_weights and not holds_blocks(sizes, device) else 0
     parts = [*outside, (f"{slots} layer slot(s)", layer_slots), ("read buffers", read_buffers),
-             ("packed layer", packed)]
+             ("dequantized weight", dequantizing), ("packed layer", packed)]
     parts = [(name, size) for name, size in parts if size]
     what = " + ".join(f"{name} {format_bytes(size)}" for name, size in parts)
     return Weights(sum(size for _, size in parts), what, tuple(parts))

@@ -40,8 +40,14 @@ def _scale(blocks: torch.Tensor, start: int) -> torch.Tensor:
 def _nibbles(packed: torch.Tensor, width: int) -> torch.Tensor:
     """[n, k] bytes -> [n, 2k] 4-bit values (uint8): each run of `width` bytes gives its low nibbles, then its high
     ones."""
-    runs = packed.reshape(packed.shape[0], -1, width)  # [n, k / width, width]
-    return torch.stack((runs & 0x0F, runs >> 4), dim=2).view(packed.shape[0], -1)
+    n = packed.shape[0]
+    packed = packed.contiguous().view(-1)
+    if packed.storage_offset() % 4:  # a block's nibbles start at an even byte; a word view needs four
+        packed = packed.clone()
+    words = packed.view(torch.int32).view(n, -1, width // 4)  # [n, k / width, width / 4]: 4 at once
+    low = (words & 0x0F0F0F0F).view(torch.uint8)  # [n, k / width, width]
+    high = ((words >> 4) & 0x0F0F0F0F).view(torch.uint8)
+    return torch.cat((low, high), dim=2).view(n, -1)
 
 
 def _spread_table(bits: int) -> torch.Tensor:

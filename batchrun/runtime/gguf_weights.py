@@ -22,8 +22,9 @@ from batchrun.runtime.weights import Recipe
 
 
 # Weights a tensor is decoded by at a time into its destination: the float32 values and the decoders' intermediates
-# of one chunk are all a load holds beside the weights, however large the tensor (a vocabulary's embedding).
-DECODE_CHUNK_WEIGHTS = 1 << 22
+# of one chunk are all a load holds beside the weights, however large the tensor (a vocabulary's embedding). Chunks
+# of 4M weights decode at half the rate of 1M ones: their intermediates are fresh memory the kernel maps each time.
+DECODE_CHUNK_WEIGHTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,11 @@ class GGUFDecode:
             values = self._rows(raw[start * row_bytes:stop * row_bytes], (stop - start, *self.shape[1:]))
             out[start:stop].copy_(values)
 
+    def rows_into(self, raw: torch.Tensor, start: int, stop: int, out: torch.Tensor) -> None:
+        """Rows start..stop-1 (whole heads where the rows are permuted) decoded into `out` ([stop - start, ...])."""
+        row_bytes = raw.numel() // self.shape[0]
+        out.copy_(self._rows(raw[start * row_bytes:stop * row_bytes], (stop - start, *self.shape[1:])))
+
     def _rows(self, raw: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         weight = dequantize(raw, self.ggml_type, shape)
         if self.head_rows is not None:
@@ -59,6 +65,28 @@ class GGUFDecode:
         if self.norm_offset:
             weight = weight - 1  # in float32, as transformers subtracts it from gguf-py's float32 values
         return weight
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear weight held as its GGUF blocks, as read; the linear dequantizes it as it multiplies
+    (linear_kernels.attach_quantized)."""
+    blocks: torch.Tensor  # uint8, the tensor's bytes
+    decode: GGUFDecode
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.decode.shape
+
+    @property
+    def row_step(self) -> int:
+        return self.decode.head_rows or 1
+
+    def fill(self, out: torch.Tensor) -> None:
+        self.decode.into(self.blocks, out)
+
+    def fill_rows(self, start: int, stop: int, out: torch.Tensor) -> None:
+        self.decode.rows_into(self.blocks, start, stop, out)
 
 
 def model_config(checkpoint: Path, trust_remote_code: bool = False):

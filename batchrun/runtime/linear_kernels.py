@@ -131,10 +131,20 @@ def widening_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """F.linear of float32 inputs [..., in] and a half-precision weight [out, in] -> [..., out], computed as if the
     weight were float32: each tile of weight rows is widened (exactly) into a cache-sized float32 buffer and
     multiplied into its columns of the output at once. The weight crosses RAM once, at half the bytes."""
-    out_features, in_features = weight.shape
+    return tiled_linear(inputs, tuple(weight.shape), lambda start, end, tile: tile.copy_(weight[start:end]), bias)
+
+
+def tiled_linear(inputs: torch.Tensor, shape: tuple[int, int], fill_rows, bias: torch.Tensor | None = None,
+                 row_step: int = 1) -> torch.Tensor:
+    """inputs [..., in] times a weight [out, in] that is never whole in memory -> [..., out]: `fill_rows(start, end,
+    tile)` writes weight rows start..end-1 into `tile` ([end - start, in] at the inputs' dtype), a cache-sized tile
+    at a time, and each tile is multiplied into its columns of the output at once. Tiles are whole `row_step`s of
+    rows (a GGUF's q/k heads). The tiles go to the workers sharing_tiles names, each taking the next when done."""
+    out_features, in_features = shape
     flat = inputs.reshape(-1, in_features)  # [M, in]
     out = torch.empty(flat.shape[0], out_features, dtype=inputs.dtype)  # [M, out]
     rows = max(1, WIDEN_TILE_BYTES // (in_features * inputs.element_size()))
+    rows = max(row_step, rows // row_step * row_step)
     starts = range(0, out_features, rows)
     tiles = iter(starts)  # shared by the workers; next() on a range iterator is atomic under the GIL
     workers = min(getattr(_sharing, "workers", 1), len(starts))
@@ -144,32 +154,37 @@ def widening_linear(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             tile = _tile(min(rows, out_features) * in_features, inputs.dtype)
             for start in tiles:
                 end = min(out_features, start + rows)
-                widened = tile[:(end - start) * in_features].view(end - start, in_features)
-                widened.copy_(weight[start:end])
+                filled = tile[:(end - start) * in_features].view(end - start, in_features)
+                fill_rows(start, end, filled)
                 columns = out[:, start:end]  # a strided view BLAS writes in place (leading dimension out_features)
                 if bias is None:
-                    torch.mm(flat, widened.t(), out=columns)
+                    torch.mm(flat, filled.t(), out=columns)
                 else:
-                    torch.addmm(bias[start:end].to(inputs.dtype), flat, widened.t(), out=columns)
+                    torch.addmm(bias[start:end].to(inputs.dtype), flat, filled.t(), out=columns)
 
+    _run_on_workers(multiply_tiles, workers)
+    return out.view(*inputs.shape[:-1], out_features)
+
+
+def _run_on_workers(multiply_tiles, workers: int) -> None:
+    """multiply_tiles(inference) on the calling thread and workers - 1 helpers, each single-threaded."""
     inference = torch.is_inference_mode_enabled()
     if workers <= 1:
         multiply_tiles(inference)
-    else:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # each worker multiplies its tile alone; the helpers start with this count too
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # each worker multiplies its tile alone; the helpers start with this count too
+    try:
+        helped = [_helper_pool(workers - 1).submit(multiply_tiles, inference) for _ in range(workers - 1)]
         try:
-            helped = [_helper_pool(workers - 1).submit(multiply_tiles, inference) for _ in range(workers - 1)]
-            try:
-                multiply_tiles(inference)
-            finally:
-                for future in helped:  # all of them, even after a failure: none may still write into `out`
-                    future.exception()
-            for future in helped:
-                future.result()
+            multiply_tiles(inference)
         finally:
-            torch.set_num_threads(threads)
-    return out.view(*inputs.shape[:-1], out_features)
+            for future in helped:  # all of them, even after a failure: none may still write into `out`
+                future.exception()
+        for future in helped:
+            future.result()
+    finally:
+        torch.set_num_threads(threads)
 
 
 # Packing: oneDNN multiplies a bfloat16 weight it has reordered into its own blocked layout faster than torch's plain
@@ -235,14 +250,73 @@ def _packed_weight(module: torch.nn.Module, inputs: torch.Tensor) -> torch.Tenso
 
 def _forward(module: torch.nn.Linear, kernel: str, inputs: torch.Tensor) -> torch.Tensor:
     inputs = dense_if_strided_bfloat16(inputs)
+    quantized = module.__dict__.get("_quantized")
+    if quantized is not None:
+        return _quantized_forward(quantized, module, kernel, inputs)
     packed = _packed_weight(module, inputs)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(inputs, packed, module.bias, "none", [], "")
-    if module.weight.dtype != inputs.dtype and takes_widening(inputs, module.weight):
-        return widening_linear(inputs, module.weight, module.bias)
-    if kernel == "onednn" and takes_onednn(inputs, module.weight, module.bias):
-        return onednn_linear(inputs, module.weight, module.bias)
-    return F.linear(inputs, module.weight, module.bias)
+    return _dense_forward(kernel, inputs, module.weight, module.bias)
+
+
+def _dense_forward(kernel: str, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                   ) -> torch.Tensor:
+    if weight.dtype != inputs.dtype and takes_widening(inputs, weight):
+        return widening_linear(inputs, weight, bias)
+    if kernel == "onednn" and takes_onednn(inputs, weight, bias):
+        return onednn_linear(inputs, weight, bias)
+    return F.linear(inputs, weight, bias)
+
+
+# Quantized weights: a linear may hold its weight as a GGUF tensor's blocks (attach_quantized), dequantized as it
+# multiplies. A decode pass (multiplying_tile_by_tile) dequantizes a cache-sized tile of rows at a time, so the
+# dequantized weight never crosses RAM; every other call dequantizes the whole weight into one buffer kept per
+# thread and multiplies it as the resident model multiplies its dequantized weight, with the same bits.
+_decoding = threading.local()
+_whole = threading.local()
+
+
+@contextlib.contextmanager
+def multiplying_tile_by_tile(enabled: bool = True):
+    """Within: linears holding quantized weights dequantize and multiply a tile of rows at a time (decode passes:
+    few rows per call; float32 sums in another order than the whole weight's, within 1e-5)."""
+    previous = getattr(_decoding, "tiles", False)
+    _decoding.tiles = enabled
+    try:
+        yield
+    finally:
+        _decoding.tiles = previous
+
+
+def attach_quantized(module: torch.nn.Module, quantized) -> None:
+    """`module` (a routed linear whose weight stays on the meta device) multiplies by `quantized` until
+    detach_quantized: an object with .shape ([out, in]), .row_step, .fill(out) and .fill_rows(start, end, out)."""
+    module.__dict__["_quantized"] = quantized  # a plain attribute: no parameter, no state dict
+
+
+def detach_quantized(module: torch.nn.Module) -> None:
+    module.__dict__.pop("_quantized", None)
+
+
+def whole_weight_buffer(elements: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's buffer for one dequantized weight, grown to the largest asked for and kept."""
+    buffer = getattr(_whole, "buffer", None)
+    if buffer is None or buffer.numel() < elements or buffer.dtype != dtype:
+        _whole.buffer = None  # the old one freed before the larger is allocated
+        with torch.inference_mode(False):
+            buffer = _whole.buffer = torch.empty(elements, dtype=dtype)
+    return buffer
+
+
+def _quantized_forward(quantized, module: torch.nn.Linear, kernel: str, inputs: torch.Tensor) -> torch.Tensor:
+    dtype = module.weight.dtype  # the model's compute dtype: the meta weight's
+    if getattr(_decoding, "tiles", False) and inputs.dtype == dtype and inputs.device.type == "cpu":
+        return tiled_linear(inputs, quantized.shape, quantized.fill_rows, module.bias, quantized.row_step)
+    out_features, in_features = quantized.shape
+    weight = whole_weight_buffer(out_features * in_features, dtype)[:out_features * in_features]
+    weight = weight.view(out_features, in_features)
+    quantized.fill(weight)
+    return _dense_forward(kernel, inputs, weight, module.bias)
 
 
 class _RoutedLinear(torch.nn.Linear):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from batchrun.checkpoint import CheckpointError, TensorInfo
+from batchrun.runtime.gguf_weights import QuantizedWeight
 from batchrun.runtime.weights import SAFETENSORS_DTYPES, Recipe, coalesce, read_into, realize, tensor_from_bytes
 
 
@@ -35,6 +36,9 @@ class LayerWeights:
     # Linear weights kept at the checkpoint's narrower dtype (a narrow load): name -> the float32 buffer whose last
     # bytes hold them, should a pass need them widened after all (LayerLoader.widen_narrow).
     narrow: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Linear weights held as their GGUF blocks (gguf_weights.QuantizedWeight), dequantized as they multiply; their
+    # parameters stay on the meta device.
+    quantized: dict[str, object] = field(default_factory=dict)
 
     def wait_widened(self) -> None:
         """Block until every tensor is widened; a widening that failed fails here."""
@@ -137,10 +141,11 @@ class LayerLoader:
     def _load(self, index: int, slot: int, narrow: bool) -> LayerWeights:
         prefix = self.layer_prefixes[index]
         metas = self.meta_params[index]
-        direct, widened, staged = self._split(index)
+        direct, widened, staged, blocks = self._split(index)
         narrowable = self.narrowable[index] if narrow else frozenset()
         tensors: dict[str, torch.Tensor] = {}
         narrowed: dict[str, torch.Tensor] = {}
+        quantized: dict[str, QuantizedWeight] = {}
         widenings: list[Future] = []
         try:
             read: list[TensorInfo] = []
@@ -148,9 +153,13 @@ class LayerLoader:
             # readahead follows a sequential reader, and reads in module order (q, k, v, o, gate, up, down) run far
             # slower (docs/performance.md#reading-a-layer). Checkpoints store a layer's tensors in whatever order
             # their writer chose.
-            for recipe in sorted(direct + widened, key=_file_position):
+            for recipe in sorted(direct + widened + blocks, key=_file_position):
                 name = recipe.target[len(prefix):]
                 info = recipe.sources[0]
+                if recipe in blocks:  # a GGUF linear weight: its blocks are what the slot holds
+                    quantized[name] = self._read_blocks(slot, name, recipe, metas[name])
+                    read.append(info)
+                    continue
                 source = SAFETENSORS_DTYPES[info.dtype]
                 buf, target, values = self._read_target(slot, name, metas[name], source)
                 read_into(self._fd(info.file), target, info.offset, info.file)
@@ -166,8 +175,9 @@ class LayerLoader:
                     widenings.append(self._widener().submit(_widen_on_thread, buf, source))
             for path, start, end in contiguous_runs(read):
                 self._advise_dropped(path, start, end - start)
-            ready = self._load_staged(staged, prefix, metas, slot, tensors) if staged else None
-            missing = sorted(set(metas) - set(tensors))
+            # Gaps between staged tensors are read along with them, unless what lies there was read already.
+            ready = self._load_staged(staged, prefix, metas, slot, tensors, gaps=not blocks) if staged else None
+            missing = sorted(set(metas) - set(tensors) - set(quantized))
             if missing:  # left on the meta device, a parameter would compute on uninitialised memory
                 recipes = self.layer_recipes[index]
                 where = recipes[0].sources[0].file.parent if recipes else "the checkpoint"
@@ -178,7 +188,29 @@ class LayerLoader:
             raise
         # Not waited for here: the last widenings of a layer end shortly after its last read, time in which the reader
         # would leave the disk idle before the next layer.
-        return LayerWeights(index=index, slot=slot, tensors=tensors, ready=ready, widenings=widenings, narrow=narrowed)
+        return LayerWeights(index=index, slot=slot, tensors=tensors, ready=ready, widenings=widenings, narrow=narrowed,
+                            quantized=quantized)
+
+    def _read_blocks(self, slot: int, name: str, recipe: Recipe, meta: torch.Tensor) -> QuantizedWeight:
+        """A GGUF tensor's blocks read as they lie into the slot's byte buffer for them."""
+        info = recipe.sources[0]
+        if tuple(recipe.decode.shape) != tuple(meta.shape):
+            raise CheckpointError(f"{info.file}: {recipe.target} has shape {recipe.decode.shape} in the GGUF file, "
+                                  f"but the model expects {tuple(meta.shape)}")
+        # One buffer per slot and weight, grown to the largest of the layers' (a Q4_K_M file stores a weight in
+        # other types in other layers); a layer's blocks are its first bytes.
+        key = (slot, name, "blocks")
+        cached = self._read_targets.get(key)
+        if cached is None or cached[0].numel() < info.nbytes:
+            self._read_targets.pop(key, None)
+            self._buffers.pop((slot, f"{name}#blocks"), None)
+            buf = self._buffers[(slot, f"{name}#blocks")] = torch.empty(info.nbytes, dtype=torch.uint8)
+            cached = self._read_targets[key] = (buf, memoryview(buf.numpy()), buf)
+        buf = cached[0][:info.nbytes]
+        target = cached[1][:info.nbytes]
+        read_into(self._fd(info.file), target, info.offset, info.file)
+        self.bytes_read += info.nbytes
+        return QuantizedWeight(buf, recipe.decode)
 
     def widen_narrow(self, weights: LayerWeights) -> None:
         """Widen a narrow load's weights in their slot after all (a pass that multiplies float32 weights reuses a
@@ -189,12 +221,18 @@ class LayerLoader:
             weights.tensors[name] = buf
         weights.narrow = {}
 
-    def _split(self, index: int) -> tuple[list[Recipe], list[Recipe], list[Recipe]]:
-        """(read as is, read then widened in place, read into the staging buffer then converted or copied)."""
-        direct, widened, staged = [], [], []
+    def _split(self, index: int) -> tuple[list[Recipe], list[Recipe], list[Recipe], list[Recipe]]:
+        """(read as is, read then widened in place, read into the staging buffer then converted or copied, GGUF
+        linear weights held as their blocks)."""
+        direct, widened, staged, blocks = [], [], [], []
         prefix = self.layer_prefixes[index]
         for recipe in self.layer_recipes[index]:
-            meta = self.meta_params[index].get(recipe.target[len(prefix):])
+            name = recipe.target[len(prefix):]
+            meta = self.meta_params[index].get(name)
+            if (recipe.decode is not None and self.device.type == "cpu" and name in self.narrowable[index]
+                    and len(recipe.decode.shape) == 2):
+                blocks.append(recipe)
+                continue
             source = SAFETENSORS_DTYPES.get(recipe.sources[0].dtype)
             in_place = (recipe.is_plain and meta is not None and source is not None and self.device.type == "cpu"
                         and tuple(meta.shape) == recipe.sources[0].shape)
@@ -204,15 +242,16 @@ class LayerLoader:
                 widened.append(recipe)
             else:
                 staged.append(recipe)
-        return direct, widened, staged
+        return direct, widened, staged, blocks
 
     def _load_staged(self, recipes: list[Recipe], prefix: str, metas: dict, slot: int,
-                     tensors: dict[str, torch.Tensor]):
+                     tensors: dict[str, torch.Tensor], gaps: bool = True):
         infos: list[TensorInfo] = [info for r in recipes for info in r.sources]
         by_file: dict[str, list[TensorInfo]] = {}
         for info in infos:
             by_file.setdefault(str(info.file), []).append(info)
-        spans = [(path, span) for path, members in by_file.items() for span in coalesce(members)]
+        spans = [(path, span) for path, members in by_file.items()
+                 for span in (coalesce(members) if gaps else coalesce(members, max_gap=0))]
         total = sum(end - start for _, (start, end, _) in spans)
         staging = self._staging_bytes(total)
         raw: dict[str, torch.Tensor] = {}

@@ -23,7 +23,8 @@ from batchrun.host import keep_heap_flat
 from batchrun.plan import HEAD_CHUNK_BYTES
 from batchrun.runtime.devices import default_device, resolve_dtype
 from batchrun.runtime.gguf_weights import gguf_recipes, model_config, read_gguf_tensor
-from batchrun.runtime.linear_kernels import PACK_MIN_ROWS, packing_available, route_linears, routed_weight_names
+from batchrun.runtime.linear_kernels import (PACK_MIN_ROWS, multiplying_tile_by_tile, packing_available, route_linears,
+                                             routed_weight_names)
 from batchrun.runtime.loader import LayerLoader, SlotPool
 from batchrun.runtime.read_ahead import ReadAhead
 from batchrun.runtime.skeleton import materialise_buffers, set_tensor
@@ -265,7 +266,7 @@ class StreamedModel(TokenizerOnDemand):
         current.pack = self.packs_weights(rows) and not light
         self.reader.begin_pass(light)
         current.progress = PassProgress.of(self._on_turn, len(calls), self.num_layers)
-        with self.reader.leaving_a_core(light):
+        with self.reader.leaving_a_core(light), multiplying_tile_by_tile(light):
             try:
                 if len(calls) == 1 and before_layer is None:
                     with torch.inference_mode():

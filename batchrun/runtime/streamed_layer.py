@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from batchrun.host import faults, return_freed_memory
-from batchrun.runtime.linear_kernels import drop_packed_weights, pack_weights
+from batchrun.runtime.linear_kernels import attach_quantized, detach_quantized, drop_packed_weights, pack_weights
 from batchrun.runtime.loader import LayerWeights
 from batchrun.runtime.read_ahead import ReadAhead
 from batchrun.runtime.turns import PassGroup, PassProgress
@@ -56,6 +56,8 @@ class StreamedLayer:
         weights = self.reader.take(self.index)
         for name, tensor in weights.tensors.items():
             assign(self.module, name, tensor)
+        for name, quantized in weights.quantized.items():  # the weight stays meta; the linear multiplies the blocks
+            attach_quantized(self.module.get_submodule(name.rpartition(".")[0]), quantized)
         self.weights = weights
         if self.current.pack:
             pack_weights(self.module)
@@ -82,6 +84,8 @@ class StreamedLayer:
         drop_packed_weights(self.module)
         for name in weights.tensors:
             assign(self.module, name, self.meta[name])
+        for name in weights.quantized:
+            detach_quantized(self.module.get_submodule(name.rpartition(".")[0]))
         self.reader.give(weights)
 
     def detach(self) -> None:
