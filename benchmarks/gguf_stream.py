@@ -2,7 +2,7 @@
 one memory cap: bytes read per pass, answers per hour of a decode-heavy sweep, the time of a prefill-heavy
 classification, peak memory against the plan, and each run against its bound.
 
-    .venv/bin/python -m benchmarks.gguf_stream                 # ~12 min on 2 cores (+~5 min the first time: the
+    .venv/bin/python -m benchmarks.gguf_stream                 # ~25 min on 2 busy cores (+~5 min the first time: the
                                                                # 2.2 GB checkpoint and its two GGUF files)
     .venv/bin/python -m benchmarks.gguf_stream --decode-rows 4 --new-tokens 4 --classify-rows 4 --name gguf-dev
 
