@@ -117,26 +117,28 @@ def _distinct(make, seed: int, earlier: list[str]) -> str:
     return prompt
 
 
-def classification(tokenizer, rows: int, instruction_tokens: int = 230) -> Sweep:
+def classification(tokenizer, rows: int, instruction_tokens: int = 230,
+                   review_tokens: tuple[int, int] = (55, 85)) -> Sweep:
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     instruction = _grow(CLASSIFY_INSTRUCTIONS, count, instruction_tokens)
     prompts: list[str] = []
     for index in range(rows):
         def review_prompt(rng: random.Random) -> str:
             pool = (POSITIVE if index % 2 == 0 else NEGATIVE) * 2 + NEUTRAL
-            return f"{instruction}\n\nReview: {_grow(pool, count, rng.randint(55, 85), rng)}\nSentiment:"
+            return f"{instruction}\n\nReview: {_grow(pool, count, rng.randint(*review_tokens), rng)}\nSentiment:"
         prompts.append(_distinct(review_prompt, index, prompts))
     return Sweep("classification", "choice", [f"review-{i}" for i in range(rows)], prompts, CHOICES, 0)
 
 
-def short_answer(tokenizer, rows: int, instruction_tokens: int = 150) -> Sweep:
+def short_answer(tokenizer, rows: int, instruction_tokens: int = 150, ticket_tokens: tuple[int, int] = (40, 120),
+                 max_new_tokens: int = SHORT_ANSWER_TOKENS) -> Sweep:
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     instruction = _grow(SHORT_ANSWER_INSTRUCTIONS, count, instruction_tokens)
     prompts: list[str] = []
     for index in range(rows):
         def ticket_prompt(rng: random.Random) -> str:
             lines = [line.format(p=PRODUCTS[index % len(PRODUCTS)]) for line in TICKET_LINES]
-            return f"{instruction}\n\nTicket: {_grow(lines, count, rng.randint(40, 120), rng)}\nProduct:"
+            return f"{instruction}\n\nTicket: {_grow(lines, count, rng.randint(*ticket_tokens), rng)}\nProduct:"
         prompts.append(_distinct(ticket_prompt, 1000 + index, prompts))
     return Sweep("short-answer", "generate", [f"ticket-{i}" for i in range(rows)], prompts, None,
-                 SHORT_ANSWER_TOKENS)
+                 max_new_tokens)
