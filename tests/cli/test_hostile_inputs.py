@@ -31,7 +31,7 @@ from tests.support import invoke, write_jsonl
 COMMAND_ARGS = {
     ("submit",): ["{spec}"], ("plan",): ["{spec}"], ("compare",): ["{spec}"], ("report",): [], ("status",): [],
     ("jobs",): [], ("results",): ["-o", "{tmp}/answers.csv"], ("disk",): [], ("db", "check"): [],
-    ("db", "salvage"): ["-o", "{tmp}/salvaged.db"],
+    ("db", "salvage"): ["-o", "{tmp}/salvaged.db"], ("quantize",): ["{tmp}", "-o", "{tmp}/model.gguf"],
 }
 # A failure batchrun foresees, per command: (arguments, the error's kind, what its message says).
 FORESEEN = {
@@ -46,6 +46,8 @@ FORESEEN = {
     ("disk",): (["-m", "{tmp}/no-such-model"], "CheckpointError", "no such checkpoint directory"),
     ("db", "check"): (["--db", "{tmp}/bad.jsonl"], "DatabaseUnreadable", "is not a SQLite database"),
     ("db", "salvage"): (["--db", "{tmp}/j.db", "-o", "{tmp}/bad.jsonl"], "OutputRefused", "already exists"),
+    ("quantize",): (["{tmp}/no-such-model", "-o", "{tmp}/model.gguf"], "CheckpointError",
+                    "not a safetensors checkpoint directory"),
 }
 
 
