@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from batchrun.checkpoint import GGUF_BLOCKS, GGUFTensorInfo
+from batchrun.runtime.linear_kernels import thread_buffer
 from batchrun.runtime.weights import read_into
 
 QK_K = 256  # weights per K-quant super-block
@@ -181,6 +182,16 @@ BLOCK_DECODERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def _whole_blocks(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(weights, bytes) of one `ggml_type` block, once `raw` is checked to be the whole blocks of a `shape` tensor."""
+    weights, block_bytes = GGUF_BLOCKS[ggml_type]
+    count = math.prod(shape)
+    if raw.dtype != torch.uint8 or raw.numel() * weights != count * block_bytes or count % weights:
+        raise ValueError(f"{raw.numel()} bytes of {raw.dtype} are not the whole {ggml_type} blocks of a "
+                         f"{list(shape)} tensor ({block_bytes} bytes per {weights} weights)")
+    return weights, block_bytes
+
+
 def dequantize(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...],
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Whole blocks of `ggml_type` (a uint8 tensor, any shape) -> a `dtype` tensor of `shape` (rows first: a tile of
@@ -189,11 +200,7 @@ def dequantize(raw: torch.Tensor, ggml_type: str, shape: tuple[int, ...],
     decoder = BLOCK_DECODERS.get(ggml_type)
     if decoder is None:
         raise ValueError(f"no dequantizer for ggml type {ggml_type!r}; batchrun reads {', '.join(BLOCK_DECODERS)}")
-    weights, block_bytes = GGUF_BLOCKS[ggml_type]
-    count = math.prod(shape)
-    if raw.dtype != torch.uint8 or raw.numel() * weights != count * block_bytes or count % weights:
-        raise ValueError(f"{raw.numel()} bytes of {raw.dtype} are not the whole {ggml_type} blocks of a "
-                         f"{list(shape)} tensor ({block_bytes} bytes per {weights} weights)")
+    weights, block_bytes = _whole_blocks(raw, ggml_type, shape)
     values = decoder(raw.reshape(-1, block_bytes)).view(shape)
     return values if dtype == torch.float32 else values.to(dtype)
 
@@ -207,30 +214,18 @@ def dequantize_into(raw: torch.Tensor, ggml_type: str, out: torch.Tensor) -> Non
             torch.float32, torch.bfloat16, torch.float16):
         out.copy_(dequantize(raw, ggml_type, tuple(out.shape)))
         return
-    weights, block_bytes = GGUF_BLOCKS[ggml_type]
-    if raw.dtype != torch.uint8 or raw.numel() * weights != out.numel() * block_bytes:
-        raise ValueError(f"{raw.numel()} bytes of {raw.dtype} are not the whole {ggml_type} blocks of a "
-                         f"{list(out.shape)} tensor ({block_bytes} bytes per {weights} weights)")
+    weights, block_bytes = _whole_blocks(raw, ggml_type, tuple(out.shape))
     blocks = raw.reshape(-1, block_bytes)
     if out.dtype == torch.float32:
         decoder(blocks, out=out.view(-1, weights))
         return
-    values = _float32_scratch(out.numel())
+    values = thread_buffer(_scratch, out.numel(), torch.float32)[:out.numel()]
     decoder(blocks, out=values.view(-1, weights))
     out.view(-1).copy_(values)
 
 
+# This thread's float32 values of a half-precision tile, decoded there and rounded once (dequantize_into).
 _scratch = threading.local()
-
-
-def _float32_scratch(elements: int) -> torch.Tensor:
-    """This thread's float32 buffer of `elements` values (a decode tile's), grown as needed and kept: a half-precision
-    tile is decoded in float32 and rounded once, without a fresh allocation per tile."""
-    buffer = getattr(_scratch, "buffer", None)
-    if buffer is None or buffer.numel() < elements:
-        with torch.inference_mode(False):
-            buffer = _scratch.buffer = torch.empty(elements, dtype=torch.float32)
-    return buffer[:elements]
 
 
 def undo_qk_permutation(weight: torch.Tensor, head_rows: int) -> torch.Tensor:

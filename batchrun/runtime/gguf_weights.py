@@ -23,8 +23,8 @@ from batchrun.runtime.weights import Recipe
 
 
 # Weights a tensor is decoded by at a time into its destination: the float32 values and the decoders' intermediates
-# of one chunk are all a load holds beside the weights, however large the tensor (a vocabulary's embedding). Chunks
-# of 4M weights decode at half the rate of 1M ones: their intermediates are fresh memory the kernel maps each time.
+# of one chunk are all a load holds beside the weights, however large the tensor (a vocabulary's embedding). Larger
+# chunks decode slower: their intermediates are fresh memory the kernel maps each time (docs/streaming.md#gguf).
 DECODE_CHUNK_WEIGHTS = 1 << 20
 
 

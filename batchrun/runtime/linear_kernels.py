@@ -86,12 +86,19 @@ def takes_widening(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.layout == torch.strided and not (torch.is_grad_enabled() and inputs.requires_grad))
 
 
-def _tile(elements: int, dtype: torch.dtype) -> torch.Tensor:
-    tile = getattr(_tiles, "buffer", None)
-    if tile is None or tile.numel() < elements or tile.dtype != dtype:
+def thread_buffer(store: threading.local, elements: int, dtype: torch.dtype) -> torch.Tensor:
+    """The buffer `store` keeps for this thread: at least `elements` of `dtype`, grown to the largest asked for and
+    kept (the old one freed before the larger is allocated)."""
+    buffer = getattr(store, "buffer", None)
+    if buffer is None or buffer.numel() < elements or buffer.dtype != dtype:
+        store.buffer = None
         with torch.inference_mode(False):  # an inference tensor could not be written outside inference mode later
-            tile = _tiles.buffer = torch.empty(elements, dtype=dtype)
-    return tile
+            buffer = store.buffer = torch.empty(elements, dtype=dtype)
+    return buffer
+
+
+def _tile(elements: int, dtype: torch.dtype) -> torch.Tensor:
+    return thread_buffer(_tiles, elements, dtype)
 
 
 # Tile workers: threads that share a widening linear's tiles (sharing_tiles). Set for the forward thread of a pass.
@@ -298,22 +305,12 @@ def detach_quantized(module: torch.nn.Module) -> None:
     module.__dict__.pop("_quantized", None)
 
 
-def whole_weight_buffer(elements: int, dtype: torch.dtype) -> torch.Tensor:
-    """This thread's buffer for one dequantized weight, grown to the largest asked for and kept."""
-    buffer = getattr(_whole, "buffer", None)
-    if buffer is None or buffer.numel() < elements or buffer.dtype != dtype:
-        _whole.buffer = None  # the old one freed before the larger is allocated
-        with torch.inference_mode(False):
-            buffer = _whole.buffer = torch.empty(elements, dtype=dtype)
-    return buffer
-
-
 def _quantized_forward(quantized, module: torch.nn.Linear, kernel: str, inputs: torch.Tensor) -> torch.Tensor:
     dtype = module.weight.dtype  # the model's compute dtype: the meta weight's
     if getattr(_decoding, "tiles", False) and inputs.dtype == dtype and inputs.device.type == "cpu":
         return tiled_linear(inputs, quantized.shape, quantized.fill_rows, module.bias, quantized.row_step)
     out_features, in_features = quantized.shape
-    weight = whole_weight_buffer(out_features * in_features, dtype)[:out_features * in_features]
+    weight = thread_buffer(_whole, out_features * in_features, dtype)[:out_features * in_features]
     weight = weight.view(out_features, in_features)
     quantized.fill(weight)
     return _dense_forward(kernel, inputs, weight, module.bias)
