@@ -7,7 +7,8 @@ computes) and the tokenizer it rebuilds (gguf_vocab). The weights are then read 
 file beside the output, renamed into place once complete: memory stays at a chunk's size whatever the model's, and
 a stopped run leaves no file under the output's name.
 
-No torch: safetensors bytes are read with numpy (bfloat16 widened by a bit shift).
+No torch: safetensors bytes are read with numpy (bfloat16 widened by a bit shift), imported only when a file is
+written so that `batchrun.checkpoint`, which exports this module, imports no numpy.
 """
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from batchrun.checkpoint.files import CheckpointError, TensorInfo, load_config, read_tensor_infos
 from batchrun.checkpoint.gguf_vocab import GGUFVocab, check_rebuilt_tokenizer, gguf_vocab, load_source_tokenizer
 from batchrun.checkpoint.progress import bars_shown
 from batchrun.errors import OutputRefused
+
+if TYPE_CHECKING:
+    import numpy as np
 
 QUANT_TYPES = ("q8_0", "q4_0", "q4_1")
 # transformers model_type -> GGUF architecture; q and k rows are stored in llama.cpp's rotary order for "llama".
@@ -31,7 +34,7 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
 # (Q6_K, which gguf-py cannot write), as logits are sensitive to it.
 HEAD_TYPE = "Q8_0"
 HEAD_NAMES = frozenset({"output.weight"})
-SOURCE_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+SOURCE_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "uint16"}
 # Rows quantized at a time: 4M weights, 16 MB as float32.
 CHUNK_WEIGHTS = 1 << 22
 # Config fields that do not change what the model computes from a prompt: training and saving details, and the
@@ -263,6 +266,8 @@ def check_rebuilt_config(config: dict, rebuilt: dict, where: Path) -> None:
 
 def _as_float32(value):
     """GGUF stores floats as float32 (llama.cpp's choice), which is also the precision the model adds them in."""
+    import numpy as np
+
     if isinstance(value, float):
         return float(np.float32(value))
     if isinstance(value, dict):
@@ -282,6 +287,7 @@ def _gguf_tokenizer(file: Path):
 
 def _write_gguf(path: Path, arch: str, header: tuple[dict, GGUFVocab], plans: list[TensorPlan]) -> None:
     """The file: metadata and tensor infos first, then each tensor's blocks a chunk of rows at a time."""
+    import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter
     from tqdm import tqdm
 
@@ -332,6 +338,8 @@ def quantized_chunks(plan: TensorPlan):
 
 def read_rows(handle, info: TensorInfo, start: int, stop: int) -> np.ndarray:
     """Rows start..stop-1 of a safetensors tensor as float32 [rows, width] (a 1-D tensor is one row)."""
+    import numpy as np
+
     width = info.shape[-1]
     stored = np.dtype(SOURCE_DTYPES[info.dtype])
     handle.seek(info.offset + start * width * stored.itemsize)
