@@ -160,12 +160,12 @@ def results(job, output, fmt, db, force, as_json):
 @click.option("--db", type=click.Path(path_type=Path))
 @click.option("--output", "-o", type=click.Path(path_type=Path),
               help="HTML file to write (default: SPEC-STEM.report.html beside the spec).")
-@click.option("--force", is_flag=True, help="Overwrite an existing file.")
+@click.option("--force", is_flag=True, help="Overwrite an existing file that is not a batchrun report.")
 @click.option("--json", "as_json", is_flag=True, help="Print the job and the page written as JSON.")
 def report(job, db, output, force, as_json):
     """Write JOB's report (default: the one run last): one offline HTML file of its progress, answers, accuracy
     against labels, passes and errors; a snapshot while it runs."""
-    from batchrun.report import default_report_path, write_report  # matplotlib loads only for this command
+    from batchrun.report import default_report_path, is_report, write_report  # matplotlib loads only here
     store = _existing_store(db)
     try:
         job_id = store.find_job(job)
@@ -175,7 +175,9 @@ def report(job, db, output, force, as_json):
                                    "is unknown; name the report file with -o")
         output = output or default_report_path(spec_path)
         check_output_writable(output, spec_path if spec_path.is_absolute() else None, store.path)
-        path = write_report(store, job_id, output, force=force)
+        # a page batchrun wrote (the one every submit leaves) is rebuilt as submit rebuilds it; another file is the
+        # user's and needs --force
+        path = write_report(store, job_id, output, force=force or is_report(output))
     finally:
         store.close()
     if as_json:

@@ -267,7 +267,7 @@ def test_a_report_of_100000_rows_is_built_with_its_tables_capped_and_its_charts_
 # ---- the command ------------------------------------------------------------------------------------------------
 
 
-def test_the_report_command_writes_beside_the_spec_and_refuses_to_overwrite_without_force(tmp_path):
+def test_the_report_command_writes_beside_the_spec_and_overwrites_only_its_own_pages_without_force(tmp_path):
     spec = write_jsonl(tmp_path / "reviews.jsonl", [{"id": "a", "prompt": "p", "choices": ["x", "y"]}])
     db = tmp_path / "jobs.db"
     with Store(db) as store:
@@ -277,8 +277,15 @@ def test_the_report_command_writes_beside_the_spec_and_refuses_to_overwrite_with
     assert result.exit_code == 0, result.output
     written = tmp_path / "reviews.report.html"
     assert result.output.strip() == f"report of job {job_id} -> {written}" and "<svg" in written.read_text()
+    # the page every submit leaves is rebuilt as it stands, as `batchrun report` after a submit is asked to do
+    first_inode = written.stat().st_ino
     again = invoke("report", job_id[:6], "--db", db)
-    assert again.exit_code == 1 and again.output.strip() == f"Error: {written} exists; pass --force to overwrite"
+    assert again.exit_code == 0, again.output
+    assert "<svg" in written.read_text() and written.stat().st_ino != first_inode  # written anew, renamed over it
+    written.write_text("my notes")
+    mine = invoke("report", job_id[:6], "--db", db)
+    assert mine.exit_code == 1 and mine.output.strip() == f"Error: {written} exists; pass --force to overwrite"
+    assert written.read_text() == "my notes"
     other = tmp_path / "elsewhere" / "r.html"
     assert invoke("report", "--db", db, "-o", other).exit_code == 0 and other.exists()
     assert invoke("report", "--db", db, "--force").exit_code == 0
