@@ -183,7 +183,9 @@ def progress(name: str, runs: Sequence[tuple[str, Sequence[datetime], Sequence[i
             axes.annotate(label, (mdates.date2num(when), 0.02), xycoords=("data", "axes fraction"), xytext=(3, 0),
                           textcoords="offset points", color=COLORS[3], fontsize=8, rotation=90, va="bottom")
         axes.axhline(total, color="#999999", linestyle=":", linewidth=1)
-        locator = mdates.AutoDateLocator(maxticks=8)
+        # at least 3 ticks: with the default 5, spans such as 4-5 minutes or hours find no interval within 8 ticks
+        # and matplotlib warns on the user's terminal
+        locator = mdates.AutoDateLocator(minticks=3, maxticks=8)
         axes.xaxis.set_major_locator(locator)
         axes.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
         axes.set_ylim(0, max(total, 1) * 1.05)

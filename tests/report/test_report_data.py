@@ -9,7 +9,8 @@ import re
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+import warnings
+from datetime import datetime, timedelta, timezone
 
 import pyarrow as pa
 import pytest
@@ -338,3 +339,16 @@ def test_a_job_that_has_not_run_yet_gets_every_section_each_saying_so():
     assert "No row is answered yet." in sections["answers"]
     assert "No pass timings are recorded for this job yet" in sections["run"]
     assert "No row errored." in sections["errors"]
+
+
+@pytest.mark.parametrize("span", [timedelta(seconds=2), timedelta(seconds=270), timedelta(hours=4, minutes=30),
+                                  timedelta(days=40)])
+def test_the_progress_chart_picks_its_time_ticks_without_a_warning_on_the_users_terminal(span):
+    # a run stopped after four and a half minutes printed matplotlib's AutoDateLocator warning beneath its last line
+    from batchrun.report.charts import progress
+    start = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        svg = progress("progress", [("run 1", [start, start + span / 2, start + span], [0, 5, 10])], stops=[],
+                       total=10)
+    assert 'id="mark-progress-run-0"' in svg
