@@ -57,6 +57,7 @@ def submit_on_ray(spec_path: str | Path, cluster: RaySettings, **run) -> RunSumm
     note = (f"{work.shards} shard(s) computed on {len(work.nodes)} node(s) of the Ray cluster ({cluster.address}), "
             f"the model opened {work.models_opened} time(s)"
             + (f"; {work.published_before} published before this run were merged" if work.published_before else ""))
+    log.warning(note)  # said as the executor's notes are, not left to --json's summary alone
     return replace(summary, seconds=time.monotonic() - started, notes=[note, *summary.notes])
 
 

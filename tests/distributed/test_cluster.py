@@ -3,6 +3,7 @@ lost node costing no published shard and at most the shard in flight."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -92,7 +93,7 @@ def ray_args(spec: Path, model: Path, tmp_path: Path, cluster, *extra: str) -> l
                        "--shared", str(cluster.shared), *extra)
 
 
-def test_a_job_on_two_nodes_answers_as_one_machine_does(start_cluster, tiny_checkpoint, tmp_path):
+def test_a_job_on_two_nodes_answers_as_one_machine_does(start_cluster, tiny_checkpoint, tmp_path, caplog):
     cluster = start_cluster()
     model = tiny_checkpoint("llama")
     spec = write_rows(tmp_path / "jobs.jsonl", mixed_rows(200))
@@ -100,6 +101,10 @@ def test_a_job_on_two_nodes_answers_as_one_machine_does(start_cluster, tiny_chec
     settings = RaySettings(cluster.address, cluster.shared, shard_rows=25, report_every_s=0.2)
     got = batchrun.submit(spec, db=tmp_path / "ray.db", model=str(model), ray_address=settings).to_pylist()
     assert_same_answers(got, want)
+    # the run says what the cluster did, the model's openings among it (docs/distributed.md), not only in --json
+    said = re.search(r"8 shard\(s\) computed on (\d) node\(s\) of the Ray cluster \(.+\), the model opened (\d) time",
+                     caplog.text)
+    assert said and said[1] == said[2], caplog.text  # once a node: each keeps the model its first shard opened
     starts = attempts(cluster.shared)
     assert len(starts) == 8 and all(len(records) == 1 for records in starts.values())
     status = invoke("status", "--db", tmp_path / "ray.db")
