@@ -109,7 +109,7 @@ def _shares(rows: Sequence[JudgedRow], labelled: Sequence[JudgedRow], resamples:
 
 def describe_agreement(found: dict) -> list[str]:
     """At most two terminal lines: the agreement figures with their intervals, and the corrected shares that could
-    be computed. 'agreement (95% CI): kappa 0.62 (0.48-0.75), weighted 0.81 (0.70-0.88); ...'."""
+    be computed. 'agreement (95% CI): kappa 0.62 (0.48 to 0.75), weighted 0.81 (0.70 to 0.88), ...'."""
     names = (("kappa", "kappa"), ("weighted_kappa", "weighted"), ("spearman", "Spearman"), ("kendall", "Kendall"),
              ("mae", "MAE"))
     shown = [f"{name} {_figure(found[key])}" for key, name in names if found.get(key)]
