@@ -344,7 +344,7 @@ def test_a_job_that_has_not_run_yet_gets_every_section_each_saying_so():
 @pytest.mark.parametrize("span", [timedelta(seconds=2), timedelta(seconds=270), timedelta(hours=4, minutes=30),
                                   timedelta(days=40)])
 def test_the_progress_chart_picks_its_time_ticks_without_a_warning_on_the_users_terminal(span):
-    # a run stopped after four and a half minutes printed matplotlib's AutoDateLocator warning beneath its last line
+    # the chart is drawn after every run, stopped ones too: any span finds its ticks, or matplotlib warns on the terminal
     from batchrun.report.charts import progress
     start = datetime(2026, 1, 1, tzinfo=timezone.utc)
     with warnings.catch_warnings():
