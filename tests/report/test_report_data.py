@@ -267,7 +267,7 @@ def test_a_report_of_100000_rows_is_built_with_its_tables_capped_and_its_charts_
 # ---- the command ------------------------------------------------------------------------------------------------
 
 
-def test_the_report_command_writes_beside_the_spec_and_refuses_to_overwrite_without_force(tmp_path):
+def test_the_report_command_writes_beside_the_spec_replaces_its_own_page_and_no_other_file_without_force(tmp_path):
     spec = write_jsonl(tmp_path / "reviews.jsonl", [{"id": "a", "prompt": "p", "choices": ["x", "y"]}])
     db = tmp_path / "jobs.db"
     with Store(db) as store:
@@ -277,11 +277,17 @@ def test_the_report_command_writes_beside_the_spec_and_refuses_to_overwrite_with
     assert result.exit_code == 0, result.output
     written = tmp_path / "reviews.report.html"
     assert result.output.strip() == f"report of job {job_id} -> {written}" and "<svg" in written.read_text()
+    # the page a report (or every submit) wrote there is batchrun's: the same command writes it again
     again = invoke("report", job_id[:6], "--db", db)
-    assert again.exit_code == 1 and again.output.strip() == f"Error: {written} exists; pass --force to overwrite"
+    assert again.exit_code == 0 and again.output.strip() == f"report of job {job_id} -> {written}"
     other = tmp_path / "elsewhere" / "r.html"
     assert invoke("report", "--db", db, "-o", other).exit_code == 0 and other.exists()
-    assert invoke("report", "--db", db, "--force").exit_code == 0
+    notes = tmp_path / "notes.html"
+    notes.write_text("<p>mine</p>")
+    refused = invoke("report", "--db", db, "-o", notes)
+    assert refused.exit_code == 1 and refused.output.strip() == f"Error: {notes} exists; pass --force to overwrite"
+    assert notes.read_text() == "<p>mine</p>"
+    assert invoke("report", "--db", db, "-o", notes, "--force").exit_code == 0 and "<svg" in notes.read_text()
     missing = invoke("report", "nope", "--db", db)
     assert missing.exit_code == 1 and 'no job matches "nope"' in missing.output
     own_spec = invoke("report", "--db", db, "-o", spec, "--force")
