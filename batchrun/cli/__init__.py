@@ -144,7 +144,7 @@ def _write_comparison_page(found: dict, path: Path) -> Path | None:
 
 @cli.command()
 @click.option("--model", "-m", help="Checkpoint whose storage to measure (default: the default model).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the measurement as JSON.")
 def disk(model, as_json):
     """Measure the cold read bandwidth of a checkpoint's storage; cached per filesystem."""
     checkpoint = resolve_model(model, JobOptions(model=model))
