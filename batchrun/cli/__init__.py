@@ -41,8 +41,8 @@ def cli():
 @spec_format_option
 @job_options
 @click.option("--output", "-o", type=click.Path(path_type=Path),
-              help="Answers file: .parquet, or .jsonl for OpenAI batch-output lines (default: Parquet beside "
-                   "the spec).")
+              help="Answers file: .parquet, .csv, or .jsonl for OpenAI batch-output lines (default: Parquet "
+                   "beside the spec).")
 @click.option("--db", type=click.Path(path_type=Path), help="Progress database (default: $BATCHRUN_HOME/batchrun.db).")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
