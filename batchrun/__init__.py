@@ -24,7 +24,7 @@ _EXPORTS = {
     "submit": "batchrun.api",
     "plan_job": "batchrun.api",  # not `plan`: importing the batchrun.plan subpackage would take that name
     "JobOptions": "batchrun.job",
-    # A model to call yourself: decoder layers streamed from the checkpoint's safetensors.
+    # A model to call yourself: decoder layers streamed from the checkpoint's safetensors or GGUF file.
     "StreamedModel": "batchrun.runtime",
     "default_model": "batchrun.checkpoint",
     # What a script may catch: `except batchrun.BatchrunError as error` catches every failure the CLI prints as

@@ -38,8 +38,8 @@ def submit(spec: Spec, *, output: str | os.PathLike | None = None, db: str | os.
            **settings) -> pa.Table:
     """Run a spec (or resume it) and return its answers, one row per spec row in spec order.
 
-    `spec`: a JSONL or Parquet path, a list of dicts (rows as in a JSONL spec) or a pyarrow Table (rows as in a
-    Parquet spec). `settings`: any `JobOptions` field (model, choices, max_new_tokens, streaming, ...), applied
+    `spec`: a spec file's path (JSONL, CSV/TSV or Parquet, compressed or not), a list of dicts (rows as in a JSONL
+    spec) or a pyarrow Table (rows as in a Parquet spec). `settings`: any `JobOptions` field (model, choices, max_new_tokens, streaming, ...), applied
     over `options`. The answers are the columns of the Parquet file `batchrun submit` writes. No file is written
     unless `output` names one (.parquet, or .jsonl for OpenAI batch-output lines); `force` overwrites it. Progress
     is committed to the database (`db`, default $BATCHRUN_HOME/batchrun.db) after every pass, so calling again
@@ -78,8 +78,8 @@ def plan_job(spec: Spec, *, models: Sequence[str | os.PathLike | None] | None = 
              options: JobOptions | None = None, **settings) -> dict:
     """What running a spec would cost, per model: the report `batchrun plan --json` prints. Reads no weights.
 
-    `spec` and `settings` are as in `submit`. `models`: checkpoints to compare (directories, hub ids, or None for
-    the default model); by default the one `options` or `model=` names. The report holds the spec's row and token
+    `spec` and `settings` are as in `submit`. `models`: checkpoints to compare (directories, GGUF files, registry
+    names, hub ids, or None for the default model); by default the one `options` or `model=` names. The report holds the spec's row and token
     counts and one candidate per model: `mode` (resident or streamed), `fits`, `batch_size`, `passes`,
     `peak_memory_bytes`, `eta_seconds`, and the `blockers` and `caveats` behind them.
 

@@ -1,7 +1,8 @@
 """The low-level runtime: stream the default model's decoder layers from disk while it generates.
 
 StreamedModel keeps embeddings, final norm and head resident and reads each decoder layer from the
-checkpoint's safetensors just before it runs, so only a layer or two are ever in memory at once.
+checkpoint's file (the default model's GGUF here) just before it runs, so only a layer or two are ever in memory
+at once.
 """
 from __future__ import annotations
 

@@ -41,8 +41,8 @@ def cli():
 @spec_format_option
 @job_options
 @click.option("--output", "-o", type=click.Path(path_type=Path),
-              help="Answers file: .parquet, or .jsonl for OpenAI batch-output lines (default: Parquet beside "
-                   "the spec).")
+              help="Answers file: .parquet, .csv, or .jsonl for OpenAI batch-output lines (default: Parquet "
+                   "beside the spec).")
 @click.option("--db", type=click.Path(path_type=Path), help="Progress database (default: $BATCHRUN_HOME/batchrun.db).")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
@@ -144,7 +144,7 @@ def _write_comparison_page(found: dict, path: Path) -> Path | None:
 
 @cli.command()
 @click.option("--model", "-m", help="Checkpoint whose storage to measure (default: the default model).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the measurement as JSON.")
 def disk(model, as_json):
     """Measure the cold read bandwidth of a checkpoint's storage; cached per filesystem."""
     checkpoint = resolve_model(model, JobOptions(model=model))

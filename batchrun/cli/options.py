@@ -87,8 +87,9 @@ def job_options(fn):
     """Options shared by `plan` and `submit` (spec shaping, model, resources)."""
     decorators = [
         click.option("--model", "-m", "models", multiple=True,
-                     help="Checkpoint directory or Hugging Face repo id (default: SmolLM2-135M-Instruct, also "
-                          "named `default`). `plan` accepts several to compare."),
+                     help="Checkpoint directory, GGUF file, registry model (smollm2-135m, the default, also "
+                          "named `default`; gemma3-270m; NAME:converted) or Hugging Face repo id. `plan` and "
+                          "`compare` take several; `submit` one."),
         click.option("--template", help='Corpus mode: build prompts from columns, e.g. "Review: {text}".'),
         click.option("--id-column", help="Column holding row ids in corpus mode."),
         click.option("--label-column", help="Column holding each row's expected answer in corpus mode (accuracy, "
@@ -125,7 +126,8 @@ def job_options(fn):
         click.option("--batch-size", type=click.IntRange(min=1), help="Override the planned sequences per pass."),
         click.option("--memory", "memory_gb", type=POSITIVE_NUMBER,
                      help="Memory budget in GB (default: what the device has available)."),
-        click.option("--streaming", help="auto|always|never (also yes/no/on/off/1/0); env BATCHRUN_STREAMING."),
+        click.option("--streaming", help="auto|always|never (also yes/no, on/off, true/false, 1/0); env "
+                                          "BATCHRUN_STREAMING."),
         click.option("--no-prefetch", is_flag=True, help="Do not read the next layer while one computes."),
         click.option("--prefetch-depth", type=click.IntRange(min=1), default=1, show_default=True,
                      help="Layers read ahead of the one computing (each holds a layer in memory)."),

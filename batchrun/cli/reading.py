@@ -14,6 +14,8 @@ from batchrun.output import (check_output_writable, describe_calibration, descri
 from batchrun.plan import format_duration
 from batchrun.store import JobNotFound, Store
 
+DB_HELP = "Progress database (default: $BATCHRUN_HOME/batchrun.db)."
+
 
 def _existing_store(db: Path | None):
     """The progress database to read from; a missing one is an error, not a new empty file."""
@@ -25,8 +27,8 @@ def _existing_store(db: Path | None):
 
 @click.command()
 @click.argument("job", required=False)
-@click.option("--db", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--db", type=click.Path(path_type=Path), help=DB_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the job's progress and quality as JSON.")
 def status(job, db, as_json):
     """Progress of JOB (default: the one run last), also while it runs elsewhere."""
     store = _existing_store(db)
@@ -74,8 +76,8 @@ def _quality_if_any(store: Store, job_id: str) -> dict | None:
 
 
 @click.command()
-@click.option("--db", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--db", type=click.Path(path_type=Path), help=DB_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the jobs as a JSON list.")
 def jobs(db, as_json):
     """List jobs, newest first."""
     if db is not None and not Path(db).exists():  # a mistyped --db is said so, not listed as empty
@@ -112,7 +114,7 @@ def jobs(db, as_json):
               help="File to write, or - for stdout.")
 @click.option("--format", "fmt", type=click.Choice(["parquet", "csv", "jsonl"]),
               help="Default: from the extension (.parquet, .pq; .csv; .jsonl, .ndjson, .json); jsonl for -o -.")
-@click.option("--db", type=click.Path(path_type=Path))
+@click.option("--db", type=click.Path(path_type=Path), help=DB_HELP)
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary of what was written.")
 def results(job, output, fmt, db, force, as_json):
@@ -157,10 +159,11 @@ def results(job, output, fmt, db, force, as_json):
 
 @click.command()
 @click.argument("job", required=False)
-@click.option("--db", type=click.Path(path_type=Path))
+@click.option("--db", type=click.Path(path_type=Path), help=DB_HELP)
 @click.option("--output", "-o", type=click.Path(path_type=Path),
-              help="HTML file to write (default: SPEC-STEM.report.html beside the spec).")
-@click.option("--force", is_flag=True, help="Overwrite an existing file that is not a batchrun report.")
+              help="HTML file to write (default: <spec stem>.report.html beside the spec).")
+@click.option("--force", is_flag=True,
+              help="Overwrite an existing file that is not a batchrun report (a report is replaced anyway).")
 @click.option("--json", "as_json", is_flag=True, help="Print the job and the page written as JSON.")
 def report(job, db, output, force, as_json):
     """Write JOB's report (default: the one run last): one offline HTML file of its progress, answers, accuracy
@@ -175,8 +178,8 @@ def report(job, db, output, force, as_json):
                                    "is unknown; name the report file with -o")
         output = output or default_report_path(spec_path)
         check_output_writable(output, spec_path if spec_path.is_absolute() else None, store.path)
-        # a page batchrun wrote (the one every submit leaves) is rebuilt as submit rebuilds it; another file is the
-        # user's and needs --force
+        # A report batchrun wrote (every submit writes one there) is replaced, as submit replaces it; a file
+        # batchrun did not write is the user's, replaced only with --force.
         path = write_report(store, job_id, output, force=force or is_report(output))
     finally:
         store.close()

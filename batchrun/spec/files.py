@@ -244,6 +244,8 @@ def utf8_text(data: bytes, shown: str) -> str:
 # Magic bytes of compressed files and the command that writes them out as text (gzip files need not end in .gz).
 _COMPRESSIONS = ((rb"\x1f\x8b", "gzip", "gunzip -c"), (rb"\x28\xb5\x2f\xfd", "zstd", "zstd -dc"),
                  (rb"\xfd7zXZ\x00", "xz", "xz -dc"), (rb"BZh[1-9]1AY&SY", "bzip2", "bzip2 -dc"))
+
+
 # Byte-order marks of wide encodings, the four-byte UTF-32 ones before the UTF-16 ones they begin with.
 _WIDE_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32 (little-endian)"), (b"\x00\x00\xfe\xff", "UTF-32 (big-endian)"),
               (b"\xff\xfe", "UTF-16 (little-endian)"), (b"\xfe\xff", "UTF-16 (big-endian)"))
@@ -255,12 +257,21 @@ def refuse_compressed_or_wide_text(data: bytes, shown: str, suffix: str) -> None
     for magic, name, command in _COMPRESSIONS:
         if re.match(magic, data):
             raise SpecError([f"{shown}: the file is {name}-compressed; decompress it first "
-                             f"({command} {shlex.quote(shown)} > plain{suffix})"])
+                             f"({command} {shlex.quote(shown)} > {_copy_beside(shown, 'plain', suffix)})"])
     for mark, encoding in _WIDE_BOMS:
         if data.startswith(mark):
-            convert = f"iconv -f {encoding.split()[0]} -t UTF-8 {shlex.quote(shown)} > utf8{suffix}"
+            convert = (f"iconv -f {encoding.split()[0]} -t UTF-8 {shlex.quote(shown)} > "
+                       f"{_copy_beside(shown, 'utf8', suffix)}")
             raise SpecError([f"{shown}: the file is {encoding} text (it starts with that byte-order mark); re-save "
                              f"it as UTF-8 ({convert})"])
+
+
+def _copy_beside(shown: str, tag: str, suffix: str) -> str:
+    """The file a suggested command writes the text to: beside the spec, named after it with `tag` inserted, so
+    never the spec itself (the shell empties a redirect's target before the command reads its input)."""
+    path = Path(shown)
+    stem = path.name[: -len(suffix)] if path.name.lower().endswith(suffix) else path.stem
+    return shlex.quote(str(path.with_name(f"{stem}.{tag}{suffix}")))
 
 
 def _one_object_over_several_lines(data: bytes) -> bool:

@@ -97,3 +97,13 @@ def test_parquet_carries_provenance(tmp_path, done, model):
                 pq.read_metadata(tmp_path / "export.parquet").metadata.items() if key.startswith(b"batchrun.")}
     exported.pop("batchrun.written_at"), metadata.pop("batchrun.written_at")
     assert exported == metadata  # an export later says what the run's own file said
+
+
+def test_submit_writes_csv_as_results_does(tmp_path, done, model):
+    """`submit -o FILE.csv`, which its --help names, writes the file `results -o FILE.csv` writes."""
+    submitted = invoke("submit", done["spec"], "--model", model, "--db", done["db"], "-o", tmp_path / "run.csv",
+                       "--skip-invalid", "-q")
+    assert submitted.exit_code == 0, submitted.output
+    exported = invoke("results", "--db", done["db"], "-o", tmp_path / "exported.csv")
+    assert exported.exit_code == 0, exported.output
+    assert (tmp_path / "run.csv").read_text(encoding="utf-8") == (tmp_path / "exported.csv").read_text(encoding="utf-8")

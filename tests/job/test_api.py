@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -230,3 +231,28 @@ def test_plan_job_is_the_plan_commands_report(tmp_path, tiny_checkpoint):
     compared = batchrun.plan_job(ROWS, models=[model, model], streaming="always")
     assert [c["mode"] for c in compared["candidates"]] == ["streamed", "streamed"]
     assert not (Path(os.environ["BATCHRUN_HOME"]) / "batchrun.db").exists()  # planning records no job
+
+
+@pytest.mark.parametrize("example", ["classify_reviews", "triage_tickets", "stream_a_model"])
+def test_the_examples_run(tiny_default, capsys, example):
+    runpy.run_path(str(REPO_ROOT / "examples" / f"{example}.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert {"classify_reviews": "answers over all rows:", "triage_tickets": "t-24 ",
+            "stream_a_model": "layers were in memory at once"}[example] in out
+
+
+def test_the_classify_example_shows_the_probability_each_answer_follows(tiny_default, capsys):
+    """`answer` follows the calibrated probabilities where the job calibrates: the example prints those beside the
+    model's own, so a row answered `positive` never shows only a P(positive) under one half."""
+    runpy.run_path(str(REPO_ROOT / "examples" / "classify_reviews.py"), run_name="__main__")
+    printed = re.findall(r"^(rev-\d+)\s+(\w+)\s+(\S+)\s+(\S+)\s+(positive|negative) (?:ok|MISS)$",
+                         capsys.readouterr().out, re.M)
+    assert len(printed) == 10
+    rows = {row["id"]: row for row in batchrun.submit(REPO_ROOT / "jobs" / "review-sentiment.jsonl").to_pylist()}
+    for row_id, answer, own, calibrated, _ in printed:
+        row = rows[row_id]
+        assert float(own) == pytest.approx(dict(row["choice_probs"])["positive"], abs=5e-4)
+        follows = dict(row["calibrated_probs"] or row["choice_probs"])["positive"]
+        assert calibrated == "-" if row["calibrated_probs"] is None else float(calibrated) == pytest.approx(follows,
+                                                                                                           abs=5e-4)
+        assert answer == ("positive" if follows > 0.5 else "negative")

@@ -268,7 +268,7 @@ def test_a_report_of_100000_rows_is_built_with_its_tables_capped_and_its_charts_
 # ---- the command ------------------------------------------------------------------------------------------------
 
 
-def test_the_report_command_writes_beside_the_spec_and_overwrites_only_its_own_pages_without_force(tmp_path):
+def test_the_report_command_writes_beside_the_spec_replaces_its_own_page_and_no_other_file_without_force(tmp_path):
     spec = write_jsonl(tmp_path / "reviews.jsonl", [{"id": "a", "prompt": "p", "choices": ["x", "y"]}])
     db = tmp_path / "jobs.db"
     with Store(db) as store:
@@ -289,7 +289,12 @@ def test_the_report_command_writes_beside_the_spec_and_overwrites_only_its_own_p
     assert written.read_text() == "my notes"
     other = tmp_path / "elsewhere" / "r.html"
     assert invoke("report", "--db", db, "-o", other).exit_code == 0 and other.exists()
-    assert invoke("report", "--db", db, "--force").exit_code == 0
+    notes = tmp_path / "notes.html"
+    notes.write_text("<p>mine</p>")
+    refused = invoke("report", "--db", db, "-o", notes)
+    assert refused.exit_code == 1 and refused.output.strip() == f"Error: {notes} exists; pass --force to overwrite"
+    assert notes.read_text() == "<p>mine</p>"
+    assert invoke("report", "--db", db, "-o", notes, "--force").exit_code == 0 and "<svg" in notes.read_text()
     missing = invoke("report", "nope", "--db", db)
     assert missing.exit_code == 1 and 'no job matches "nope"' in missing.output
     own_spec = invoke("report", "--db", db, "-o", spec, "--force")

@@ -165,7 +165,7 @@ def test_compressed_file_types_say_what_is_wrong_with_the_file(tmp_path):
     hidden = tmp_path / "jobs.tsv"
     hidden.write_bytes(gzip.compress(delimited(ROWS, "\t")))
     assert only_problem(hidden) == f"{hidden}: the file is gzip-compressed; decompress it first " \
-                                   f"(gunzip -c {hidden} > plain.tsv)"
+                                   f"(gunzip -c {hidden} > {tmp_path / 'jobs.plain.tsv'})"
 
 
 def test_a_damaged_gzip_file_is_refused_as_one(tmp_path):

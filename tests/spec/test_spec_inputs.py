@@ -7,6 +7,10 @@ import bz2
 import gzip
 import json
 import lzma
+import re
+import shlex
+import subprocess
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -215,7 +219,23 @@ def test_compressed_file_named_jsonl_is_refused_once(tmp_path, compress, name, c
     path = tmp_path / "jobs.jsonl"
     path.write_bytes(compress(b'{"prompt": "a"}\n{"prompt": "b"}\n'))
     assert only_problem(path) == (f"{path}: the file is {name}-compressed; decompress it first "
-                                  f"({command} {path} > plain.jsonl)")
+                                  f"({command} {path} > {tmp_path / 'jobs.plain.jsonl'})")
+
+
+@pytest.mark.parametrize("name", ["plain.jsonl", "jobs.plain.jsonl", "utf8.jsonl", "my jobs.json"])
+def test_the_command_a_refused_file_suggests_writes_a_readable_copy_and_leaves_the_file(tmp_path, name):
+    """The suggested command, run as a user pastes it, writes the text beside the spec under another name: its
+    redirect never names the spec itself, which the shell would empty before the command reads it."""
+    text = b'{"prompt": "a"}\n{"prompt": "b"}\n'
+    for data in (gzip.compress(text), "\ufeff".encode("utf-16-be") + text.decode().encode("utf-16-be")):
+        path = tmp_path / name
+        path.write_bytes(data)
+        command = re.search(r"\((gunzip .*|iconv .*)\)$", only_problem(path)).group(1)
+        subprocess.run(command, shell=True, check=True, cwd=tmp_path)
+        assert path.read_bytes() == data
+        copy = Path(shlex.split(command)[-1])
+        assert copy != path and copy.parent == tmp_path
+        assert [r.prompt for r in read_spec(copy).requests] == ["a", "b"]
 
 
 @pytest.mark.parametrize(
