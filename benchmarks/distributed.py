@@ -15,7 +15,7 @@ the cores the plain run has alone, so two nodes cannot be faster here: what this
 overhead (connecting, actors starting, shards each opening the model, publishing and merging) and its correctness.
 On N real machines the answers per hour grow about N times, less that overhead (docs/distributed.md).
 
-    .venv/bin/python -m benchmarks.distributed [--rows 240] [--batch-size 60] [--model PATH]
+    .venv/bin/python -m benchmarks.distributed [--rows 240] [--batch-size 60] [--model MODEL]
 
 Prints a Markdown table and writes benchmarks/results/distributed-<machine class>.json.
 """
@@ -31,11 +31,13 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from batchrun.checkpoint import resolve_checkpoint
+from batchrun.errors import BatchrunError
 
 from benchmarks import harness
 
 REVIEW_JOB = harness.REPO_ROOT / "jobs" / "review-sentiment.jsonl"
-DEFAULT_MODEL = Path.home() / ".cache/batchrun-tests/default-home/models/SmolLM2-135M-Instruct"
+DEFAULT_MODEL = "default:converted"  # the default model's float32 conversion, as batchrun provisions it
 TOLERANCE = 1e-5
 OBJECT_STORE_BYTES = 100 << 20
 
@@ -116,24 +118,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=240)
     parser.add_argument("--batch-size", type=int, default=60)
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="as batchrun's --model takes it: a checkpoint, a "
+                        "registry name or a hub id (default: the default model's float32 conversion)")
     args = parser.parse_args()
-    if not (args.model / "config.json").is_file():
-        raise SystemExit(f"no checkpoint at {args.model}: run the tests once (they convert the default model) or "
-                         "pass --model")
+    try:  # where batchrun finds it (a registry model provisioned once in the state directory)
+        model = resolve_checkpoint(args.model)
+    except BatchrunError as error:
+        raise SystemExit(f"--model {args.model}: {error}") from None
     with tempfile.TemporaryDirectory(prefix="batchrun-distributed-") as temp, harness.exclusive_machine():
         work = Path(temp)
         home = work / "home"
         home.mkdir()
         spec = widened_job(work / "reviews.jsonl", args.rows)
         batch = ("--batch-size", str(args.batch_size))
-        submit(widened_job(work / "warm.jsonl", 8), args.model, work, "warm-up", home)  # measures, warms the cache
-        plain = submit(spec, args.model, work, "plain", home, *batch)
+        submit(widened_job(work / "warm.jsonl", 8), model, work, "warm-up", home)  # measures, warms the cache
+        plain = submit(spec, model, work, "plain", home, *batch)
         results = [plain]
         for name, nodes, shard_rows in (("ray-1", [2], args.batch_size), ("ray-1-whole", [2], args.rows),
                                         ("ray-2", [1, 1], args.batch_size)):
             def run(address: str, shared: Path, name: str = name, rows: int = shard_rows) -> dict:
-                return submit(spec, args.model, work, name, home, *batch, "--shard-rows", str(rows), "--ray", address,
+                return submit(spec, model, work, name, home, *batch, "--shard-rows", str(rows), "--ray", address,
                               "--shared", str(shared))
 
             result, startup = on_cluster(name, nodes, home, work, run)
@@ -159,7 +163,7 @@ def main() -> None:
     print(f"the Ray path on one node: {per_run:.1f} s a run (connecting, the actor starting, finishing on the driver) "
           f"and {per_shard:.1f} s a shard of {args.batch_size} rows")
     path = harness.save_results("distributed", {
-        "model": str(args.model), "rows": args.rows, "batch_size": args.batch_size, "shards": shards,
+        "model": str(model), "rows": args.rows, "batch_size": args.batch_size, "shards": shards,
         "overhead_seconds_per_run": per_run, "overhead_seconds_per_shard": per_shard, "results": results,
         "cores": f"{os.cpu_count()} shared by every node: the overhead is the point, not a speed-up"})
     print(f"saved {path}")

@@ -39,7 +39,7 @@ from benchmarks import harness
 from benchmarks.baselines import layer_rate, sweeps
 from benchmarks.baselines.bounds import ModelShape, batch_pass_flops
 from benchmarks.baselines.common import encode_prompts
-from benchmarks.throughput import Setting
+from benchmarks.throughput import Setting, runner_record
 
 CHECKPOINT_BYTES = 2_200_000_000  # TinyLlama-1.1B's shape at a 32k vocabulary
 VOCAB = 32_000
@@ -154,14 +154,7 @@ def run_one(spec: Path, model: Model, cap_bytes: int, stem: Path) -> dict:
     if run.returncode != 0:
         killed = "killed for lack of memory under the cap; " if run.oom_killed else ""
         return record | {"failed": f"{killed}exit {run.returncode}: {(run.stderr or run.stdout)[-3000:]}"}
-    result = json.loads(result_file.read_text())
-    summary = result["summary"]
-    return record | {
-        "answer_seconds": summary["seconds"], "passes": summary["passes_now"], "pass_seconds": summary["pass_seconds"],
-        "bytes_read": summary["bytes_read"], "disk_read_bytes": result["disk_read_bytes"], "mode": summary["mode"],
-        "batch_size": summary["batch_size"], "output_tokens": [r["output_tokens"] for r in result["answers"]],
-        "answers": [r["answer"] for r in result["answers"]], "errors": [r["error"] for r in result["answers"]
-                                                                       if r["error"]]}
+    return record | runner_record(json.loads(result_file.read_text()))
 
 
 def bound(record: dict, model: Model, shape: ModelShape, prompts: list[list[int]], compute_rate: float) -> dict:

@@ -1,7 +1,7 @@
 """How long `batchrun plan` takes on a 10,000-row spec (run by hand). Planning reads no weights, so its time is
 reading + validating the spec, tokenizing every prompt and the arithmetic; a user waits for all of it.
 
-    python benchmarks/plan_speed.py [--model PATH] [--rows 10000]
+    python benchmarks/plan_speed.py [--model MODEL] [--rows 10000]
 
 Times the command as a user runs it (a fresh process, so imports included; median of 3) and, in-process, the
 steps: spec reading, tokenizing, the whole plan report. Prints a Markdown table; writes
@@ -20,7 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-DEFAULT_MODEL = Path.home() / ".cache/batchrun-tests/default-home/models/SmolLM2-135M-Instruct"
+from batchrun.checkpoint import resolve_checkpoint
+from batchrun.errors import BatchrunError
+
+DEFAULT_MODEL = "default:converted"  # the default model's float32 conversion, as batchrun provisions it
 RESULTS = Path(__file__).resolve().parent / "results" / "plan_speed.json"
 WORDS = ("delivery late parcel box damaged refund support agent friendly slow quick price value quality battery "
          "screen phone app crash update login password order invoice hotel room staff breakfast noisy clean").split()
@@ -49,25 +52,30 @@ def timed(function):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="as batchrun's --model takes it: a checkpoint, a "
+                        "registry name or a hub id (default: the default model's float32 conversion)")
     parser.add_argument("--rows", type=int, default=10_000)
     args = parser.parse_args()
+    try:  # where batchrun finds it (a registry model provisioned once in the state directory)
+        model = resolve_checkpoint(args.model)
+    except BatchrunError as error:
+        raise SystemExit(f"--model {args.model}: {error}") from None
     work = Path(tempfile.mkdtemp(prefix="batchrun-plan-speed-"))
     os.environ.setdefault("BATCHRUN_HOME", str(work / "home"))
     spec = write_spec(work / "reviews.jsonl", args.rows)
-    command = [sys.executable, "-m", "batchrun", "plan", str(spec), "--model", str(args.model), "--json"]
+    command = [sys.executable, "-m", "batchrun", "plan", str(spec), "--model", str(model), "--json"]
     subprocess.run(command, check=True, capture_output=True)  # first run measures the machine once, then cached
     cli_runs = [timed(lambda: subprocess.run(command, check=True, capture_output=True))[0] for _ in range(3)]
 
     from batchrun.job.prepare import JobOptions, plan_report, prepare_model, read_job_spec
     from batchrun.spec.encode import encode_requests
 
-    options = JobOptions(model=str(args.model))
+    options = JobOptions(model=str(model))
     read_s, job_spec = timed(lambda: read_job_spec(spec, options))
-    model = prepare_model(str(args.model), options)
-    tokenize_s, encoded = timed(lambda: encode_requests(model.tokenizer, job_spec.requests, raw=False,
-                                                        context_length=model.context_length))
-    report_s, report = timed(lambda: plan_report(spec, [str(args.model)], options))
+    prepared = prepare_model(str(model), options)
+    tokenize_s, encoded = timed(lambda: encode_requests(prepared.tokenizer, job_spec.requests, raw=False,
+                                                        context_length=prepared.context_length))
+    report_s, report = timed(lambda: plan_report(spec, [str(model)], options))
     result = {
         "rows": args.rows, "spec_bytes": spec.stat().st_size, "prompt_tokens_total": report["prompt_tokens_total"],
         "cli_wall_s_median": statistics.median(cli_runs), "cli_wall_s_runs": cli_runs,
@@ -77,7 +85,7 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(f"`batchrun plan` on {args.rows:,} rows ({result['spec_bytes'] / 1e6:.1f} MB, "
-          f"{result['prompt_tokens_total']:,} prompt tokens), model {args.model.name}\n")
+          f"{result['prompt_tokens_total']:,} prompt tokens), model {args.model} ({model.name})\n")
     print("| step | seconds |\n|---|---|")
     print(f"| `batchrun plan --json` (fresh process, median of 3) | {result['cli_wall_s_median']:.2f} |")
     print(f"| read + validate spec (in-process) | {read_s:.2f} |")

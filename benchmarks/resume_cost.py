@@ -9,8 +9,7 @@
 Pass times come from the real executor: this script wraps `open_model` and `Store.commit_pass` to timestamp
 when the model is ready and when each pass's commit starts and ends (pass k = commit k start - commit k-1 end).
 
-    .venv/bin/python benchmarks/resume_cost.py \
-        [--model ~/.cache/batchrun-tests/default-home/models/SmolLM2-135M-Instruct]
+    .venv/bin/python benchmarks/resume_cost.py [--model MODEL]
 
 Prints a Markdown table and writes benchmarks/results/resume_cost-<machine class>.json.
 """
@@ -29,8 +28,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from batchrun.checkpoint import resolve_checkpoint
+from batchrun.errors import BatchrunError
+
 ROWS, NEW_TOKENS, KILL_AFTER_PASS = 8, 32, 20
-DEFAULT_MODEL = Path.home() / ".cache/batchrun-tests/default-home/models/SmolLM2-135M-Instruct"
+DEFAULT_MODEL = "default:converted"  # the default model's float32 conversion, as batchrun provisions it
 RESULTS = Path(__file__).resolve().parent / "results" / "resume_cost.json"
 TOPICS = ["the history of bridges", "how bees make honey", "why the sky is blue", "the rules of chess",
           "how a steam engine works", "the life of a lighthouse keeper", "how bread rises", "the water cycle"]
@@ -136,10 +138,15 @@ def commit_microbenchmark(directory: Path, batch: int, tokens: int, repeats: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="as batchrun's --model takes it: a checkpoint, a "
+                        "registry name or a hub id (default: the default model's float32 conversion)")
     parser.add_argument("--name", default="resume_cost", help="results file: benchmarks/results/NAME-<machine class>.json")
     parser.add_argument("--memory", type=float, help="memory budget in GB for every run (under a memory cap)")
     args = parser.parse_args()
+    try:  # where batchrun finds it (a registry model provisioned once in the state directory)
+        model = resolve_checkpoint(args.model)
+    except BatchrunError as error:
+        raise SystemExit(f"--model {args.model}: {error}") from None
     global MEMORY_GB
     MEMORY_GB = args.memory
     results = RESULTS.with_name(f"{args.name}.json")
@@ -147,15 +154,15 @@ def main() -> None:
     os.environ.setdefault("BATCHRUN_HOME", str(work / "home"))
     spec = write_spec(work / "essays.jsonl")
 
-    clock, summary, uninterrupted_total = run_clocked(spec, args.model, work / "ref.db", work / "ref.parquet")
+    clock, summary, uninterrupted_total = run_clocked(spec, model, work / "ref.db", work / "ref.parquet")
     passes = clock.pass_seconds()
     from batchrun.output import read_parquet_results
     reference = read_parquet_results(work / "ref.parquet")
     if any(row["output_tokens"] != NEW_TOKENS for row in reference):
         print("note: some rows stopped before", NEW_TOKENS, "tokens:", [r["output_tokens"] for r in reference])
 
-    killed_total = run_killed(spec, args.model, work / "job.db", work / "job.parquet")
-    resume_clock, resumed, resume_total = run_clocked(spec, args.model, work / "job.db", work / "job.parquet")
+    killed_total = run_killed(spec, model, work / "job.db", work / "job.parquet")
+    resume_clock, resumed, resume_total = run_clocked(spec, model, work / "job.db", work / "job.parquet")
     same = [(r["answer"], r["output_tokens"]) for r in read_parquet_results(work / "job.parquet")] == \
            [(r["answer"], r["output_tokens"]) for r in reference]
 
@@ -167,7 +174,7 @@ def main() -> None:
     redone = sum(passes[:KILL_AFTER_PASS])
     micro = {f"{b} rows x {t} tokens": commit_microbenchmark(work, b, t) for b, t in ((8, 32), (64, 512))}
     result = {
-        "model": str(args.model), "rows": ROWS, "new_tokens": NEW_TOKENS, "kill_after_pass": KILL_AFTER_PASS,
+        "model": str(model), "rows": ROWS, "new_tokens": NEW_TOKENS, "kill_after_pass": KILL_AFTER_PASS,
         "mode": summary.mode, "passes_uninterrupted": summary.passes_now,
         "first_pass_prefill_s": passes[0], "median_decode_pass_s": median_pass,
         "median_commit_s": statistics.median(commits), "max_commit_s": max(commits),

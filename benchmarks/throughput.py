@@ -214,13 +214,18 @@ def run_batchrun_once(arguments: list[str], setting: Setting, capped: bool, stem
     if run.returncode != 0:
         return fields | {"failed": failure(run)}
     result = json.loads(result_file.read_text())
-    summary = result["summary"]
-    return fields | {
+    return fields | runner_record(result) | {"summary": result["summary"]}
+
+
+def runner_record(result: dict) -> dict:
+    """The figures of a benchmarks.baselines.batchrun_runner result file's contents that a benchmark record holds:
+    the run's own summary figures, the disk bytes it read, and its answers, output lengths and row errors."""
+    summary, answers = result["summary"], result["answers"]
+    return {
         "answer_seconds": summary["seconds"], "passes": summary["passes_now"], "pass_seconds": summary["pass_seconds"],
         "bytes_read": summary["bytes_read"], "disk_read_bytes": result["disk_read_bytes"], "mode": summary["mode"],
-        "batch_size": summary["batch_size"], "answers": [r["answer"] for r in result["answers"]],
-        "output_tokens": [r["output_tokens"] for r in result["answers"]],
-        "errors": [r["error"] for r in result["answers"] if r["error"]], "summary": summary,
+        "batch_size": summary["batch_size"], "answers": [r["answer"] for r in answers],
+        "output_tokens": [r["output_tokens"] for r in answers], "errors": [r["error"] for r in answers if r["error"]],
     }
 
 

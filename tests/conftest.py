@@ -3,8 +3,11 @@ tiny checkpoints built once per session, and the default model (skipped, not fai
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import subprocess
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +29,74 @@ def pytest_configure(config):
         "markers",
         f"{MEASURED_MARKER}: the test plans or runs a checkpoint it builds itself; its BATCHRUN_HOME starts with "
         "the machine's measurements (tests requesting tiny_checkpoint or default_checkpoint get them anyway)")
+
+
+class _Spawns:
+    """Processes this pytest process started: counted as they start (subprocess.Popen or os.fork), so the check
+    after a test reads every process's /proc entry only after a test that started one; `known`: those alive at the
+    last check (a process begun before the session)."""
+    count = 0
+    known: set[int] = set()
+
+
+def _count_fork() -> None:
+    _Spawns.count += 1
+
+
+def _live_children() -> dict[int, str]:
+    """pid -> command line of each child of this process that has not exited (a zombie has)."""
+    children = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, ppid = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == os.getpid() and state != "Z":
+                children[int(entry.name)] = Path(entry.path, "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                    errors="replace").strip()
+        except (OSError, ValueError):  # exited while read
+            continue
+    return children
+
+
+@pytest.fixture(scope="session", autouse=True)
+def count_spawns():
+    """Counts every process this one starts, for the session (Linux: where /proc tells a process's parent)."""
+    if not Path("/proc/self/stat").exists():
+        yield
+        return
+    execute_child = subprocess.Popen._execute_child
+
+    def counted(self, *args, **kwargs):
+        _Spawns.count += 1
+        return execute_child(self, *args, **kwargs)
+
+    os.register_at_fork(after_in_parent=_count_fork)
+    _Spawns.known = set(_live_children())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", counted)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind(count_spawns):
+    """After each test, whether it passed or failed: the batchrun runs it started (tests.procs.start) are killed
+    with whatever they started, and any other child process still alive fails the test, and is killed, so that
+    none outlives the suite (a frozen run would stay frozen for ever)."""
+    from tests.procs import reap_started
+
+    spawned = _Spawns.count
+    yield
+    reap_started()
+    if _Spawns.count == spawned or not Path("/proc/self/stat").exists():
+        return
+    alive = _live_children()
+    left = {pid: command for pid, command in alive.items() if pid not in _Spawns.known}
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):  # ended since
+            os.kill(pid, signal.SIGKILL)
+    _Spawns.known = set(alive) - set(left)
+    assert not left, f"the test left child processes running (killed now): {left}"
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ from batchrun.output import read_parquet_results
 BATCHRUN = [sys.executable, "-m", "batchrun"]
 FAULT_ENV = ("BATCHRUN_KILL_AT", "BATCHRUN_STOP_AT", "BATCHRUN_FAULT_TRACE")
 RUN_TIMEOUT_S = 180  # one tiny-model run takes seconds; this only stops a hung test
+_started: list[subprocess.Popen] = []  # every process start() began, for reap_started()
 
 
 @dataclass
@@ -53,9 +54,26 @@ def batchrun_env(home: Path, **extra: str) -> dict[str, str]:
 
 def start(args: list[str], env: dict[str, str], *, wrapper: list[str] | None = None,
           preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen:
-    """`batchrun ARGS` in the background; `wrapper` (e.g. ["sh", "-c", "...; exec \"$@\"", "sh"]) goes in front."""
-    return subprocess.Popen([*(wrapper or []), *BATCHRUN, *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+    """`batchrun ARGS` in the background; `wrapper` (e.g. ["sh", "-c", "...; exec \"$@\"", "sh"]) goes in front.
+    It leads a process group of its own, so reap_started() ends it with whatever it started."""
+    process = subprocess.Popen([*(wrapper or []), *BATCHRUN, *args], env=env, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn,
+                               start_new_session=True)
+    _started.append(process)
+    return process
+
+
+def reap_started() -> None:
+    """SIGKILL the process group of every process start() began and reap its leader. Run after each test, so no run
+    outlives the test that started it: one left frozen (SIGSTOP; SIGKILL ends a stopped process too) or running by a
+    test that failed before its own cleanup, nor anything such a run started. A group already gone is no error."""
+    while _started:
+        process = _started.pop()
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # its pid is its group's id while any member lives
+        except ProcessLookupError:
+            pass
+        process.communicate(timeout=RUN_TIMEOUT_S)  # reaps it and closes its pipes; a no-op where finish() did
 
 
 def ctrl_c_raises() -> None:

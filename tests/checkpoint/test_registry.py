@@ -169,8 +169,25 @@ def test_names_resolve_to_the_registry_before_the_hub_and_after_a_local_folder(t
     (tmp_path / "gemma3-270m").mkdir()  # a folder of that name is what the user means
     assert resolve.resolve_checkpoint("gemma3-270m") == Path("gemma3-270m") and asked == ["gemma3-270m"]
     with pytest.raises(DefaultModelError, match="no registry model is called 'gemma9'; the registry holds "
-                                                "smollm2-135m, gemma3-270m"):
+                                                "smollm2-135m, gemma3-270m \\(default names smollm2-135m;"):
         registry_model("gemma9")
+
+
+def test_default_converted_is_the_default_models_conversion_wherever_a_name_is_taken(tmp_path, monkeypatch):
+    """`--model default` runs the default model, so `default:converted` is its float32 conversion, as
+    `smollm2-135m:converted` is: the same folder, found where the registry name finds it."""
+    from batchrun.checkpoint import checkpoint_location, registry_location
+
+    asked = []
+    monkeypatch.setattr(resolve, "registry_model", lambda name: asked.append(name) or tmp_path)
+    monkeypatch.setattr(resolve, "_fetch_from_hub", lambda *a, **k: pytest.fail("the hub was asked"))
+    assert resolve.resolve_checkpoint("default:converted") == tmp_path and asked == ["default:converted"]
+    home = tmp_path / "home"
+    assert registry_location("default:converted", home) == registry_location("smollm2-135m:converted", home) == (
+        home / "models" / SMOLLM2_135M.directory)
+    assert registry_location("default", home) == registry_location("smollm2-135m", home)
+    monkeypatch.setenv("BATCHRUN_HOME", str(home))
+    assert checkpoint_location("default:converted") == checkpoint_location("smollm2-135m:converted")
 
 
 def test_job_labels_name_registry_models_and_smollm2_is_the_default():
@@ -183,6 +200,9 @@ def test_job_labels_name_registry_models_and_smollm2_is_the_default():
     assert model_label("gemma3-270m:converted") == "gemma3-270m:converted (Gemma 3 270M base, float32 conversion)"
     assert DEFAULT_MODEL_LABEL == "default (SmolLM2-135M-Instruct, Q4_1 GGUF)"
     assert not names_default_model("smollm2-135m:converted")  # its conversion is another model's job
+    assert not names_default_model("default:converted")
+    assert model_label("default:converted") == model_label("smollm2-135m:converted") == (
+        "smollm2-135m:converted (SmolLM2-135M-Instruct, float32 conversion)")  # one model, one job, whatever spelling
     assert model_label("org/model") == "org/model"
 
 
@@ -357,6 +377,9 @@ def test_the_default_is_its_gguf_by_any_name_and_its_conversion_is_another_job(d
     unnamed = prepare_job(spec, JobOptions())
     named = prepare_job(spec, JobOptions(model="smollm2-135m"))
     converted = prepare_job(spec, JobOptions(model="smollm2-135m:converted"))
+    by_default = prepare_job(spec, JobOptions(model="default:converted"))
+    assert (by_default.model.checkpoint, by_default.model.name, by_default.fingerprint) == (
+        converted.model.checkpoint, converted.model.name, converted.fingerprint)
     assert unnamed.model.checkpoint == named.model.checkpoint == default_by_name
     assert named.fingerprint == unnamed.fingerprint and named.model.name == unnamed.model.name == DEFAULT_MODEL_LABEL
     assert converted.model.checkpoint == models / SMOLLM2_135M.directory

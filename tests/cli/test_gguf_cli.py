@@ -87,6 +87,18 @@ def test_plan_of_the_default_model_runs_its_gguf_and_says_why_float32(reviews, d
     assert "(auto: float32, in which the GGUF's dequantized weights are exact" in table
 
 
+def test_plan_of_default_converted_runs_the_default_models_conversion(reviews, default_by_name, default_checkpoint):
+    from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL
+
+    (default_by_name.parent.parent / DEFAULT_REGISTRY_MODEL.directory).symlink_to(default_checkpoint,
+                                                                                  target_is_directory=True)
+    result = invoke("plan", reviews, "--model", "default:converted", "--json")
+    assert result.exit_code == 0, result.output
+    (candidate,) = json.loads(result.stdout)["candidates"]
+    assert candidate["model"] == "smollm2-135m:converted (SmolLM2-135M-Instruct, float32 conversion)"
+    assert candidate["checkpoint_bytes"] == checkpoint_sizes(default_checkpoint).checkpoint_bytes
+
+
 def test_a_job_begun_on_the_conversion_is_not_resumed_on_the_gguf_and_the_run_says_so(
         reviews, default_by_name, default_checkpoint, tmp_path, monkeypatch):
     from batchrun.checkpoint import DEFAULT_REGISTRY_MODEL

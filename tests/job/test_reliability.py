@@ -11,7 +11,6 @@ import shutil
 import signal
 import sqlite3
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import pytest
 from batchrun.output import read_parquet_results
 from tests.procs import (
     Reference, assert_clean_error, assert_same_answers, batchrun_env, done_answers, finish, mixed_job,
-    reference_run, run, start, submit_args,
+    reference_run, run, start, submit_args, wait_until_frozen,
 )
 from tests.support import integrity_ok
 
@@ -135,29 +134,12 @@ def test_output_on_a_full_disk_fails_cleanly_and_succeeds_once_there_is_room(
 # Two runs of one job
 
 
-def wait_until_stopped(process: subprocess.Popen, timeout: float = 120.0) -> None:
-    """Until the process froze itself at its BATCHRUN_STOP_AT point (state T in /proc)."""
-    deadline = time.monotonic() + timeout
-    stat = Path(f"/proc/{process.pid}/stat")
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"the first run exited ({process.returncode}) before reaching its stop point: "
-                        f"{process.stderr.read()}")
-        if stat.read_text().rsplit(")", 1)[1].split()[0] == "T":
-            return
-        time.sleep(0.1)
-    process.kill()
-    pytest.fail("the first run never reached its stop point")
-
-
 def start_paused_in_first_pass(tmp_path, model, home) -> tuple[list[str], Path, subprocess.Popen]:
     """A run that paused itself inside its first pass, holding the job: deterministic, outside any transaction."""
-    if not Path("/proc/self/stat").exists():
-        pytest.skip("needs /proc to see that the run is paused")
     db = tmp_path / "progress.db"
     args = submit_args(mixed_job(tmp_path / "job.jsonl"), model, db, tmp_path / "answers.parquet", *JOB_OPTIONS)
     first = start(args, batchrun_env(home, BATCHRUN_STOP_AT="layer:1"))
-    wait_until_stopped(first)
+    wait_until_frozen(first)
     return args, db, first
 
 
