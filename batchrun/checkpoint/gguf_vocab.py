@@ -191,7 +191,8 @@ def check_rebuilt_tokenizer(source, rebuilt, where: Path, allow_nfc_loss: bool =
     for text in TOKENIZER_PROBE_TEXTS:
         text = unicodedata.normalize("NFC", text) if nfc_lost else text
         for special in (True, False):
-            if source(text, add_special_tokens=special).input_ids != rebuilt(text, add_special_tokens=special).input_ids:
+            wanted, got = (tokenizer(text, add_special_tokens=special).input_ids for tokenizer in (source, rebuilt))
+            if wanted != got:
                 raise _differs(where, f"it splits {text!r} differently")
     _check_chat_template(source, rebuilt, where)
 

@@ -84,9 +84,9 @@ def default_model(home: Path | None = None, *, converted: bool = False) -> Path:
 
 def registry_model(name: str, home: Path | None = None, *, verify: bool = False) -> Path:
     """The registry model `name` under (home or state dir)/models, provisioned once: "smollm2-135m", "gemma3-270m"
-    give the GGUF file, "smollm2-135m:converted" (or "default:converted") the float32 conversion's folder. verify=True also hashes every file
-    against the record of its provisioning (about a second a GB) and provisions it again when any differs; without,
-    only files modified since are hashed."""
+    give the GGUF file, "smollm2-135m:converted" (or "default:converted") the float32 conversion's folder.
+    verify=True also hashes every file against the record of its provisioning (about a second a GB) and provisions it
+    again when any differs; without, only files modified since are hashed."""
     entry = registry_entry(name)
     if entry is None:
         raise DefaultModelError(f"no registry model is called {name!r}; the registry holds {', '.join(REGISTRY)} "

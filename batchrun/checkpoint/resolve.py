@@ -76,8 +76,8 @@ def resolve_checkpoint(
 
 def checkpoint_location(model: str) -> Path | str:
     """Where resolve_checkpoint finds `model`, told without converting or fetching anything: a local directory (its
-    links followed), a registry model's GGUF file or converted folder, else the repository id as given. Two spellings of one
-    checkpoint give the same answer."""
+    links followed), a registry model's GGUF file or converted folder, else the repository id as given. Two spellings of
+    one checkpoint give the same answer."""
     local = Path(model).expanduser()
     if local.is_dir() or is_gguf_file(local):
         return local.resolve()

@@ -15,8 +15,8 @@ from batchrun.host.tracebacks import failure_reason, one_line, redacted, save_tr
 
 __all__ = ["CGROUP_ROOT", "HOST", "NATIVE_DEFAULTS", "Stopped", "anonymous_resident_bytes", "apply_native_defaults",
            "auto_compute_dtype", "available_memory_bytes", "batch_cap_after_oom", "cpu_auto_reason",
-           "cpu_bfloat16_feature", "default_db_path", "disk_free_bytes", "disk_identity", "failure_reason", "glibc", "interrupts_deferred",
-           "keep_freed_pages_below", "keep_heap_flat", "kernels_identity", "killed_by_oom", "memory_cgroup_dir",
-           "one_line", "oom_kill_count", "package_version", "peak_resident_bytes", "pid_alive", "process_identity",
-           "redacted", "reset_peak_resident", "resident_bytes", "return_freed_memory", "save_traceback", "secrets_in",
-           "state_dir", "stop_signals_unwind", "stops_deferred", "stored_spec"]
+           "cpu_bfloat16_feature", "default_db_path", "disk_free_bytes", "disk_identity", "failure_reason", "glibc",
+           "interrupts_deferred", "keep_freed_pages_below", "keep_heap_flat", "kernels_identity", "killed_by_oom",
+           "memory_cgroup_dir", "one_line", "oom_kill_count", "package_version", "peak_resident_bytes", "pid_alive",
+           "process_identity", "redacted", "reset_peak_resident", "resident_bytes", "return_freed_memory",
+           "save_traceback", "secrets_in", "state_dir", "stop_signals_unwind", "stops_deferred", "stored_spec"]

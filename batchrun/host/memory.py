@@ -1,6 +1,6 @@
 """What a run may use now: memory (free accelerator memory; on the host MemAvailable, lowered to the headroom of
-the process's memory cgroup) and disk. Read from the OS at each call, never cached: unlike the rates in batchrun.measure,
-they change from run to run.
+the process's memory cgroup) and disk. Read from the OS at each call, never cached: unlike the rates in
+batchrun.measure, they change from run to run.
 """
 from __future__ import annotations
 

@@ -71,8 +71,8 @@ def fingerprint(spec: JobSpec, model_identity: Sequence[bytes], compute_dtype: s
     A row is its id, token ids (which stand for the tokenizer, chat template, system message, template and --raw),
     choices, token limit, stop strings and the structure its answer must take: an option that changes no row
     (--max-new-tokens on a spec of choice rows, --choices where every row has its own) keeps the job, one that
-    changes any row makes a new one. A row's label and carried values, a pair row's order, and the calibration, are the job's too (they change its
-    output); a job without them keeps the identity it always had."""
+    changes any row makes a new one. A row's label and carried values, a pair row's order, and the calibration, are the
+    job's too (they change its output); a job without them keeps the identity it always had."""
     digest = hashlib.sha256()
     digest.update(spec.content_sha256.encode())
     for part in model_identity:

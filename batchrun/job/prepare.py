@@ -262,8 +262,8 @@ def memory_budget(options: JobOptions, device: str, runtime_bytes: int) -> int:
     runtime (`runtime_bytes`: imports, tokenizer, the job's encoded rows) on its own: so what this process holds is
     given back, up to what the plan counts for it (its anonymous memory: the files it maps are page cache, which a
     cgroup's headroom may already count as free). Counted twice, the runtime would take its share of a small budget
-    a second time (docs/planning.md#memory-the-plan-counts). A model a Ray worker keeps open from its last shard (job.models) is given back too: the plan
-    counts its weights."""
+    a second time (docs/planning.md#memory-the-plan-counts). A model a Ray worker keeps open from its last shard
+    (job.models) is given back too: the plan counts its weights."""
     if options.memory_gb:
         return int(options.memory_gb * 1e9)
     available = available_memory_bytes(device)

@@ -11,10 +11,10 @@ from batchrun.output.pairs import PAIR_COLUMNS, PairVerdict, describe_pairs, pai
 from batchrun.output.panel import (PANEL_COLUMNS, Judge, Panel, describe_panel, judge_probs, panel_figures, panel_of,
                                    panel_table, write_panel)
 
-__all__ = ["CHOICE_PROBS_TYPE", "JobAnswers", "Judge", "OutputError", "OutputExists", "OutputFormatUnknown", "OutputRow",
-           "PAIR_COLUMNS", "PANEL_COLUMNS", "PairVerdict", "Panel", "Provenance", "answers_table", "atomic_write",
-           "check_output_writable", "content_free_priors", "default_output_path", "describe_calibration",
-           "describe_pairs", "describe_panel", "describe_quality", "encode_results", "job_answers", "job_provenance",
-           "job_quality", "judge_probs", "openai_batch_line", "output_format", "output_rows", "pair_statistics",
-           "panel_figures", "panel_of", "panel_table", "quality", "read_parquet_results", "results_table",
-           "write_jsonl", "write_panel", "write_parquet", "write_results"]
+__all__ = ["CHOICE_PROBS_TYPE", "JobAnswers", "Judge", "OutputError", "OutputExists", "OutputFormatUnknown",
+           "OutputRow", "PAIR_COLUMNS", "PANEL_COLUMNS", "PairVerdict", "Panel", "Provenance", "answers_table",
+           "atomic_write", "check_output_writable", "content_free_priors", "default_output_path",
+           "describe_calibration", "describe_pairs", "describe_panel", "describe_quality", "encode_results",
+           "job_answers", "job_provenance", "job_quality", "judge_probs", "openai_batch_line", "output_format",
+           "output_rows", "pair_statistics", "panel_figures", "panel_of", "panel_table", "quality",
+           "read_parquet_results", "results_table", "write_jsonl", "write_panel", "write_parquet", "write_results"]

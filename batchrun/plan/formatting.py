@@ -140,7 +140,8 @@ def _start(report: Mapping) -> str:
     start = report.get("start_seconds")
     if not start or report.get("eta_seconds") is None:
         return ""
-    return f" from submit ({format_duration(start)} of it to start: importing the runtime, reading and encoding the spec)"
+    return (f" from submit ({format_duration(start)} of it to start: importing the runtime, reading and encoding the "
+            "spec)")
 
 
 def _state_disk_free() -> str:

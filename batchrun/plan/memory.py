@@ -28,9 +28,10 @@ HEAP_RETAINS_ON = frozenset({"cpu"})  # accelerator allocators hold freed blocks
 # Micro-batches (runtime/turns.py): when a pass's activations do not fit all at once, its sequences enter each layer in
 # turns, so only one micro-batch's activations are live while every sequence's KV cache and hidden state wait.
 HELD_HIDDEN_COPIES = 2  # a waiting micro-batch holds its hidden states and the residual they add to
-# Each of a prefill's forward calls is held suspended between its turns (runtime.turns.run_interleaved), keeping its saved
-# stack and Python frames until the pass ends, counted with a wide margin (docs/planning.md#memory-the-plan-counts); its
-# activations are counted apart. The OpenMP team and matmul scratch are the one calling thread's, in the runtime.
+# Each of a prefill's forward calls is held suspended between its turns (runtime.turns.run_interleaved), keeping its
+# saved stack and Python frames until the pass ends, counted with a wide margin
+# (docs/planning.md#memory-the-plan-counts); its activations are counted apart. The OpenMP team and matmul scratch are
+# the one calling thread's, in the runtime.
 PREFILL_CALL_BYTES = 256 << 10
 # A decode step that attends to its keys and values where they lie (decode_in_place) may still copy one layer's
 # [H_kv, context, D] once (a strided cache view made contiguous), and prefix_attention.attend_with_prefix keeps its
@@ -242,8 +243,8 @@ def batch_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: 
 def memory_limits(sizes: CheckpointSizes, compute_bytes: int, device: str, rows: Sequence[RowCost],
                   free_bytes: int, batch_size: int | None) -> tuple[int, int, int | None]:
     """(max sequences, max padded tokens, sequences per micro-batch or None) such that any batch packed under them
-    fits in free_bytes. Bound: every token costs at most its KV (no window cap; none in a job of choice rows only), its linear
-    activations and one row of attention scores at the longest prefill; every sequence adds its kept logits.
+    fits in free_bytes. Bound: every token costs at most its KV (no window cap; none in a job of choice rows only), its
+    linear activations and one row of attention scores at the longest prefill; every sequence adds its kept logits.
     Sequences are sized so typical (median-length) rows fill the budget; the token budget then keeps longer rows from
     overflowing it. When the job's sequences do not all fit with their activations live at once (padded to the
     longest row), the pass is split into micro-batches: activations are bought for one micro-batch (a share of the

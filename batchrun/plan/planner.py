@@ -19,8 +19,8 @@ from batchrun.plan.formatting import format_bytes, format_rate
 from batchrun.plan.inputs import Notes, PlanInputs
 from batchrun.plan.memory import Calls, batch_bytes, decode_pass_bytes, largest_turn_bytes
 from batchrun.plan.mode import Fixed, fixed_memory, parse_streaming
-from batchrun.plan.passes import (Packing, Schedule, decode_calls, dequantize_seconds, pack, read_times, schedule_passes,
-                                  time_passes)
+from batchrun.plan.passes import (Packing, Schedule, decode_calls, dequantize_seconds, pack, read_times,
+                                  schedule_passes, time_passes)
 from batchrun.plan.records import PlanRequest, Rates
 from batchrun.plan.timing import Timeline
 from batchrun.plan.weights import COMPUTE_BYTES, TokenMatrices, held_layer_bytes, holds_blocks

@@ -13,8 +13,8 @@ from batchrun.runtime.resident import ResidentModel
 from batchrun.runtime.score import Answer, GreedyPool, PoolPlan, eos_token_ids, generation_answer, score_choices
 from batchrun.runtime.stream import LayerReads, StreamedModel
 
-__all__ = ["Answer", "GGUFDecode", "GreedyPool", "LayerReads", "ModelHandle", "PoolPlan", "ResidentModel", "StreamedModel",
-           "attends_through_sdpa", "cache_argument", "check_device", "default_device", "default_dtype",
-           "dequantize", "dequantized", "dequantized_since", "eos_token_ids", "generation_answer", "gguf_recipes", "load_gguf_model", "model_config",
-           "open_model", "output_cache", "read_gguf_blocks", "read_gguf_rows",
+__all__ = ["Answer", "GGUFDecode", "GreedyPool", "LayerReads", "ModelHandle", "PoolPlan", "ResidentModel",
+           "StreamedModel", "attends_through_sdpa", "cache_argument", "check_device", "default_device", "default_dtype",
+           "dequantize", "dequantized", "dequantized_since", "eos_token_ids", "generation_answer", "gguf_recipes",
+           "load_gguf_model", "model_config", "open_model", "output_cache", "read_gguf_blocks", "read_gguf_rows",
            "reads_prefix_in_place", "score_choices", "sdpa_groups_one_token_queries", "undo_qk_permutation"]

@@ -76,7 +76,8 @@ def dense_if_strided_bfloat16(inputs: torch.Tensor) -> torch.Tensor:
 # are multiplied, so the float32 weights never go through RAM; smaller or larger tiles run slower
 # (docs/performance.md#widening-tiles).
 WIDEN_TILE_BYTES = 2 << 20
-_tiles = threading.local()  # one tile per thread: a forward call never yields inside a linear (runtime/turns.py's greenlets)
+# one tile per thread: a forward call never yields inside a linear (runtime/turns.py's greenlets)
+_tiles = threading.local()
 
 
 def takes_widening(inputs: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -32,8 +32,8 @@ def reads_prefix_in_place(model) -> bool:
 
 
 def attends_through_sdpa(config) -> bool:
-    """What `reads_prefix_in_place` will answer for the model this config builds, asked of its class before any model exists
-    (the plan sizes decode steps by it): transformers gives a model sdpa unless the config asks for another
+    """What `reads_prefix_in_place` will answer for the model this config builds, asked of its class before any model
+    exists (the plan sizes decode steps by it): transformers gives a model sdpa unless the config asks for another
     attention or the class cannot run it (23 classes in transformers 5.24 cannot). Remote code and unknown classes
     answer False, the safe side for memory."""
     requested = getattr(getattr(config, "get_text_config", lambda: config)(), "_attn_implementation_internal", None)

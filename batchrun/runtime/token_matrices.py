@@ -3,9 +3,10 @@
 A pass embeds only the tokens it carries: their rows are gathered from the shard by token id (one positional read
 per run of consecutive ids), and the small table they make stands in for the embedding while the embedding runs.
 The head multiplies every row of its matrix once a pass: its rows are read a chunk at a time (HEAD_CHUNK_BYTES at
-the compute dtype, or a decoder layer's size where that is smaller) into one reused buffer, and each chunk's logits are computed as it lands, for every micro-batch of
-the pass at once. A tied checkpoint's one matrix serves both. The embedding table of a pass is the size of one
-hidden state of its tokens; the head holds a chunk and its read buffer; neither holds the vocabulary.
+the compute dtype, or a decoder layer's size where that is smaller) into one reused buffer, and each chunk's logits are
+computed as it lands, for every micro-batch of the pass at once. A tied checkpoint's one matrix serves both. The
+embedding table of a pass is the size of one hidden state of its tokens; the head holds a chunk and its read buffer;
+neither holds the vocabulary.
 """
 from __future__ import annotations
 

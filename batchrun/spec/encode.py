@@ -106,8 +106,11 @@ def encode_requests(tokenizer, requests: Sequence[Request], *, raw: bool = False
                 error = _same_tokens(request.choices, choices)
         row = EncodedRow(request, tuple(ids), choices, error)
         if error is None and context_length is not None and row.needed_tokens() > context_length:
-            row = cutting.to_fit(row) if truncate else EncodedRow(
-                request, tuple(ids), choices, too_long_message(row, context_length) + _fitting_hint(row, context_length))
+            if truncate:
+                row = cutting.to_fit(row)
+            else:
+                too_long = too_long_message(row, context_length) + _fitting_hint(row, context_length)
+                row = EncodedRow(request, tuple(ids), choices, too_long)
         elif error is None and truncate:
             row = _counted(row, 0)
         rows.append(row)

@@ -303,7 +303,8 @@ def _rows_by_state(conn: sqlite3.Connection, job_id: str) -> dict[str, int]:
 def _in_pass(progress: dict | None, live: dict | None, now: datetime) -> dict | None:
     """The live run's pass in flight as the job last told it; None without a live run, or once that pass committed
     (the run's committed passes caught up with it)."""
-    if progress is None or live is None or progress["run_no"] != live["run_no"] or progress["pass_no"] <= live["passes"]:
+    if (progress is None or live is None or progress["run_no"] != live["run_no"]
+            or progress["pass_no"] <= live["passes"]):
         return None
     age = max((now - datetime.fromisoformat(progress["updated_at"])).total_seconds(), 0.0)
     eta = progress["eta_seconds"]
