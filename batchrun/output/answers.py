@@ -232,10 +232,11 @@ def describe_quality(found: dict) -> list[str]:
             line += f" with {method} calibration; the model's own answers: {_rate_text('', own).strip()}"
         lines.append(line)
         lines.append("  per class (precision / recall / labelled): " + "; ".join(
-            f"{name} {_share(values['precision'])} / {_share(values['recall'])} / {values['support']}"
+            f"{_choice_name(name)} {_share(values['precision'])} / {_share(values['recall'])} / {values['support']}"
             for name, values in choice["per_class"].items()))
         lines.append("  confusion (label: answers): " + "; ".join(
-            f"{label}: " + ", ".join(f"{answer} {count}" for answer, count in answers.items())
+            f"{_choice_name(label)}: "
+            + ", ".join(f"{_choice_name(answer)} {count}" for answer, count in answers.items())
             for label, answers in choice["confusion"].items()))
         lines += ["  " + line for line in describe_agreement(found.get("agreement") or {})]
     if found.get("generation"):
@@ -274,6 +275,12 @@ def _rate_text(name: str, metrics: dict) -> str:
     low, high = metrics["interval"]
     return (f"{name} {metrics['correct']}/{metrics['labelled']} = {metrics['rate']:.1%} "
             f"(95% CI {low:.1%}-{high:.1%})")
+
+
+def _choice_name(name: str) -> str:
+    """A choice as the summary lines show it: quoted where spaces begin or end it (" positive"), which the lines'
+    own spacing would hide, or where it is empty."""
+    return repr(name) if not name or name != name.strip() else name
 
 
 def _share(value: float | None) -> str:

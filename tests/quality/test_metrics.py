@@ -50,3 +50,16 @@ def test_exact_match_trims_and_case_folds_only():
     assert same_text("  Paris\n", "paris") and not same_text("Paris.", "paris") and not same_text(None, "x")
     metrics = label_metrics(["58213", "Reset the password"], ["58213 ", "reset the password."], kind="exact_match")
     assert (metrics.correct, metrics.per_class, metrics.confusion) == (1, {}, {})
+
+
+def test_the_summary_quotes_a_choice_that_spaces_begin_or_end():
+    """Choices such as " positive" (a leading space, as tokenizers like them) are shown quoted in the per-class and
+    confusion lines, where the lines' own spacing would hide the space; plain choices stay bare."""
+    from batchrun.output import describe_quality
+
+    metrics = label_metrics([" positive", " negative", "neutral"], [" positive", "neutral", "neutral"])
+    lines = describe_quality({"choice": metrics.to_json(), "calibration": {"method": "none"}})
+    per_class = next(line for line in lines if line.startswith("  per class"))
+    assert "' positive' 1.00 / 1.00 / 1" in per_class and "; neutral 0.50 / 1.00 / 1" in per_class
+    confusion = next(line for line in lines if line.startswith("  confusion"))
+    assert "' negative': neutral 1" in confusion and "  " not in confusion.strip()
