@@ -8,20 +8,19 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
-import math
 import os
 import struct
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from batchrun.errors import BatchrunError
+from batchrun.checkpoint.gguf_index import read_gguf_index
+from batchrun.checkpoint.gguf_model import load_gguf_config
+from batchrun.checkpoint.tensors import GGUF_SUFFIX, CheckpointError, TensorInfo
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_SHARD_NAME = "model.safetensors"
-GGUF_SUFFIX = ".gguf"
 # Files that hold weights only as pickle: no tensor index, so one layer cannot be read without the whole file.
 PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
 
@@ -33,24 +32,6 @@ DTYPE_BITS = {
     "I32": 32, "U32": 32, "F32": 32,
     "I64": 64, "U64": 64, "F64": 64, "C64": 64,
 }
-
-
-class CheckpointError(BatchrunError, ValueError):
-    """A checkpoint that cannot be used; the message names the file and the problem."""
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    file: Path
-    dtype: str  # safetensors code: "F32", "BF16", "F8_E4M3", ...; a GGUF tensor's ggml type: "Q4_K", ...
-    shape: tuple[int, ...]
-    offset: int  # absolute byte offset in `file`: 8 + header length + data_offsets[0]
-    nbytes: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -79,7 +60,6 @@ def read_tensor_infos(checkpoint: str | os.PathLike) -> dict[str, TensorInfo]:
     """Every tensor's dtype, shape and absolute byte range, read from the shard headers and validated; a GGUF
     file's tensors by their GGUF names, their dtype the ggml type."""
     if is_gguf_file(checkpoint):
-        from batchrun.checkpoint.gguf_index import read_gguf_index
         return dict(read_gguf_index(checkpoint).tensors)
     directory = _checkpoint_dir(checkpoint)
     if not (directory / CONFIG_NAME).is_file():
@@ -239,7 +219,6 @@ def load_config(checkpoint: str | os.PathLike, trust_remote_code: bool = False) 
     the repository's own Python code (`auto_map` for an architecture transformers does not ship) is refused unless
     trust_remote_code=True."""
     if is_gguf_file(checkpoint):
-        from batchrun.checkpoint.gguf_model import load_gguf_config
         return load_gguf_config(checkpoint)
     directory = _checkpoint_dir(checkpoint)
     file = directory / CONFIG_NAME

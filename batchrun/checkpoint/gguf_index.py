@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from batchrun.checkpoint.files import CheckpointError, TensorInfo
+from batchrun.checkpoint.tensors import CheckpointError, TensorInfo
 
 # ggml type -> (weights per block, bytes per block), as in llama.cpp's ggml-common.h. A row is whole blocks along the
 # input dimension; the bytes are the quantized bytes, scales included.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from batchrun.checkpoint.files import GGUF_SUFFIX, CheckpointError
+from batchrun.checkpoint.tensors import GGUF_SUFFIX, CheckpointError
 from batchrun.checkpoint.gguf_index import SPLIT_NAME, GGUFIndex, read_gguf_index, split_parts
 
 # GGUF architectures whose tensors transformers splits, fuses, transposes or renames on load (its tensor processors
