@@ -13,12 +13,19 @@ from tests.gguf_files import TINY_ARCH_METADATA, write_tiny_gguf_model
 PROMPT = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64, 128, 11, 300, 2, 19, 77, 200, 31]])  # past gemma3's window
 
 
-def transformers_gguf_logits(file, ids: torch.Tensor) -> torch.Tensor:
+def transformers_gguf_model(file) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
+
+
+def logits_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         return model(ids).logits
+
+
+def transformers_gguf_logits(file, ids: torch.Tensor) -> torch.Tensor:
+    return logits_of(transformers_gguf_model(file), ids)
 
 
 def streamed_logits_and_pass_bytes(file, ids: torch.Tensor, prefetch: bool) -> tuple[torch.Tensor, int | None]:
@@ -127,7 +134,8 @@ def test_the_default_model_from_its_gguf_gives_its_float32_conversions_logits(de
 def test_gemma3s_q4_k_m_gguf_gives_transformers_own_gguf_logits(gemma3_gguf):
     """A trained Q4_K_M file: Q4_K, Q6_K, Q5_0 and Q8_0 tensors mixed, norms stored plus one, a sliding window."""
     ids = torch.tensor([[2, 818, 5279, 529, 7001, 563, 1144, 236761, 669, 1651, 529, 8760, 563]])
-    expected = transformers_gguf_logits(gemma3_gguf, ids)
+    reference = transformers_gguf_model(gemma3_gguf)  # loaded once: gguf-py dequantizes it in numpy, slowly
+    expected = logits_of(reference, ids)
     assert torch.equal(ResidentModel(gemma3_gguf, device="cpu", dtype="float32")(ids).logits, expected)
     logits, pass_bytes = streamed_logits_and_pass_bytes(gemma3_gguf, ids, prefetch=False)
     assert torch.equal(logits, expected)
@@ -138,7 +146,7 @@ def test_gemma3s_q4_k_m_gguf_gives_transformers_own_gguf_logits(gemma3_gguf):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        expected_one_thread = transformers_gguf_logits(gemma3_gguf, ids)
+        expected_one_thread = logits_of(reference, ids)
         with StreamedModel(gemma3_gguf, device="cpu", dtype="float32", reads=reads) as streamed:
             logits = streamed(ids).logits
     finally:
