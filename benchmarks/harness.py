@@ -145,7 +145,9 @@ def large_checkpoint(target_bytes: int = LARGE_TARGET_BYTES, dtype: str = "bfloa
 
 
 def checkpoint_bytes(checkpoint: Path) -> int:
-    """Bytes of the checkpoint's safetensors files."""
+    """Bytes of the checkpoint's safetensors files, or of the one file given (a GGUF file)."""
+    if Path(checkpoint).is_file():
+        return Path(checkpoint).stat().st_size
     return sum(file.stat().st_size for file in Path(checkpoint).glob("*.safetensors"))
 
 

@@ -10,6 +10,7 @@ Targets: peak within 20% and median seconds per pass within 30%.
 
     .venv/bin/python -m benchmarks.plan_accuracy              # all cases (~10 min on 2 cores)
     .venv/bin/python -m benchmarks.plan_accuracy --cases default-resident-generate,large-streamed-generate
+    .venv/bin/python -m benchmarks.plan_accuracy --model default:converted   # the default model's float32 conversion
 
 Results: a Markdown table on stdout and benchmarks/results/plan_accuracy-<machine class>.json.
 """
@@ -39,6 +40,8 @@ PASS_TOLERANCE = 0.30
 LARGE_CAP_SHARE = 0.60
 # Budget given to the default-model cases: enough for one batch of every row, and the same number for plan and run.
 DEFAULT_MEMORY_GB = 8.0
+# The registry name the "default" cases run: the default model as users get it (its GGUF file).
+DEFAULT_MODEL = "default"
 WORDS = ("the order arrived late and the box was crushed but the blender inside works well enough although the lid "
          "does not seal and the motor makes a grinding noise when I press the pulse button so I would like a "
          "replacement or a refund please tell me which one you can offer and how long it will take to process "
@@ -321,17 +324,18 @@ def _median_of(passes: list[dict], kind: str) -> float | None:
 # The benchmark
 
 
-def checkpoint_for(model: str) -> Path:
+def checkpoint_for(model: str, default_name: str = DEFAULT_MODEL) -> Path:
+    """The checkpoint a case's model names; "default" is the registry model default_name (--model)."""
     if model == "large":
         return harness.large_checkpoint()
-    from batchrun.checkpoint.provision import default_model, registry_model
+    from batchrun.checkpoint.provision import registry_model
 
-    # the float32 conversions, as the cases' recorded figures were measured on
-    return registry_model("gemma3-270m:converted") if model == "gemma3" else default_model(converted=True)
+    # Gemma 3's float32 conversion, as its cases' recorded figures were measured on
+    return registry_model("gemma3-270m:converted" if model == "gemma3" else default_name)
 
 
-def run_case(case: Case, bandwidth: float, work: Path) -> dict:
-    checkpoint = checkpoint_for(case.model)
+def run_case(case: Case, bandwidth: float, work: Path, default_name: str = DEFAULT_MODEL) -> dict:
+    checkpoint = checkpoint_for(case.model, default_name)
     size = harness.checkpoint_bytes(checkpoint)
     cap = int(size * LARGE_CAP_SHARE) if case.model == "large" else None
     memory_gb = cap / 1e9 if cap else case.memory_gb or DEFAULT_MEMORY_GB
@@ -409,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", help="comma-separated case names (default: all): "
                         + ", ".join(c.name for c in CASES))
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the registry model the default-* cases run "
+                        f"(default: {DEFAULT_MODEL}, its GGUF file; default:converted, its float32 conversion)")
     args = parser.parse_args(argv)
     wanted = set(args.cases.split(",")) if args.cases else {c.name for c in CASES}
     unknown = wanted - {c.name for c in CASES}
@@ -416,11 +422,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown case(s): {', '.join(sorted(unknown))}")
     os.environ.setdefault("BATCHRUN_HOME", str(harness.bench_cache_dir() / "home"))
     Path(os.environ["BATCHRUN_HOME"]).mkdir(parents=True, exist_ok=True)
+    from batchrun.errors import BatchrunError
+
+    try:  # provisioned once in the state directory, before the machine is held
+        checkpoint_for("default", args.model)
+    except BatchrunError as error:
+        parser.error(f"--model {args.model}: {error}")
     results = []
     with harness.exclusive_machine(), tempfile.TemporaryDirectory(prefix="plan-accuracy-") as temporary:
         work = Path(temporary)
         # the disk's cold read rate, on the large checkpoint where a case runs it (else on the default model's)
-        large = checkpoint_for("large" if any(c.model == "large" for c in CASES if c.name in wanted) else "default")
+        large = checkpoint_for("large" if any(c.model == "large" for c in CASES if c.name in wanted) else "default",
+                               args.model)
         from batchrun import measure
 
         harness.drop_page_cache()
@@ -436,14 +449,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cold read {bandwidth / 1e9:.2f} GB/s; {'; '.join(rates)}", flush=True)
         for case in CASES:
             if case.name in wanted:
-                result = run_case(case, bandwidth, work)
+                result = run_case(case, bandwidth, work, args.model)
                 results.append(result)
                 harness.print_table([table_row(result["row"])], TABLE_COLUMNS)
     results = _merged_with_earlier_cases(results)
     print()
     harness.print_table([table_row(r["row"]) for r in results], TABLE_COLUMNS)
     path = harness.save_results("plan_accuracy", {
-        "read_bandwidth_bytes_per_s": bandwidth, "compute_flops_per_s": compute, "memory_bytes_per_s": memory,
+        "default_model": args.model, "read_bandwidth_bytes_per_s": bandwidth, "compute_flops_per_s": compute,
+        "memory_bytes_per_s": memory,
         "tolerances": {"peak": PEAK_TOLERANCE, "seconds_per_pass": PASS_TOLERANCE}, "cases": results})
     print(f"saved {path}")
     return 0 if all(r["row"]["within_tolerance"] for r in results) else 1
