@@ -113,3 +113,16 @@ def test_results_are_named_by_the_class_of_machine_they_come_from(tmp_path, monk
     monkeypatch.setattr(harness, "machine_class", lambda: "epyc-avx2")
     assert harness.result_stem("throughput") == "throughput-epyc-avx2"
     assert harness.result_stem("throughput-3gb-llama-epyc-avx2") == "throughput-3gb-llama-epyc-avx2"
+
+
+def test_a_checkpoints_bytes_are_its_shards_or_its_one_gguf_file(tmp_path):
+    # a cap or a bandwidth sample sized from 0 bytes would mean nothing
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    (folder / "model-00001.safetensors").write_bytes(b"x" * 300)
+    (folder / "model-00002.safetensors").write_bytes(b"x" * 200)
+    (folder / "tokenizer.json").write_bytes(b"x" * 1000)
+    gguf = tmp_path / "model.Q4_1.gguf"
+    gguf.write_bytes(b"x" * 700)
+    assert harness.checkpoint_bytes(folder) == 500
+    assert harness.checkpoint_bytes(gguf) == 700
